@@ -1,0 +1,217 @@
+// Backward pass, in three kernels:
+//   flash_bwd_dot:        D = rowsum(dout * out), fp32, one warp per query row.
+//   flash_bwd:            one CTA per (key block, kv head, batch). K and V stay in shared memory
+//                         while the CTA walks the query blocks of every query head of its kv group
+//                         (so GQA needs no expanded dk/dv buffers and no reduction). Per query block:
+//                           S = Q K^T, dP = dO V^T, P = 2^(S * scale_log2 - lse_log2) (from the saved lse),
+//                           dS = P * (dP - D); P and dS go to shared memory; dV += P^T dO, dK += dS^T Q
+//                           in registers; dQ += dS K by fp32 atomics into dq_accum.
+//   flash_bwd_convert_dq: dq = dq_accum * scale, in the input dtype.
+#pragma once
+#include "mask.cuh"
+#include "tile.cuh"
+
+#define CUPYFLASH_LOG2E 1.4426950408889634f
+
+__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
+
+// A ROWS x COLS product split over WARPS warps: rows first (16 per warp at most), then columns.
+template <int ROWS, int COLS, int WARPS>
+struct WarpGrid {
+    static constexpr int kWarpsM = cmin(ROWS / 16, WARPS);
+    static constexpr int kWarpsN = WARPS / kWarpsM;
+    static constexpr int MT = ROWS / kWarpsM / 16;
+    static constexpr int NT = COLS / kWarpsN / 8;
+    static_assert(kWarpsM * kWarpsN == WARPS && ROWS % (16 * kWarpsM) == 0, "warps must tile the rows");
+    static_assert(COLS % (8 * kWarpsN) == 0, "each warp needs a multiple of 8 columns");
+    __device__ static int row0() { return (threadIdx.x / 32) % kWarpsM * (16 * MT); }
+    __device__ static int col0() { return (threadIdx.x / 32) / kWarpsM * (8 * NT); }
+};
+
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS>
+struct BwdTile {
+    static constexpr int kThreads = WARPS * 32;
+    typedef WarpGrid<BLOCK_M, BLOCK_N, WARPS> S;      // S, dP, P, dS
+    typedef WarpGrid<BLOCK_N, HEADDIM, WARPS> KV;     // dK, dV
+    typedef WarpGrid<BLOCK_M, HEADDIM, WARPS> Q;      // dQ
+    static constexpr int kSmemBytes = Padded<HEADDIM>::template bytes<2 * BLOCK_N + 2 * BLOCK_M>()  // K, V, Q, dO
+                                      + Padded<BLOCK_N>::template bytes<2 * BLOCK_M>()              // P, dS
+                                      + 2 * BLOCK_M * 4;                                           // lse, D
+    static_assert(BLOCK_M <= kThreads, "one thread loads each row's lse and D");
+};
+
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, bool BF16, bool CAUSAL, bool EVEN_K>
+__device__ __forceinline__ void flash_bwd(const FlashParams& p) {
+    typedef BwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS> T;
+    typedef typename T::S GS;
+    typedef typename T::KV GKV;
+    typedef typename T::Q GQ;
+    constexpr int kStride = Padded<HEADDIM>::kStride;
+
+    extern __shared__ __align__(16) uint16 smem[];
+    uint16* s_k = smem;
+    uint16* s_v = s_k + BLOCK_N * kStride;
+    uint16* s_q = s_v + BLOCK_N * kStride;
+    uint16* s_do = s_q + BLOCK_M * kStride;
+    uint16* s_p = s_do + BLOCK_M * kStride;
+    uint16* s_ds = s_p + BLOCK_M * Padded<BLOCK_N>::kStride;
+    float* s_lse = reinterpret_cast<float*>(s_ds + BLOCK_M * Padded<BLOCK_N>::kStride);
+    float* s_dot = s_lse + BLOCK_M;
+
+    const int n_block = blockIdx.x, head_k = blockIdx.y, batch = blockIdx.z;
+    const int key0 = n_block * BLOCK_N;
+    const int group = p.nheads / p.nheads_k;
+    const int m_begin = first_query_block<CAUSAL>(p, key0, BLOCK_M);
+    const int steps_per_head = max(ceil_div(p.seqlen_q, BLOCK_M) - m_begin, 0);
+    const int steps = group * steps_per_head;
+
+    const uint16* k = static_cast<const uint16*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride
+                      + key0 * p.k_row_stride;
+    const uint16* v = static_cast<const uint16*>(p.v) + batch * p.v_batch_stride + head_k * p.v_head_stride
+                      + key0 * p.v_row_stride;
+    copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k, k, p.k_row_stride, p.seqlen_k - key0, p.headdim);
+    copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_v, v, p.v_row_stride, p.seqlen_k - key0, p.headdim);
+
+    // Step i covers query block m_begin + i % steps_per_head of query head head_k * group + i / steps_per_head.
+    auto load_q_do = [&](int step) {
+        const int head = head_k * group + step / steps_per_head;
+        const int row0 = (m_begin + step % steps_per_head) * BLOCK_M;
+        const uint16* q = static_cast<const uint16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride
+                          + row0 * p.q_row_stride;
+        const uint16* dout = static_cast<const uint16*>(p.dout) + batch * p.dout_batch_stride
+                             + head * p.dout_head_stride + row0 * p.dout_row_stride;
+        copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_q, q, p.q_row_stride, p.seqlen_q - row0, p.headdim);
+        copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_do, dout, p.dout_row_stride, p.seqlen_q - row0,
+                                                                p.headdim);
+    };
+    if (steps > 0) load_q_do(0);
+    cp_async_commit();
+
+    float acc_dk[GKV::MT][GKV::NT][4], acc_dv[GKV::MT][GKV::NT][4];
+    zero(acc_dk);
+    zero(acc_dv);
+
+    for (int step = 0; step < steps; ++step) {
+        const int head = head_k * group + step / steps_per_head;
+        const int row0 = (m_begin + step % steps_per_head) * BLOCK_M;
+        const long long stats_row0 = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
+
+        // Row statistics. Rows past the end, and rows that see no key (lse = -inf), get
+        // lse_log2 = +inf, which makes their P exactly 0.
+        if (threadIdx.x < BLOCK_M) {
+            const int row = row0 + threadIdx.x;
+            const float lse = row < p.seqlen_q ? p.lse[stats_row0 + row] : CUPYFLASH_INF;
+            s_lse[threadIdx.x] = lse == -CUPYFLASH_INF ? CUPYFLASH_INF : lse * CUPYFLASH_LOG2E;
+            s_dot[threadIdx.x] = row < p.seqlen_q ? p.dout_dot_out[stats_row0 + row] : 0.f;
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // Q, dO (and K, V) have landed; the row statistics are visible
+
+        float s[GS::MT][GS::NT][4], dp[GS::MT][GS::NT][4];
+        zero(s);
+        zero(dp);
+        warp_gemm<BF16, GS::MT, GS::NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, GS::row0(), s_k, GS::col0());
+        warp_gemm<BF16, GS::MT, GS::NT, HEADDIM, HEADDIM, true, HEADDIM, true>(dp, s_do, GS::row0(), s_v, GS::col0());
+
+        const bool needs_mask = block_needs_mask<CAUSAL>(p, row0, key0, BLOCK_N);
+#pragma unroll
+        for (int mt = 0; mt < GS::MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < GS::NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = GS::row0() + fragment_row(mt, e);
+                    const int c = GS::col0() + fragment_col(nt, e);
+                    float prob = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -s_lse[r]));
+                    if (needs_mask && !is_visible<CAUSAL>(p, row0 + r, key0 + c)) prob = 0.f;
+                    s[mt][nt][e] = prob;
+                    dp[mt][nt][e] = prob * (dp[mt][nt][e] - s_dot[r]);
+                }
+        store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_p, s, 1.f, GS::row0(), GS::col0());
+        store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_ds, dp, 1.f, GS::row0(), GS::col0());
+        __syncthreads();  // P and dS are complete
+
+        // dV += P^T dO and dK += dS^T Q: the A operands are read transposed out of the P and dS tiles.
+        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false>(acc_dv, s_p, GKV::row0(), s_do,
+                                                                                   GKV::col0());
+        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false>(acc_dk, s_ds, GKV::row0(), s_q,
+                                                                                   GKV::col0());
+        __syncthreads();  // Q and dO are free: fetch the next block while dQ is computed
+        if (step + 1 < steps) load_q_do(step + 1);
+        cp_async_commit();
+
+        float dq[GQ::MT][GQ::NT][4];
+        zero(dq);
+        warp_gemm<BF16, GQ::MT, GQ::NT, BLOCK_N, BLOCK_N, true, HEADDIM, false>(dq, s_ds, GQ::row0(), s_k, GQ::col0());
+        float* dq_accum = p.dq_accum + (stats_row0 + row0) * p.headdim_padded;
+#pragma unroll
+        for (int mt = 0; mt < GQ::MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < GQ::NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = GQ::row0() + fragment_row(mt, e);
+                    if (row0 + r < p.seqlen_q)
+                        atomicAdd(dq_accum + r * p.headdim_padded + GQ::col0() + fragment_col(nt, e), dq[mt][nt][e]);
+                }
+    }
+
+    // dK and dV leave through the K and V tiles for 16-byte coalesced stores.
+    cp_async_wait<0>();
+    __syncthreads();
+    store_fragment<BF16, GKV::MT, GKV::NT, HEADDIM>(s_k, acc_dk, p.softmax_scale, GKV::row0(), GKV::col0());
+    store_fragment<BF16, GKV::MT, GKV::NT, HEADDIM>(s_v, acc_dv, 1.f, GKV::row0(), GKV::col0());
+    __syncthreads();
+    uint16* dk = static_cast<uint16*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride
+                 + key0 * p.dk_row_stride;
+    uint16* dv = static_cast<uint16*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride
+                 + key0 * p.dv_row_stride;
+    store_tile<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(dk, s_k, p.dk_row_stride, p.seqlen_k - key0, p.headdim);
+    store_tile<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(dv, s_v, p.dv_row_stride, p.seqlen_k - key0, p.headdim);
+}
+
+// The two small kernels map one warp to one query row, 8 columns per lane (head dim <= 256).
+constexpr int kRowsPerRowKernelBlock = 8;
+
+template <bool BF16>
+__device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
+    const int row = blockIdx.x * kRowsPerRowKernelBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.seqlen_q) return;
+    const uint16* dout = static_cast<const uint16*>(p.dout) + batch * p.dout_batch_stride + head * p.dout_head_stride
+                         + row * p.dout_row_stride;
+    const uint16* out = static_cast<const uint16*>(p.out) + batch * p.out_batch_stride + head * p.out_head_stride
+                        + row * p.out_row_stride;
+    float dot = 0.f;
+    for (int col = 8 * lane; col < p.headdim; col += 8 * 32) {
+        const uint4 a = *reinterpret_cast<const uint4*>(dout + col);
+        const uint4 b = *reinterpret_cast<const uint4*>(out + col);
+        const uint32 wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            dot += to_float<BF16>(wa[i] & 0xffff) * to_float<BF16>(wb[i] & 0xffff)
+                   + to_float<BF16>(wa[i] >> 16) * to_float<BF16>(wb[i] >> 16);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    if (lane == 0) p.dout_dot_out[(static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + row] = dot;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void flash_bwd_convert_dq(const FlashParams& p) {
+    const int row = blockIdx.x * kRowsPerRowKernelBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    if (row >= p.seqlen_q) return;
+    const float* accum = p.dq_accum
+                         + ((static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + row) * p.headdim_padded;
+    uint16* dq = static_cast<uint16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride
+                 + row * p.dq_row_stride;
+    for (int col = 8 * lane; col < p.headdim; col += 8 * 32) {
+        const float4 lo = *reinterpret_cast<const float4*>(accum + col);
+        const float4 hi = *reinterpret_cast<const float4*>(accum + col + 4);
+        const float c = p.softmax_scale;
+        *reinterpret_cast<uint4*>(dq + col) =
+            make_uint4(pack_pair<BF16>(lo.x * c, lo.y * c), pack_pair<BF16>(lo.z * c, lo.w * c),
+                       pack_pair<BF16>(hi.x * c, hi.y * c), pack_pair<BF16>(hi.z * c, hi.w * c));
+    }
+}

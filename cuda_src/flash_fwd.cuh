@@ -1,0 +1,167 @@
+// Forward pass: out = softmax(q k^T * scale) v, and lse = logsumexp(q k^T * scale) per row.
+//
+// One CTA per (query block, head, batch). Each warp owns BLOCK_M / WARPS whole query rows, so
+// the online softmax needs only shuffles inside a quad. Per key block (walked from the last to
+// the first, so the masked blocks come first):
+//   wait for K(n) -> start loading V(n) -> S = Q K(n)^T (tensor cores) -> mask if the block needs it
+//   -> wait for V(n) -> start loading K(n-1) -> online softmax in base 2 -> O += P V(n), where P
+//   stays in registers: the fp32 S fragment, packed to 16 bits, is exactly the A fragment of P V.
+#pragma once
+#include "mask.cuh"
+#include "tile.cuh"
+
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS>
+struct FwdTile {
+    static constexpr int kThreads = WARPS * 32;
+    static constexpr int kWarpRows = BLOCK_M / WARPS;
+    static constexpr int MT = kWarpRows / 16;        // m16 tiles per warp
+    static constexpr int NT = BLOCK_N / 8;           // n8 tiles of S
+    static constexpr int DT = HEADDIM / 8;           // n8 tiles of O
+    static constexpr int kSmemBytes = Padded<HEADDIM>::template bytes<BLOCK_M + 2 * BLOCK_N>();  // Q, K, V
+    static_assert(kWarpRows % 16 == 0, "each warp owns a multiple of 16 query rows");
+    static_assert(BLOCK_N % 16 == 0 && HEADDIM % 16 == 0, "tiles are built of 16-wide mma steps");
+};
+
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, bool BF16, bool CAUSAL, bool EVEN_K>
+__device__ __forceinline__ void flash_fwd(const FlashParams& p) {
+    typedef FwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS> T;
+    constexpr int MT = T::MT, NT = T::NT, DT = T::DT;
+    constexpr int kStride = Padded<HEADDIM>::kStride;
+
+    extern __shared__ __align__(16) uint16 smem[];
+    uint16* s_q = smem;
+    uint16* s_k = s_q + BLOCK_M * kStride;
+    uint16* s_v = s_k + BLOCK_N * kStride;
+
+    const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    const int head_k = head / (p.nheads / p.nheads_k);
+    const int row0 = m_block * BLOCK_M;
+    const int warp_row0 = (threadIdx.x / 32) * T::kWarpRows;
+
+    const uint16* q = static_cast<const uint16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride
+                      + row0 * p.q_row_stride;
+    const uint16* k = static_cast<const uint16*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride;
+    const uint16* v = static_cast<const uint16*>(p.v) + batch * p.v_batch_stride + head_k * p.v_head_stride;
+
+    float acc_o[MT][DT][4];
+    zero(acc_o);
+    float row_max[MT][2], row_sum[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) { row_max[mt][half] = -CUPYFLASH_INF; row_sum[mt][half] = 0.f; }
+
+    const int n_blocks = key_blocks_seen<CAUSAL>(p, row0, BLOCK_M, BLOCK_N);
+    if (n_blocks > 0) {
+        const int key0 = (n_blocks - 1) * BLOCK_N;
+        copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_q, q, p.q_row_stride, p.seqlen_q - row0, p.headdim);
+        copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k, k + key0 * p.k_row_stride, p.k_row_stride,
+                                                                p.seqlen_k - key0, p.headdim);
+        cp_async_commit();
+    }
+
+    for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
+        const int key0 = n_block * BLOCK_N;
+        cp_async_wait<0>();
+        __syncthreads();  // K(n) has landed; every warp is done with V(n+1)
+        copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_v, v + key0 * p.v_row_stride, p.v_row_stride,
+                                                                p.seqlen_k - key0, p.headdim);
+        cp_async_commit();
+
+        float s[MT][NT][4];
+        zero(s);
+        warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k, 0);
+
+        if (block_needs_mask<CAUSAL>(p, row0, key0, BLOCK_N)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!is_visible<CAUSAL>(p, row0 + warp_row0 + fragment_row(mt, e), key0 + fragment_col(nt, e)))
+                            s[mt][nt][e] = -CUPYFLASH_INF;
+        }
+
+        cp_async_wait<0>();
+        __syncthreads();  // V(n) has landed; every warp is done with K(n)
+        if (n_block > 0) {
+            const int next_key0 = key0 - BLOCK_N;
+            copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k, k + next_key0 * p.k_row_stride,
+                                                                    p.k_row_stride, p.seqlen_k - next_key0, p.headdim);
+            cp_async_commit();
+        }
+
+        // Online softmax in base 2: p = 2^(s * scale_log2 - max * scale_log2), one FFMA per element.
+        // A row with nothing visible yet keeps max = -inf; its offset is 0 so every p is 0, not NaN.
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float new_max = row_max[mt][half];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    new_max = fmaxf(new_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+                new_max = fmaxf(new_max, __shfl_xor_sync(0xffffffffu, new_max, 1));
+                new_max = fmaxf(new_max, __shfl_xor_sync(0xffffffffu, new_max, 2));
+                const float offset = new_max == -CUPYFLASH_INF ? 0.f : new_max * p.scale_log2;
+                const float correction = fast_exp2(row_max[mt][half] * p.scale_log2 - offset);
+                row_max[mt][half] = new_max;
+                row_sum[mt][half] *= correction;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    acc_o[mt][dt][2 * half] *= correction;
+                    acc_o[mt][dt][2 * half + 1] *= correction;
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                        s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -offset));
+                        row_sum[mt][half] += s[mt][nt][e];
+                    }
+            }
+
+        uint32 p_frag[BLOCK_N / 16][MT][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                p_frag[kk][mt][0] = pack_pair<BF16>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                p_frag[kk][mt][1] = pack_pair<BF16>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                p_frag[kk][mt][2] = pack_pair<BF16>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                p_frag[kk][mt][3] = pack_pair<BF16>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+        warp_gemm_a_in_registers<BF16, MT, DT, BLOCK_N, HEADDIM, false>(acc_o, p_frag, s_v, 0);
+    }
+
+    // Finish: each row's sum is spread over the 4 threads of its quad. A row that saw no key
+    // gets out = 0 and lse = -inf (the log of an empty sum).
+    const long long lse_row0 = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float sum = row_sum[mt][half];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                acc_o[mt][dt][2 * half] *= inv_sum;
+                acc_o[mt][dt][2 * half + 1] *= inv_sum;
+            }
+            const int row = row0 + warp_row0 + fragment_row(mt, 2 * half);
+            if (threadIdx.x % 4 == 0 && row < p.seqlen_q)
+                p.lse[lse_row0 + row] = sum > 0.f ? row_max[mt][half] * p.softmax_scale + logf(sum) : -CUPYFLASH_INF;
+        }
+
+    // O leaves through shared memory (the Q tile, no longer needed) for 16-byte coalesced stores.
+    cp_async_wait<0>();
+    __syncthreads();
+    store_fragment<BF16, MT, DT, HEADDIM>(s_q, acc_o, 1.f, warp_row0, 0);
+    __syncthreads();
+    uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + head * p.out_head_stride
+                  + row0 * p.out_row_stride;
+    store_tile<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(out, s_q, p.out_row_stride, p.seqlen_q - row0, p.headdim);
+}

@@ -1,0 +1,196 @@
+// Shared-memory tiles and the warp-level matrix products built on them.
+//
+// A tile is ROWS x COLS 16-bit elements, row-major, each row padded by 8 elements (16 bytes).
+// COLS is a multiple of 16, so a row spans an even number of 16-byte chunks and the padded
+// row is an odd number of chunks long: the 8 rows that one ldmatrix phase reads start in 8
+// different 16-byte bank groups, with no conflicts and no swizzle arithmetic.
+//
+// Register fragments follow mma.m16n8k16: an accumulator acc[mt][nt][4] covers rows
+// 16*mt + {g, g+8} and columns 8*nt + 2*t + {0, 1}, where g = lane / 4 and t = lane % 4;
+// elements 0,1 are row g and elements 2,3 are row g + 8.
+#pragma once
+#include "ptx.cuh"
+
+template <int COLS>
+struct Padded {
+    static_assert(COLS % 16 == 0, "tile columns must be a multiple of 16");
+    static constexpr int kStride = COLS + 8;                 // elements per smem row
+    template <int ROWS>
+    __host__ __device__ static constexpr int bytes() { return ROWS * kStride * 2; }
+};
+
+// Thread layout of a tile copy: each thread moves one 16-byte column chunk of every
+// kRowsPerStep-th row, so its global pointer advances by a constant stride and its shared
+// address by a compile-time offset. (With head dims like 96, THREADS % chunks-per-row threads idle.)
+template <int ROWS, int COLS, int THREADS>
+struct CopyLayout {
+    static constexpr int kChunksPerRow = COLS / 8;
+    static constexpr int kRowsPerStep = THREADS / kChunksPerRow;
+    static constexpr int kSteps = (ROWS + kRowsPerStep - 1) / kRowsPerStep;
+    static_assert(kRowsPerStep > 0, "a tile row must not have more 16-byte chunks than the block has threads");
+    __device__ static int row() { return threadIdx.x / kChunksPerRow; }
+    __device__ static int col() { return threadIdx.x % kChunksPerRow * 8; }
+    __device__ static bool active(int step) {
+        return row() < kRowsPerStep && (ROWS % kRowsPerStep == 0 || row() + step * kRowsPerStep < ROWS);
+    }
+};
+
+// Copies rows [0, ROWS) x columns [0, COLS) of a global matrix (row stride `row_stride`
+// elements, columns contiguous) into a padded smem tile with cp.async.
+// Rows >= row_limit and columns >= col_limit are zero-filled and never read.
+template <int ROWS, int COLS, int THREADS, bool CHECK_COLS>
+__device__ __forceinline__ void copy_tile_async(uint16* smem, const uint16* gmem, long long row_stride,
+                                                int row_limit, int col_limit) {
+    typedef CopyLayout<ROWS, COLS, THREADS> L;
+    const uint16* src = gmem + L::row() * row_stride + L::col();
+    const uint32 dst = smem_address(smem + L::row() * Padded<COLS>::kStride + L::col());
+    const bool col_ok = !CHECK_COLS || L::col() < col_limit;
+#pragma unroll
+    for (int step = 0; step < L::kSteps; ++step) {
+        if (L::active(step)) {
+            const bool valid = col_ok && L::row() + step * L::kRowsPerStep < row_limit;
+            cp_async_16(dst + 2 * step * L::kRowsPerStep * Padded<COLS>::kStride,
+                        valid ? src + step * L::kRowsPerStep * row_stride : gmem, valid);
+        }
+    }
+}
+
+// The reverse, with plain 16-byte loads and stores: smem tile -> global, bounded the same way.
+template <int ROWS, int COLS, int THREADS, bool CHECK_COLS>
+__device__ __forceinline__ void store_tile(uint16* gmem, const uint16* smem, long long row_stride,
+                                           int row_limit, int col_limit) {
+    typedef CopyLayout<ROWS, COLS, THREADS> L;
+    if (CHECK_COLS && L::col() >= col_limit) return;
+#pragma unroll
+    for (int step = 0; step < L::kSteps; ++step) {
+        const int row = L::row() + step * L::kRowsPerStep;
+        if (L::active(step) && row < row_limit)
+            *reinterpret_cast<uint4*>(gmem + row * row_stride + L::col()) =
+                *reinterpret_cast<const uint4*>(smem + row * Padded<COLS>::kStride + L::col());
+    }
+}
+
+// Writes a warp's fp32 accumulator, times `scale`, as 16-bit values into a padded smem tile at
+// (row0, col0). Each thread stores 4-byte pairs; with the padded stride a warp's 32 stores hit
+// 32 different banks.
+template <bool BF16, int MT, int NT, int COLS>
+__device__ __forceinline__ void store_fragment(uint16* smem, const float (&acc)[MT][NT][4], float scale,
+                                               int row0, int col0) {
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = row0 + mt * 16 + g + 8 * half;
+                const int col = col0 + nt * 8 + 2 * t;
+                *reinterpret_cast<uint32*>(smem + row * Padded<COLS>::kStride + col) =
+                    pack_pair<BF16>(acc[mt][nt][2 * half] * scale, acc[mt][nt][2 * half + 1] * scale);
+            }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+}
+
+// ldmatrix addresses are split in two: the lane's base address (run-time, computed once per
+// product) and the step's offset (compile-time after unrolling, folded into the instruction).
+//
+// A operand (16 x 16 per m16 tile). A_ROW_MAJOR: the tile stores A[m][k] (k contiguous);
+// otherwise it stores A transposed, as [k][m], and ldmatrix.trans undoes it.
+template <int A_COLS, bool A_ROW_MAJOR>
+__device__ __forceinline__ uint32 a_base(const uint16* tile, int m0) {
+    const int lane = threadIdx.x % 32;
+    constexpr int S = Padded<A_COLS>::kStride;
+    if (A_ROW_MAJOR) return smem_address(tile + (m0 + lane % 8 + 8 * ((lane / 8) % 2)) * S + 8 * (lane / 16));
+    return smem_address(tile + (lane % 8 + 8 * (lane / 16)) * S + m0 + 8 * ((lane / 8) % 2));
+}
+template <int A_COLS, bool A_ROW_MAJOR>
+__device__ __forceinline__ void load_a(uint32 (&a)[4], uint32 base, int mt, int k0) {
+    constexpr int S = Padded<A_COLS>::kStride;
+    if (A_ROW_MAJOR) ldmatrix_x4(a, base + 2 * (16 * mt * S + k0));
+    else ldmatrix_x4_trans(a, base + 2 * (k0 * S + 16 * mt));
+}
+
+// B operand, two adjacent n8 tiles (16 x 16) at a time. B_COL_MAJOR: the tile stores B[n][k]
+// (k contiguous, as K is stored for Q K^T); otherwise it stores B[k][n].
+template <int B_COLS, bool B_COL_MAJOR>
+__device__ __forceinline__ uint32 b_base(const uint16* tile, int n0) {
+    const int lane = threadIdx.x % 32;
+    constexpr int S = Padded<B_COLS>::kStride;
+    if (B_COL_MAJOR) return smem_address(tile + (n0 + lane % 8 + 8 * (lane / 16)) * S + 8 * ((lane / 8) % 2));
+    return smem_address(tile + (lane % 8 + 8 * ((lane / 8) % 2)) * S + n0 + 8 * (lane / 16));
+}
+template <int B_COLS, bool B_COL_MAJOR>
+__device__ __forceinline__ void load_b_pair(uint32 (&b)[4], uint32 base, int k0, int np) {
+    constexpr int S = Padded<B_COLS>::kStride;
+    if (B_COL_MAJOR) ldmatrix_x4(b, base + 2 * (16 * np * S + k0));
+    else ldmatrix_x4_trans(b, base + 2 * (k0 * S + 16 * np));
+}
+
+// B operand of a single n8 tile (an odd NT's last one): ldmatrix.x2 reads its addresses from
+// lanes 0-15, whose x4 base addresses already point at exactly these two 8x8 matrices.
+template <int B_COLS, bool B_COL_MAJOR>
+__device__ __forceinline__ void load_b_single(uint32 (&b)[2], uint32 base, int k0, int np) {
+    constexpr int S = Padded<B_COLS>::kStride;
+    if (B_COL_MAJOR) ldmatrix_x2(b, base + 2 * (16 * np * S + k0));
+    else ldmatrix_x2_trans(b, base + 2 * (k0 * S + 16 * np));
+}
+
+// One 16-deep step: acc[MT][NT] += a[MT] (16 x 16 each) * B[k0 : k0 + 16, n0 : n0 + 8 NT]. B is read
+// one pair of n8 tiles at a time, so only 4 of its registers are live at once.
+template <bool BF16, int MT, int NT, int B_COLS, bool B_COL_MAJOR>
+__device__ __forceinline__ void mma_step(float (&acc)[MT][NT][4], const uint32 (&a)[MT][4], uint32 b_lane_base, int k0) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+        uint32 b[4];
+        load_b_pair<B_COLS, B_COL_MAJOR>(b, b_lane_base, k0, np);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            mma_16x8x16<BF16>(acc[mt][2 * np], a[mt], b[0], b[1]);
+            mma_16x8x16<BF16>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+    }
+    if (NT % 2 == 1) {
+        uint32 b[2];
+        load_b_single<B_COLS, B_COL_MAJOR>(b, b_lane_base, k0, NT / 2);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma_16x8x16<BF16>(acc[mt][NT - 1], a[mt], b[0], b[1]);
+    }
+}
+
+// acc[MT][NT] += A[m0 : m0 + 16 MT, 0 : K] * B[0 : K, n0 : n0 + 8 NT], both from shared memory.
+template <bool BF16, int MT, int NT, int K, int A_COLS, bool A_ROW_MAJOR, int B_COLS, bool B_COL_MAJOR>
+__device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const uint16* tile_a, int m0,
+                                          const uint16* tile_b, int n0) {
+    const uint32 a_lane_base = a_base<A_COLS, A_ROW_MAJOR>(tile_a, m0);
+    const uint32 b_lane_base = b_base<B_COLS, B_COL_MAJOR>(tile_b, n0);
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        uint32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) load_a<A_COLS, A_ROW_MAJOR>(a[mt], a_lane_base, mt, k0);
+        mma_step<BF16, MT, NT, B_COLS, B_COL_MAJOR>(acc, a, b_lane_base, k0);
+    }
+}
+
+// The same with A already in registers, a[k16][mt][4] (e.g. P after the softmax).
+template <bool BF16, int MT, int NT, int K, int B_COLS, bool B_COL_MAJOR>
+__device__ __forceinline__ void warp_gemm_a_in_registers(float (&acc)[MT][NT][4], const uint32 (&a)[K / 16][MT][4],
+                                                         const uint16* tile_b, int n0) {
+    const uint32 b_lane_base = b_base<B_COLS, B_COL_MAJOR>(tile_b, n0);
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) mma_step<BF16, MT, NT, B_COLS, B_COL_MAJOR>(acc, a[kk], b_lane_base, 16 * kk);
+}
+
+// Maps an accumulator element to its (row, col) inside the warp tile.
+__device__ __forceinline__ int fragment_row(int mt, int e) { return 16 * mt + (threadIdx.x % 32) / 4 + 8 * (e / 2); }
+__device__ __forceinline__ int fragment_col(int nt, int e) { return 8 * nt + 2 * (threadIdx.x % 4) + (e % 2); }

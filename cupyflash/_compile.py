@@ -1,0 +1,123 @@
+"""Compilation through NVRTC, cached in memory and on disk, and loading onto the GPU.
+
+NVRTC runs without a GPU, so the same path serves the CPU compile checks (with ptxas reports)
+and the GPU. The disk cache key is a hash of the full source text (headers inlined), the options
+and the NVRTC version; set CUPYFLASH_CACHE_DIR to move it (default ~/.cache/cupyflash).
+"""
+
+import dataclasses
+import functools
+import hashlib
+import os
+import pathlib
+import re
+import threading
+
+_OPTIONS = ("-std=c++17", "--ptxas-options=-v")
+_lock = threading.Lock()
+
+
+# NVRTC loads its builtins library on first use, and two threads racing there fail: the first
+# compile of a process runs alone.
+_nvrtc_warm = threading.Event()
+_nvrtc_first_lock = threading.Lock()
+
+
+def _nvrtc(source, name, options):
+    """(cubin bytes, log) of one NVRTC compile; raises RuntimeError with the log on failure."""
+    if not _nvrtc_warm.is_set():
+        with _nvrtc_first_lock:
+            result = _nvrtc_unserialised(source, name, options)
+            _nvrtc_warm.set()
+            return result
+    return _nvrtc_unserialised(source, name, options)
+
+
+def _nvrtc_unserialised(source, name, options):
+    from cupy.cuda import nvrtc
+    program = nvrtc.createProgram(source, f"{name}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, list(options))
+        except nvrtc.NVRTCError as error:
+            raise RuntimeError(f"NVRTC failed on {name} ({' '.join(options)}):\n"
+                               f"{nvrtc.getProgramLog(program)}") from error
+        return nvrtc.getCUBIN(program), nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def cache_dir():
+    default = pathlib.Path.home() / ".cache" / "cupyflash"
+    return pathlib.Path(os.environ.get("CUPYFLASH_CACHE_DIR", default))
+
+
+@functools.cache
+def nvrtc_version():
+    from cupy.cuda import nvrtc
+    return nvrtc.getVersion()
+
+
+def _options(arch):
+    return (*_OPTIONS, f"--gpu-architecture=sm_{arch}")
+
+
+def compile_kernel(kernel, arch):
+    """Compiles `kernel` (a _kernels.Kernel) to a cubin for sm_`arch`; returns (cubin path, ptxas log)."""
+    source = kernel.source()
+    options = _options(arch)
+    key = hashlib.sha256("\0".join((source, *options, repr(nvrtc_version()))).encode()).hexdigest()[:24]
+    cubin_path = cache_dir() / f"{kernel.name}.sm{arch}.{key}.cubin"
+    log_path = cubin_path.with_suffix(".log")
+    if cubin_path.exists() and log_path.exists():
+        return cubin_path, log_path.read_text()
+
+    cubin, log = _nvrtc(source, kernel.name, options)
+    cubin_path.parent.mkdir(parents=True, exist_ok=True)
+    # Write under a temporary name and rename, so concurrent processes never read half a file.
+    for path, data in ((log_path, log.encode()), (cubin_path, cubin)):
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return cubin_path, log
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxasReport:
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_frame: int
+
+    @property
+    def spills(self):
+        return self.spill_stores + self.spill_loads
+
+
+def ptxas_report(log):
+    """Registers, spill bytes and stack frame from NVRTC's `--ptxas-options=-v` log (one entry)."""
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    regs = re.search(r"Used (\d+) registers", log)
+    if not (frame and regs):
+        raise ValueError(f"no ptxas resource report in log:\n{log}")
+    return PtxasReport(int(regs.group(1)), int(frame.group(2)), int(frame.group(3)), int(frame.group(1)))
+
+
+_loaded = {}
+
+
+def load(kernel, device):
+    """A cupy.RawKernel for `kernel` on `device` (a cupy.cuda.Device), compiled on first use."""
+    key = (kernel, device.id)
+    function = _loaded.get(key)
+    if function is None:
+        import cupy
+        arch = device.compute_capability  # e.g. "90"
+        with _lock:
+            cubin_path, _ = compile_kernel(kernel, arch)
+            with device:
+                function = cupy.RawModule(path=str(cubin_path)).get_function(kernel.name)
+                if kernel.smem_bytes > 48 * 1024:
+                    function.max_dynamic_shared_size_bytes = kernel.smem_bytes
+            _loaded[key] = function
+    return function

@@ -1,0 +1,102 @@
+"""Tile sizes: one table per GPU family, chosen at run time from the device's attributes.
+
+The kernels are templates over (head dim, block_m, block_n, warps). A caller's head dim is rounded
+up to the next head dim of the table (the extra columns are zero-filled and never written).
+Setting CUPYFLASH_TILES=sm80|sm86|sm90 forces a family's table on any GPU, so every table is
+tested on whatever card the tests run on.
+"""
+
+import dataclasses
+import os
+
+HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+MAX_HEADDIM = HEADDIMS[-1]
+
+# (block_m, block_n, warps) per family, pass and head dim. Shared memory per CTA:
+#   fwd: (block_m + 2 block_n) (hd + 8) 2 bytes                       (Q, K, V)
+#   bwd: (2 block_m + 2 block_n) (hd + 8) 2 + 2 block_m (block_n + 8) 2 + 8 block_m bytes
+# and it must fit the family's opt-in limit: sm80 163 KiB, sm86/sm89 99 KiB, sm90 227 KiB.
+TILES = {
+    "sm90": {
+        "fwd": {32: (128, 128, 8), 64: (128, 128, 8), 96: (128, 64, 8), 128: (128, 64, 8),
+                160: (128, 64, 8), 192: (128, 64, 8), 224: (128, 64, 8), 256: (128, 64, 8)},
+        "bwd": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 64, 8), 128: (64, 64, 8),
+                160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 32, 8), 256: (64, 32, 8)},
+    },
+    "sm80": {
+        "fwd": {32: (128, 128, 8), 64: (128, 128, 8), 96: (128, 64, 8), 128: (128, 64, 8),
+                160: (128, 64, 8), 192: (128, 64, 8), 224: (128, 64, 8), 256: (128, 64, 8)},
+        "bwd": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 64, 8), 128: (64, 64, 8),
+                160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 32, 8), 256: (64, 32, 8)},
+    },
+    "sm86": {
+        "fwd": {32: (128, 64, 4), 64: (128, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4),
+                160: (64, 64, 4), 192: (64, 64, 4), 224: (64, 64, 4), 256: (64, 32, 4)},
+        "bwd": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 32, 4), 128: (64, 32, 4),
+                160: (32, 32, 4), 192: (64, 32, 8), 224: (32, 32, 4), 256: (32, 32, 4)},
+    },
+}
+FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
+PASSES = ("fwd", "bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    headdim: int
+    block_m: int
+    block_n: int
+    warps: int
+
+    @property
+    def threads(self):
+        return 32 * self.warps
+
+    def smem_bytes(self, pass_):
+        row = (self.headdim + 8) * 2
+        if pass_ == "fwd":
+            return (self.block_m + 2 * self.block_n) * row
+        return ((2 * self.block_m + 2 * self.block_n) * row
+                + 2 * self.block_m * (self.block_n + 8) * 2 + 8 * self.block_m)
+
+
+def padded_headdim(headdim):
+    return next(h for h in HEADDIMS if h >= headdim)
+
+
+def family_of(compute_capability):
+    """'sm90' for (9, 0) and newer, 'sm80' for (8, 0), 'sm86' for the other 8.x parts."""
+    major, minor = compute_capability
+    if major < 8:
+        raise RuntimeError(
+            f"cupyflash needs a GPU of compute capability 8.0 or newer (bf16/fp16 mma.sync); "
+            f"this one is {major}.{minor}")
+    if major >= 9:
+        return "sm90"
+    return "sm80" if minor == 0 else "sm86"
+
+
+def forced_family():
+    forced = os.environ.get("CUPYFLASH_TILES", "").strip()
+    if forced and forced not in TILES:
+        raise ValueError(f"CUPYFLASH_TILES must be one of {sorted(TILES)}, got {forced!r}")
+    return forced or None
+
+
+def tile_for(pass_, headdim, compute_capability, smem_limit, family=None):
+    """The tile for `pass_` ('fwd' or 'bwd') at a caller's head dim on a device.
+
+    The family's entry is used when its shared memory fits `smem_limit` (the device's opt-in
+    maximum per block); otherwise the smaller sm86 entry."""
+    family = family or forced_family() or family_of(compute_capability)
+    hd = padded_headdim(headdim)
+    for candidate in (family, "sm86"):
+        tile = Tile(hd, *TILES[candidate][pass_][hd])
+        if tile.smem_bytes(pass_) <= smem_limit:
+            return tile
+    raise RuntimeError(f"no {pass_} tile for head dim {headdim} fits {smem_limit} bytes of shared memory")
+
+
+def all_tiles():
+    """Every distinct (pass, tile) of every table: what the compile checks build."""
+    return sorted({(pass_, Tile(hd, *cfg)) for table in TILES.values() for pass_ in PASSES
+                   for hd, cfg in table[pass_].items()}, key=lambda pt: (pt[0], dataclasses.astuple(pt[1])))

@@ -1,0 +1,75 @@
+"""Kernel entry points: which template with which arguments, its name and its source text.
+
+Every entry point is a one-line `extern "C"` wrapper around a template in cuda_src/, compiled
+alone, so a process compiles only the variants it uses.
+"""
+
+import dataclasses
+import itertools
+from typing import Optional
+
+from . import _config, _params, _sources
+
+DTYPES = ("float16", "bfloat16")
+ROWS_PER_ROW_KERNEL_BLOCK = 8  # the one-warp-per-row kernels (kRowsPerRowKernelBlock in flash_bwd.cuh)
+ROW_KERNEL_THREADS = 32 * ROWS_PER_ROW_KERNEL_BLOCK
+
+_HEADER = {"fwd": "flash_fwd.cuh", "bwd": "flash_bwd.cuh", "bwd_dot": "flash_bwd.cuh",
+           "bwd_convert_dq": "flash_bwd.cuh"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    pass_: str                               # 'fwd', 'bwd', 'bwd_dot' or 'bwd_convert_dq'
+    dtype: str                               # 'float16' or 'bfloat16'
+    tile: Optional[_config.Tile] = None      # fwd and bwd only
+    causal: bool = False
+    even_k: bool = False                     # caller's head dim == tile head dim: no column bounds
+
+    @property
+    def name(self):
+        name = f"cupyflash_{self.pass_}_{self.dtype}"
+        if self.tile is not None:
+            t = self.tile
+            name += f"_hd{t.headdim}_m{t.block_m}_n{t.block_n}_w{t.warps}"
+            name += "_causal" * self.causal + "_evenk" * self.even_k
+        return name
+
+    @property
+    def threads(self):
+        return self.tile.threads if self.tile is not None else ROW_KERNEL_THREADS
+
+    @property
+    def smem_bytes(self):
+        return self.tile.smem_bytes(self.pass_) if self.tile is not None else 0
+
+    def source(self):
+        bf16 = _bool(self.dtype == "bfloat16")
+        if self.tile is None:
+            call = f"flash_{self.pass_}<{bf16}>(p);"
+            check = (f"static_assert(kRowsPerRowKernelBlock == {ROWS_PER_ROW_KERNEL_BLOCK}, "
+                     f"\"rows per block differ from cupyflash/_kernels.py\");\n")
+        else:
+            t = self.tile
+            args = f"{t.headdim}, {t.block_m}, {t.block_n}, {t.warps}"
+            call = f"flash_{self.pass_}<{args}, {bf16}, {_bool(self.causal)}, {_bool(self.even_k)}>(p);"
+            traits = "FwdTile" if self.pass_ == "fwd" else "BwdTile"
+            check = (f"static_assert({traits}<{args}>::kSmemBytes == {self.smem_bytes}, "
+                     f"\"shared memory size differs from cupyflash/_config.py\");\n")
+        return (_sources.translation_unit(_HEADER[self.pass_]) + "\n"
+                + _params.size_assert() + "\n" + check
+                + f'extern "C" __global__ void __launch_bounds__({self.threads}, 1) '
+                + f"{self.name}(const __grid_constant__ FlashParams p) {{ {call} }}\n")
+
+
+def _bool(flag):
+    return "true" if flag else "false"
+
+
+def all_kernels():
+    """Every kernel variant of every tile table: what `check` and the CI compile tests build."""
+    kernels = [Kernel(pass_, dtype) for pass_ in ("bwd_dot", "bwd_convert_dq") for dtype in DTYPES]
+    for (pass_, tile), dtype, causal, even_k in itertools.product(
+            _config.all_tiles(), DTYPES, (False, True), (False, True)):
+        kernels.append(Kernel(pass_, dtype, tile, causal, even_k))
+    return kernels

@@ -17,20 +17,27 @@ _OPTIONS = ("-std=c++17", "--ptxas-options=-v")
 _lock = threading.Lock()
 
 
-# NVRTC loads its builtins library on first use, and two threads racing there fail: the first
-# compile of a process runs alone.
+# NVRTC loads its builtins library on first use. Seen here: that load occasionally fails
+# ("failed to open libnvrtc-builtins"), and a second try succeeds. So the first compile of a
+# process runs alone, and a builtins failure is retried.
 _nvrtc_warm = threading.Event()
 _nvrtc_first_lock = threading.Lock()
+_BUILTINS_RETRIES = 3
 
 
 def _nvrtc(source, name, options):
     """(cubin bytes, log) of one NVRTC compile; raises RuntimeError with the log on failure."""
-    if not _nvrtc_warm.is_set():
-        with _nvrtc_first_lock:
-            result = _nvrtc_unserialised(source, name, options)
-            _nvrtc_warm.set()
-            return result
-    return _nvrtc_unserialised(source, name, options)
+    for attempt in range(_BUILTINS_RETRIES):
+        try:
+            if _nvrtc_warm.is_set():
+                return _nvrtc_unserialised(source, name, options)
+            with _nvrtc_first_lock:
+                result = _nvrtc_unserialised(source, name, options)
+                _nvrtc_warm.set()
+                return result
+        except RuntimeError as error:
+            if "libnvrtc-builtins" not in str(error) or attempt + 1 == _BUILTINS_RETRIES:
+                raise
 
 
 def _nvrtc_unserialised(source, name, options):

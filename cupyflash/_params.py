@@ -47,12 +47,13 @@ def size_assert():
 
 
 def make_params(**values):
-    """A FlashParams value (numpy.void), every field not given set to zero."""
+    """A FlashParams value, every field not given set to zero: a size-1 structured array, which
+    CuPy passes to a kernel by value."""
     dtype = params_dtype()
     unknown = set(values) - set(dtype.names)
     if unknown:
         raise KeyError(f"unknown FlashParams fields: {sorted(unknown)}")
-    block = numpy.zeros((), dtype=dtype)
+    block = numpy.zeros(1, dtype=dtype)
     for name, value in values.items():
         block[name] = value
     return block

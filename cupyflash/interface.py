@@ -205,6 +205,9 @@ def _import(caller, name, array):
     return view
 
 
+_STRIDED = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")  # the (batch, seqlen, heads, headdim) tensors
+
+
 def _strides(prefix, array):
     """FlashParams stride fields of a (batch, seqlen, heads, headdim) array, in elements."""
     batch, row, head, _ = (s // array.itemsize for s in array.strides)
@@ -217,7 +220,7 @@ def _common_params(shape, tile, scale, **arrays):
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e))
     for name, array in arrays.items():
         fields[name] = array.data.ptr
-        if array.ndim == 4:
+        if name in _STRIDED:
             fields.update(_strides(name, array))
     return _params.make_params(**fields)
 

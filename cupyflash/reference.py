@@ -307,19 +307,21 @@ def _lowp_scores_and_probs(q, k, v, dtype, softmax_scale, causal):
     mask = visible(qh.shape[2], kh.shape[2], causal)
     s = scaled_scores(qh, kh, scale, mask, round_fn)
     # Frameworks upcast softmax to float32 and store its result in the tensor's dtype.
-    p, _ = _softmax(s)
-    return qh, kh, vh, scale, round_to(p, dtype), round_fn
+    p, lse = _softmax(s)
+    return qh, kh, vh, scale, round_to(p, dtype), lse, round_fn
 
 
-def attention_forward_lowp(q, k, v, dtype, softmax_scale=None, causal=False):
+def attention_forward_lowp(q, k, v, dtype, softmax_scale=None, causal=False, return_lse=False):
     """Attention as a framework computes it on float16 / bfloat16 tensors.
 
     Inputs are rounded to dtype; every matrix product runs in float32 and its result is
     rounded to dtype; softmax runs in float32. Returns out as float32 values representable
-    in dtype. Empty rows give 0 (a framework would give NaN).
+    in dtype (and, with return_lse, the log-sum-exp of the rounded scores). Empty rows give 0
+    (a framework would give NaN).
     """
-    _, _, vh, _, p, round_fn = _lowp_scores_and_probs(q, k, v, dtype, softmax_scale, causal)
-    return _seq_first(round_fn(p @ vh))
+    _, _, vh, _, p, lse, round_fn = _lowp_scores_and_probs(q, k, v, dtype, softmax_scale, causal)
+    out = _seq_first(round_fn(p @ vh))
+    return (out, lse) if return_lse else out
 
 
 def attention_backward_lowp(dout, q, k, v, dtype, softmax_scale=None, causal=False):
@@ -328,7 +330,7 @@ def attention_backward_lowp(dout, q, k, v, dtype, softmax_scale=None, causal=Fal
     Each product is float32 then rounded; the softmax backward is float32 then rounded.
     """
     nheads_k = np.shape(k)[2]
-    qh, kh, vh, scale, p, round_fn = _lowp_scores_and_probs(q, k, v, dtype, softmax_scale, causal)
+    qh, kh, vh, scale, p, _, round_fn = _lowp_scores_and_probs(q, k, v, dtype, softmax_scale, causal)
     doh = _heads_first(dout, round_fn)
 
     dv = round_fn(p.swapaxes(-1, -2) @ doh)

@@ -1,0 +1,144 @@
+"""Correctness cases against the float64 reference, shared by `python -m cupyflash check` and the tests.
+
+The rule, from FlashAttention's own tests: the kernel's largest error against the float64 reference
+may be at most 2x the error of the same computation done naively in the same low precision
+(reference.attention_*_lowp), 3x for gradients; plus one unit in the last place of the dtype at the
+output's scale, so that an exactly representable answer (e.g. a single key) needs no luck.
+Inputs are fresh random normals rounded to the dtype, never zeros.
+"""
+
+import dataclasses
+import math
+
+import numpy
+
+from . import reference
+
+_UNIT_ROUNDOFF = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    seqlen_q: int
+    seqlen_k: int
+    headdim: int
+    dtype: str = "bfloat16"
+    causal: bool = False
+    batch: int = 2
+    nheads: int = 2
+    nheads_k: int = 2
+    layout: str = "separate"   # or 'qkvpacked': q, k, v are views of one (b, s, 3, h, d) array
+
+    def __str__(self):
+        return (f"{self.dtype} b{self.batch} sq{self.seqlen_q} sk{self.seqlen_k} h{self.nheads}/{self.nheads_k} "
+                f"d{self.headdim}{' causal' if self.causal else ''}{' ' + self.layout if self.layout != 'separate' else ''}")
+
+
+@dataclasses.dataclass
+class Check:
+    name: str
+    error: float
+    bound: float
+
+    @property
+    def ok(self):
+        return bool(self.error <= self.bound)   # NaN fails
+
+
+@dataclasses.dataclass
+class Result:
+    case: Case
+    checks: list
+
+    @property
+    def ok(self):
+        return all(c.ok for c in self.checks)
+
+    def describe(self):
+        return "; ".join(f"{c.name} err {c.error:.3g} (bound {c.bound:.3g}){'' if c.ok else ' FAIL'}"
+                         for c in self.checks)
+
+
+def random_inputs(case, seed):
+    """q, k, v, dout as float32 NumPy arrays whose values are exactly representable in case.dtype."""
+    rng = numpy.random.default_rng(seed)
+    b, sq, sk, h, hk, d = case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k, case.headdim
+    shapes = {"q": (b, sq, h, d), "k": (b, sk, hk, d), "v": (b, sk, hk, d), "dout": (b, sq, h, d)}
+    return {name: reference.round_to(rng.standard_normal(shape, dtype=numpy.float32), case.dtype)
+            for name, shape in shapes.items()}
+
+
+def to_cupy_inputs(case, inputs):
+    """CuPy arrays of case.dtype holding `inputs`; for 'qkvpacked', q, k, v are views of one array."""
+    import cupy
+    from ._arrays import bfloat16_dtype
+    dtype = bfloat16_dtype() if case.dtype == "bfloat16" else numpy.dtype(case.dtype)
+    if case.layout == "qkvpacked":
+        if case.seqlen_q != case.seqlen_k or case.nheads != case.nheads_k:
+            raise ValueError("a packed qkv case needs seqlen_q == seqlen_k and nheads == nheads_k")
+        packed = cupy.asarray(numpy.stack([inputs["q"], inputs["k"], inputs["v"]], axis=2).astype(dtype))
+        arrays = {"q": packed[:, :, 0], "k": packed[:, :, 1], "v": packed[:, :, 2]}
+    else:
+        arrays = {name: cupy.asarray(inputs[name].astype(dtype)) for name in ("q", "k", "v")}
+    arrays["dout"] = cupy.asarray(inputs["dout"].astype(dtype))
+    return arrays
+
+
+def _max_error(x, ref, mask=None):
+    diff = numpy.abs(numpy.asarray(x, dtype=numpy.float64) - ref)
+    if mask is not None:
+        diff = diff[mask]
+    return float(diff.max()) if diff.size else 0.0
+
+
+def compare(case, inputs, out, lse, grads):
+    """Checks of out, lse and (dq, dk, dv) (NumPy arrays) against the reference for `inputs`."""
+    q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
+    scale = case.headdim ** -0.5
+    ulp = _UNIT_ROUNDOFF[case.dtype]
+    ref_out, ref_lse = reference.attention_forward(q, k, v, scale, case.causal)
+    lowp_out, lowp_lse = reference.attention_forward_lowp(q, k, v, case.dtype, scale, case.causal, return_lse=True)
+    checks = [Check("out", _max_error(out, ref_out),
+                    2 * _max_error(lowp_out, ref_out) + ulp * float(numpy.abs(ref_out).max()))]
+
+    # lse: rows that see no key must be exactly -inf; the others follow the 2x rule against the
+    # log-sum-exp of scores rounded to the dtype (what a naive low-precision computation would get).
+    lse = numpy.asarray(lse, dtype=numpy.float64)
+    empty = numpy.isneginf(ref_lse)
+    lse_bound = 2 * _max_error(lowp_lse, ref_lse, ~empty) + 2.0 ** -23 * float(numpy.abs(ref_lse[~empty]).max(initial=1))
+    lse_error = _max_error(lse, ref_lse, ~empty)
+    if not numpy.array_equal(numpy.isneginf(lse), empty):
+        lse_error = math.inf
+    checks.append(Check("lse", lse_error, lse_bound))
+
+    if grads is not None:
+        ref_grads = reference.attention_backward(dout, q, k, v, scale, case.causal)
+        lowp_grads = reference.attention_backward_lowp(dout, q, k, v, case.dtype, scale, case.causal)
+        for name, got, ref, lowp in zip(("dq", "dk", "dv"), grads, ref_grads, lowp_grads):
+            checks.append(Check(name, _max_error(got, ref),
+                                3 * _max_error(lowp, ref) + ulp * float(numpy.abs(ref).max())))
+    return Result(case, checks)
+
+
+def run_gpu_case(case, seed, wrap=None, unwrap=None, backward=True):
+    """Runs cupyflash on the GPU for `case` and compares with the reference.
+
+    `wrap` turns the CuPy inputs into another framework's arrays (e.g. torch.from_dlpack) and
+    `unwrap` turns results back into something numpy.asarray accepts; by default CuPy in and out."""
+    import cupy
+    from .interface import flash_attn_backward, flash_attn_func
+    wrap = wrap or (lambda x: x)
+    unwrap = unwrap or cupy.asnumpy
+    inputs = random_inputs(case, seed)
+    arrays = {name: wrap(a) for name, a in to_cupy_inputs(case, inputs).items()}
+    scale = case.headdim ** -0.5
+    out, lse = flash_attn_func(arrays["q"], arrays["k"], arrays["v"], scale, case.causal, return_lse=True)
+    grads = None
+    if backward:
+        grads = flash_attn_backward(arrays["dout"], arrays["q"], arrays["k"], arrays["v"], out, lse, scale, case.causal)
+        grads = [_to_float64(unwrap(g)) for g in grads]
+    return compare(case, inputs, _to_float64(unwrap(out)), _to_float64(unwrap(lse)), grads)
+
+
+def _to_float64(x):
+    return numpy.asarray(x).astype(numpy.float64)

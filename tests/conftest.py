@@ -1,0 +1,45 @@
+"""GPU tests are marked `gpu` and skip cleanly where CuPy sees no CUDA device."""
+
+import pytest
+
+
+def _gpu_available():
+    try:
+        import cupy
+        return cupy.cuda.is_available()
+    except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
+        return False
+
+
+HAS_GPU = _gpu_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="no CUDA GPU visible to CuPy")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(skip)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+
+
+@pytest.fixture
+def poisoned_allocations():
+    """Every CuPy allocation during the test starts filled with 0xFF bytes: NaN in fp16, bf16 and
+    fp32, so any output element a kernel fails to write shows up as NaN."""
+    import cupy
+    pool = cupy.get_default_memory_pool()
+
+    def poisoning_malloc(size):
+        memory = pool.malloc(size)
+        if size:
+            cupy.cuda.runtime.memsetAsync(memory.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
+        return memory
+
+    cupy.cuda.set_allocator(poisoning_malloc)
+    try:
+        yield
+    finally:
+        cupy.cuda.set_allocator(pool.malloc)

@@ -1,0 +1,92 @@
+"""Forward and backward on the GPU against the float64 reference (cupyflash/_check.py states the rule)."""
+
+import itertools
+import zlib
+
+import numpy
+import pytest
+
+from cupyflash import _check
+from cupyflash._check import Case
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_allocations")]
+
+
+def _seed(case):
+    return zlib.crc32(str(case).encode())  # fresh inputs per case, reproducible per case
+
+
+def _assert_ok(result):
+    assert result.ok, f"{result.case}: {result.describe()}"
+
+
+HEADDIM_CASES = [Case(113, 113, d, dtype, causal)
+                 for d, dtype, causal in itertools.product((8, 40, 72, 96, 128, 160, 256),
+                                                           ("float16", "bfloat16"), (False, True))]
+SEQLEN_CASES = [Case(sq, sk, 64, "bfloat16", causal, batch=1)
+                for (sq, sk), causal in itertools.product(
+                    [(1, 1), (1, 17), (17, 1), (17, 17), (113, 1000), (1000, 113), (1000, 1000), (2049, 2049),
+                     (1, 2049), (2049, 17)], (False, True))]
+GQA_CASES = [Case(113, 200, 128, "float16", causal, nheads=h, nheads_k=hk)
+             for (h, hk), causal in itertools.product([(8, 2), (6, 1)], (False, True))]
+PACKED_CASES = [Case(257, 257, 96, "bfloat16", causal, layout="qkvpacked") for causal in (False, True)]
+
+
+@pytest.mark.parametrize("case", HEADDIM_CASES + SEQLEN_CASES + GQA_CASES + PACKED_CASES, ids=str)
+def test_forward_backward(case):
+    _assert_ok(_check.run_gpu_case(case, _seed(case)))
+
+
+@pytest.mark.parametrize("family", ["sm80", "sm86", "sm90"])
+@pytest.mark.parametrize("case", [Case(300, 300, d, "bfloat16", causal, batch=1, nheads=4, nheads_k=2)
+                                  for d in (32, 64, 96, 128, 160, 192, 224, 256) for causal in (False, True)], ids=str)
+def test_every_tile_table(family, case, monkeypatch):
+    """Each family's tiles (sm80: A100, sm86: RTX 30/40 and L40, sm90: H100/H200) run on this GPU."""
+    monkeypatch.setenv("CUPYFLASH_TILES", family)
+    _assert_ok(_check.run_gpu_case(case, _seed(case) + len(family)))
+
+
+def test_rows_that_see_no_key_give_zero_and_minus_inf():
+    import cupy
+    from cupyflash import flash_attn_backward, flash_attn_func
+    case = Case(200, 50, 64, "float16", causal=True)
+    arrays = _check.to_cupy_inputs(case, _check.random_inputs(case, 7))
+    q, k, v, dout = (arrays[n] for n in ("q", "k", "v", "dout"))
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    empty_rows = 200 - 50  # row i sees keys j <= i - 150
+    assert bool(cupy.all(out[:, :empty_rows] == 0))
+    assert bool(cupy.all(cupy.isneginf(lse[:, :, :empty_rows])))
+    assert bool(cupy.all(cupy.isfinite(lse[:, :, empty_rows:])))
+    for grad in flash_attn_backward(dout, q, k, v, out, lse, causal=True):
+        assert bool(cupy.all(cupy.isfinite(grad)))
+
+
+def test_misaligned_view_is_still_correct():
+    """A view whose rows are not 16-byte aligned (odd element offset) is copied, not misread."""
+    import cupy
+    from cupyflash import flash_attn_func
+    from cupyflash import reference
+    case = Case(65, 65, 64, "float16")
+    inputs = _check.random_inputs(case, 11)
+    flat = cupy.asarray(numpy.concatenate([numpy.zeros(1, numpy.float16), inputs["q"].astype(numpy.float16).ravel()]))
+    q = flat[1:].reshape(inputs["q"].shape)            # offset by one element: 2 bytes off 16-byte alignment
+    k, v = (cupy.asarray(inputs[n].astype(numpy.float16)) for n in ("k", "v"))
+    out = cupy.asnumpy(flash_attn_func(q, k, v)).astype(numpy.float64)
+    ref, _ = reference.attention_forward(inputs["q"], inputs["k"], inputs["v"])
+    lowp = reference.attention_forward_lowp(inputs["q"], inputs["k"], inputs["v"], "float16")
+    assert numpy.abs(out - ref).max() <= 2 * numpy.abs(lowp - ref).max() + 2 ** -10 * numpy.abs(ref).max()
+
+
+def test_params_layout_matches_numpy():
+    """The device's own offsets of every FlashParams field equal the NumPy dtype's (NVRTC has no
+    offsetof, so the compile-time check covers only the size)."""
+    import cupy
+    from cupyflash import _params, _sources
+    dtype = _params.params_dtype()
+    body = "\n".join(f"    offsets[{i}] = (unsigned long long)&ptr->{name};" for i, name in enumerate(dtype.names))
+    source = (_sources.translation_unit("params.cuh")
+              + 'extern "C" __global__ void layout(unsigned long long* offsets) {\n'
+              + "    const FlashParams* ptr = nullptr;\n" + body + "\n}\n")
+    offsets = cupy.zeros(len(dtype.names), dtype=numpy.uint64)
+    cupy.RawKernel(source, "layout")((1,), (1,), (offsets,))
+    assert cupy.asnumpy(offsets).tolist() == [dtype.fields[n][1] for n in dtype.names]

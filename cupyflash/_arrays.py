@@ -55,7 +55,11 @@ class Caller:
             if self.kind == "torch":
                 import torch
                 torch_stream = torch.cuda.current_stream(self.device_id)
-                with cupy.cuda.ExternalStream(torch_stream.cuda_stream, self.device_id):
+                if hasattr(torch_stream, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
+                    stream = cupy.cuda.Stream.from_external(torch_stream)
+                else:
+                    stream = cupy.cuda.ExternalStream(torch_stream.cuda_stream, self.device_id)
+                with stream:
                     yield
             else:
                 yield

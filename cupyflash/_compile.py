@@ -5,6 +5,7 @@ and the GPU. The disk cache key is a hash of the full source text (headers inlin
 and the NVRTC version; set CUPYFLASH_CACHE_DIR to move it (default ~/.cache/cupyflash).
 """
 
+import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -17,30 +18,36 @@ _OPTIONS = ("-std=c++17", "--ptxas-options=-v")
 _lock = threading.Lock()
 
 
-# NVRTC loads its builtins library on first use. Seen here: that load occasionally fails
-# ("failed to open libnvrtc-builtins"), and a second try succeeds. So the first compile of a
-# process runs alone, and a builtins failure is retried.
-_nvrtc_warm = threading.Event()
-_nvrtc_first_lock = threading.Lock()
-_BUILTINS_RETRIES = 3
-
-
 def _nvrtc(source, name, options):
-    """(cubin bytes, log) of one NVRTC compile; raises RuntimeError with the log on failure."""
-    for attempt in range(_BUILTINS_RETRIES):
-        try:
-            if _nvrtc_warm.is_set():
-                return _nvrtc_unserialised(source, name, options)
-            with _nvrtc_first_lock:
-                result = _nvrtc_unserialised(source, name, options)
-                _nvrtc_warm.set()
-                return result
-        except RuntimeError as error:
-            if "libnvrtc-builtins" not in str(error) or attempt + 1 == _BUILTINS_RETRIES:
-                raise
+    """(cubin bytes, log) of one NVRTC compile; raises RuntimeError with the log on failure.
+
+    Seen on this project's CPU machines: NVRTC's own dlopen of libnvrtc-builtins occasionally fails
+    in a fresh process ("failed to open libnvrtc-builtins"), while a ctypes load of the same file
+    succeeds; once loaded, NVRTC finds it. So on that error, load it and try again."""
+    try:
+        return _nvrtc_once(source, name, options)
+    except RuntimeError as error:
+        if "libnvrtc-builtins" not in str(error) or not _load_nvrtc_builtins():
+            raise
+    return _nvrtc_once(source, name, options)
 
 
-def _nvrtc_unserialised(source, name, options):
+def _load_nvrtc_builtins():
+    """Loads libnvrtc-builtins from the folder of the libnvrtc this process uses; True if it did."""
+    try:
+        with open("/proc/self/maps") as maps:
+            folders = {pathlib.Path(line.split()[-1]).parent for line in maps if "libnvrtc.so" in line}
+    except OSError:
+        return False
+    loaded = False
+    for folder in folders:
+        for library in folder.glob("libnvrtc-builtins.so*"):
+            ctypes.CDLL(str(library))
+            loaded = True
+    return loaded
+
+
+def _nvrtc_once(source, name, options):
     from cupy.cuda import nvrtc
     program = nvrtc.createProgram(source, f"{name}.cu", [], [])
     try:

@@ -199,10 +199,7 @@ def _import(caller, name, array):
         raise ValueError(f"{name} must be contiguous in its last dimension (headdim), got strides "
                          f"{tuple(s // view.itemsize for s in view.strides)} (in elements)")
     aligned = view.data.ptr % 16 == 0 and all(s % 16 == 0 for s in view.strides[:-1])
-    if not aligned:
-        import cupy
-        view = cupy.ascontiguousarray(view)
-    return view
+    return view if aligned else view.copy()  # a fresh allocation is aligned
 
 
 _STRIDED = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")  # the (batch, seqlen, heads, headdim) tensors

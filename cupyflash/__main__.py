@@ -1,0 +1,189 @@
+"""Command line: `python -m cupyflash info` and `python -m cupyflash check`."""
+
+import argparse
+import concurrent.futures
+import itertools
+import os
+import platform
+import sys
+import time
+
+import numpy
+
+from . import __version__, _check, _compile, _config, _kernels, reference
+from ._check import Case
+
+
+def _gpu_available():
+    try:
+        import cupy
+        return cupy.cuda.is_available()
+    except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
+        return False
+
+
+def _progress(done, total, label, start):
+    """A one-line progress bar on a terminal; silent when stderr is a file or pipe."""
+    if not sys.stderr.isatty():
+        return
+    width = 30
+    filled = width * done // total
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {time.time() - start:5.1f}s {label:<60.60}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def _table(headers, rows):
+    widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows)]
+    lines = [" | ".join(str(h).ljust(w) for h, w in zip(headers, widths)),
+             "-|-".join("-" * w for w in widths)]
+    lines += [" | ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------- info
+
+def info():
+    import cupy
+    from cupy.cuda import nvrtc
+    print(f"cupyflash {__version__}  cupy {cupy.__version__}  numpy {numpy.__version__}  "
+          f"NVRTC {'.'.join(map(str, nvrtc.getVersion()))}  python {platform.python_version()}")
+    print(f"kernel cache: {_compile.cache_dir()}")
+    if not _gpu_available():
+        print("GPU: none visible to CuPy (the NumPy reference still runs; see `check`)")
+        return 0
+    from .interface import _device_info
+    device, cc, smem_limit = _device_info(cupy.cuda.Device().id)
+    props = cupy.cuda.runtime.getDeviceProperties(device.id)
+    family = _config.forced_family() or _config.family_of(cc)
+    print(f"GPU {device.id}: {props['name'].decode()}  compute capability {cc[0]}.{cc[1]}  "
+          f"{device.attributes['MultiProcessorCount']} SMs  shared memory {smem_limit // 1024} KiB/block (opt-in)  "
+          f"L2 {device.attributes['L2CacheSize'] // 2 ** 20} MiB")
+    print(f"tile table: {family}{' (forced by CUPYFLASH_TILES)' if _config.forced_family() else ''}")
+    rows = []
+    for hd in _config.HEADDIMS:
+        row = [hd]
+        for pass_ in _config.PASSES:
+            t = _config.tile_for(pass_, hd, cc, smem_limit)
+            row.append(f"{t.block_m}x{t.block_n}, {t.warps} warps, {t.smem_bytes(pass_) // 1024} KiB")
+        rows.append(row)
+    print(_table(["head dim", "fwd tile", "bwd tile"], rows))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- check
+
+def gpu_cases():
+    """The correctness grid: dtypes x head dims x lengths x causal, half of it with GQA."""
+    lengths = [(1, 17), (17, 1), (113, 113), (1000, 257), (257, 1000)]
+    return [Case(sq, sk, d, dtype, causal, nheads=4, nheads_k=2 if gqa else 4)
+            for dtype, d, (sq, sk), causal in itertools.product(("float16", "bfloat16"), (40, 64, 128, 256),
+                                                                lengths, (False, True))
+            for gqa in [(sq + d) % 2 == 1]]
+
+
+def _check_gpu():
+    cases = gpu_cases()
+    start, results = time.time(), []
+    for i, case in enumerate(cases):
+        _progress(i, len(cases), str(case), start)
+        results.append(_check.run_gpu_case(case, seed=i))
+    _progress(len(cases), len(cases), "", start)
+    rows = []
+    for (dtype, hd), group in itertools.groupby(results, key=lambda r: (r.case.dtype, r.case.headdim)):
+        group = list(group)
+        worst = max(c.error / c.bound if c.bound else (0 if c.error == 0 else numpy.inf)
+                    for r in group for c in r.checks)
+        passed = sum(r.ok for r in group)
+        rows.append([dtype, hd, f"{passed}/{len(group)}", f"{worst:.2f}"])
+    print(_table(["dtype", "head dim", "passed", "worst error / bound"], rows))
+    failures = [r for r in results if not r.ok]
+    for r in failures[:10]:
+        print(f"FAIL {r.case}: {r.describe()}")
+    print(f"{len(results) - len(failures)} passed, {len(failures)} failed")
+    return 1 if failures else 0
+
+
+def _check_numpy():
+    """The NumPy path of the public API against the tiled reference (to 1e-12)."""
+    from .interface import flash_attn_backward, flash_attn_func
+    cases = [Case(sq, sk, d, "float16", causal, nheads=4, nheads_k=hk)
+             for (sq, sk), d, causal, hk in itertools.product([(1, 17), (113, 70), (70, 113)], (40, 128),
+                                                             (False, True), (4, 1))]
+    failures = 0
+    start = time.time()
+    for i, case in enumerate(cases):
+        _progress(i, len(cases), str(case), start)
+        inputs = {n: x.astype(numpy.float64) for n, x in _check.random_inputs(case, i).items()}
+        q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
+        out, lse = flash_attn_func(q, k, v, causal=case.causal, return_lse=True)
+        grads = flash_attn_backward(dout, q, k, v, out, lse, causal=case.causal)
+        tiled_out, tiled_lse = reference.attention_forward_tiled(q, k, v, causal=case.causal, block_m=32, block_n=32)
+        tiled_grads = reference.attention_backward_tiled(dout, q, k, v, tiled_out, tiled_lse, causal=case.causal)
+        for got, want in zip((out, *grads), (tiled_out, *tiled_grads)):
+            if not numpy.allclose(got, want, rtol=1e-12, atol=1e-12):
+                failures += 1
+                print(f"\nFAIL numpy path {case}")
+                break
+    _progress(len(cases), len(cases), "", start)
+    print(f"NumPy path: {len(cases) - failures} passed, {failures} failed")
+    return failures
+
+
+def compile_all(archs=("80", "90"), workers=None):
+    """Compiles every kernel variant for each arch; returns [(arch, kernel, PtxasReport)]."""
+    jobs = [(arch, kernel) for arch in archs for kernel in _kernels.all_kernels()]
+    results = []
+    start = time.time()
+    with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        futures = {pool.submit(_compile.compile_kernel, kernel, arch): (arch, kernel) for arch, kernel in jobs}
+        for i, future in enumerate(concurrent.futures.as_completed(futures)):
+            arch, kernel = futures[future]
+            results.append((arch, kernel, _compile.ptxas_report(future.result()[1])))
+            _progress(i + 1, len(jobs), f"sm_{arch} {kernel.name}", start)
+    return sorted(results, key=lambda r: (r[0], r[1].name))
+
+
+def _check_compile(verbose):
+    results = compile_all()
+    rows = [[f"sm_{arch}", k.name, r.registers, r.spill_stores + r.spill_loads, r.stack_frame, k.smem_bytes]
+            for arch, k, r in results if verbose or r.spills or r.stack_frame]
+    if rows:
+        print(_table(["arch", "kernel", "registers", "spill bytes", "stack", "smem"], rows))
+    spilling = [row for row in rows if row[3]]
+    for arch in sorted({a for a, _, _ in results}):
+        regs = [r.registers for a, _, r in results if a == arch]
+        print(f"sm_{arch}: {len(regs)} kernel variants compiled, registers {min(regs)}-{max(regs)}, "
+              f"{sum(1 for a, _, r in results if a == arch and r.spills)} with spills")
+    return 1 if spilling else 0
+
+
+def check(verbose=False):
+    if _gpu_available():
+        return _check_gpu()
+    print("No GPU visible to CuPy: checking the NumPy path and compiling every kernel variant with NVRTC.")
+    status = _check_numpy()
+    status |= _check_compile(verbose)
+    return 1 if status else 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="device, tile table, cache, versions")
+    check_parser = commands.add_parser("check", help="correctness grid against the float64 reference "
+                                                     "(without a GPU: NumPy path and NVRTC compile of every kernel)")
+    check_parser.add_argument("--compile", action="store_true", help="also compile every kernel variant (GPU or not)")
+    check_parser.add_argument("--verbose", action="store_true", help="list every kernel's ptxas report")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return info()
+    status = check(args.verbose)
+    if args.compile and _gpu_available():
+        status |= _check_compile(args.verbose)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

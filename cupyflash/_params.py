@@ -25,7 +25,11 @@ _FIELD = re.compile(r"^\s*(const void\*|void\*|float\*|long long|int|float)\s+(\
 
 @functools.cache
 def params_dtype():
-    text = _sources.read("params.cuh")
+    return parse_struct(_sources.read("params.cuh"))
+
+
+def parse_struct(text):
+    """The NumPy dtype of `struct FlashParams { ... };` in `text`; refuses lines it cannot map."""
     body = text[text.index("struct FlashParams {"):]
     body = body[: body.index("};")]
     fields = []

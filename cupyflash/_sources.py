@@ -14,11 +14,12 @@ _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
 def _source_dir():
-    # Installed (or editable with package_dir): cupyflash/cuda_src. Source checkout: ../cuda_src.
-    packaged = importlib.resources.files("cupyflash") / "cuda_src"
-    if packaged.is_dir():
-        return packaged
-    return pathlib.Path(__file__).resolve().parent.parent / "cuda_src"
+    # Installed, or editable: the package cupyflash.cuda_src (setup.cfg maps it to cuda_src/).
+    # A plain source checkout on sys.path: ../cuda_src.
+    try:
+        return importlib.resources.files("cupyflash.cuda_src")
+    except ModuleNotFoundError:
+        return pathlib.Path(__file__).resolve().parent.parent / "cuda_src"
 
 
 @functools.cache

@@ -1,0 +1,123 @@
+"""Without a GPU: tile selection, the shared params struct, the compile cache, and an NVRTC compile of
+every kernel variant for sm_80 and sm_90 with zero spill bytes in the ptxas report."""
+
+import numpy
+import pytest
+
+from cupyflash import _compile, _config, _kernels, _params, _sources
+
+
+# ------------------------------------------------------------------------------- tile selection
+
+@pytest.mark.parametrize("cc, smem_kib, family", [
+    ((8, 0), 163, "sm80"),   # A100
+    ((8, 6), 99, "sm86"),    # RTX 30
+    ((8, 9), 99, "sm86"),    # RTX 40, L40
+    ((9, 0), 227, "sm90"),   # H100, H200
+])
+def test_each_device_gets_its_family_table(cc, smem_kib, family, monkeypatch):
+    monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
+    assert _config.family_of(cc) == family
+    for pass_ in _config.PASSES:
+        for hd in _config.HEADDIMS:
+            tile = _config.tile_for(pass_, hd, cc, smem_kib * 1024)
+            assert tile == _config.Tile(hd, *_config.TILES[family][pass_][hd])
+            assert tile.smem_bytes(pass_) <= smem_kib * 1024
+
+
+def test_a_newer_gpu_with_less_shared_memory_falls_back_to_smaller_tiles(monkeypatch):
+    monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
+    tile = _config.tile_for("fwd", 256, (12, 0), 99 * 1024)       # consumer Blackwell: sm90 table, 99 KiB
+    assert tile == _config.Tile(256, *_config.TILES["sm86"]["fwd"][256])
+
+
+def test_older_gpus_are_refused():
+    with pytest.raises(RuntimeError, match=r"compute capability 8.0 or newer.*7.5"):
+        _config.family_of((7, 5))
+
+
+def test_every_tile_fits_its_family():
+    for family, table in _config.TILES.items():
+        for pass_ in _config.PASSES:
+            assert sorted(table[pass_]) == list(_config.HEADDIMS)
+            for hd, cfg in table[pass_].items():
+                tile = _config.Tile(hd, *cfg)
+                assert tile.smem_bytes(pass_) <= _config.FAMILY_SMEM_LIMIT[family], (family, pass_, tile)
+
+
+def test_override_forces_a_table_and_rejects_unknown_names(monkeypatch):
+    monkeypatch.setenv("CUPYFLASH_TILES", "sm86")
+    assert _config.tile_for("bwd", 128, (9, 0), 227 * 1024) == _config.Tile(128, *_config.TILES["sm86"]["bwd"][128])
+    monkeypatch.setenv("CUPYFLASH_TILES", "sm75")
+    with pytest.raises(ValueError, match=r"CUPYFLASH_TILES must be one of .* got 'sm75'"):
+        _config.tile_for("fwd", 64, (9, 0), 227 * 1024)
+
+
+@pytest.mark.parametrize("headdim, padded", [(8, 32), (32, 32), (40, 64), (72, 96), (128, 128), (136, 160), (256, 256)])
+def test_head_dims_round_up_to_a_kernel_head_dim(headdim, padded):
+    assert _config.padded_headdim(headdim) == padded
+
+
+# -------------------------------------------------------------------------------- params struct
+
+def test_params_dtype_follows_the_header():
+    dtype = _params.params_dtype()
+    assert dtype.names[:3] == ("q", "k", "v")
+    assert dtype.itemsize % 8 == 0 and dtype.fields["q_batch_stride"][1] % 8 == 0
+    block = _params.make_params(seqlen_q=113, softmax_scale=0.125)
+    assert block.shape == (1,) and block["seqlen_q"][0] == 113 and block["softmax_scale"][0] == numpy.float32(0.125)
+    with pytest.raises(KeyError, match="unknown FlashParams fields"):
+        _params.make_params(window_left=3)
+
+
+def test_params_parser_refuses_what_it_cannot_map():
+    text = "struct FlashParams {\n    const void* q;\n    double scale;\n};"
+    with pytest.raises(RuntimeError, match="cannot map this FlashParams line"):
+        _params.parse_struct(text)
+    assert _params.parse_struct("struct FlashParams {\n    int a;  // note\n    long long b;\n};").itemsize == 16
+
+
+# -------------------------------------------------------------------------------- sources, cache
+
+def test_headers_are_inlined_once():
+    text = _sources.translation_unit("flash_bwd.cuh")
+    assert "#include" not in text
+    assert text.count("struct FlashParams {") == 1
+
+
+def test_editing_a_header_changes_the_compiled_binary(tmp_path, monkeypatch):
+    """The cache key covers every included header: an edited .cuh is recompiled, never served stale."""
+    monkeypatch.setenv("CUPYFLASH_CACHE_DIR", str(tmp_path))
+    kernel = _kernels.Kernel("bwd_dot", "float16")
+    first, _ = _compile.compile_kernel(kernel, "80")
+    read = _sources.read
+    monkeypatch.setattr(_sources, "read", lambda name: read(name) + ("\n// edited\n" if name == "ptx.cuh" else ""))
+    second, _ = _compile.compile_kernel(kernel, "80")
+    assert first != second and first.exists() and second.exists()
+
+
+# ---------------------------------------------------------------------- every kernel, zero spills
+
+@pytest.fixture(scope="session")
+def ptxas_reports(tmp_path_factory):
+    import os
+    os.environ["CUPYFLASH_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))  # compile afresh
+    from cupyflash.__main__ import compile_all
+    return {(arch, kernel.name): report for arch, kernel, report in compile_all(("80", "90"))}
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+@pytest.mark.parametrize("kernel", _kernels.all_kernels(), ids=lambda k: k.name)
+def test_kernel_compiles_without_spills(ptxas_reports, arch, kernel):
+    report = ptxas_reports[(arch, kernel.name)]
+    assert report.spills == 0 and report.stack_frame == 0, f"sm_{arch} {kernel.name}: {report}"
+    assert report.registers <= 255
+
+
+def test_ptxas_report_parser():
+    log = ("ptxas info    : Function properties for k\n"
+           "ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+           "ptxas info    : Used 168 registers, used 1 barriers\n")
+    assert _compile.ptxas_report(log) == _compile.PtxasReport(168, 8, 4, 16)
+    with pytest.raises(ValueError, match="no ptxas resource report"):
+        _compile.ptxas_report("nothing here")

@@ -1,0 +1,27 @@
+"""Forward and backward at a few odd shapes, for compute-sanitizer (memcheck, racecheck); not a pytest file.
+
+    compute-sanitizer --tool memcheck python tests/sanitize_run.py
+CuPy's memory pool is switched off so every buffer is its own cudaMalloc and an out-of-bounds
+access cannot hide inside a neighbouring pool block. Exits non-zero if any result is wrong.
+"""
+
+import sys
+
+import cupy
+
+from cupyflash import _check
+from cupyflash._check import Case
+
+CASES = [Case(113, 113, 72, "float16", True, batch=1),
+         Case(17, 300, 40, "bfloat16", False, batch=1, nheads=4, nheads_k=1),
+         Case(300, 17, 256, "bfloat16", True, batch=1),
+         Case(65, 129, 128, "float16", True, batch=1, nheads=2, nheads_k=1)]
+
+if __name__ == "__main__":
+    cupy.cuda.set_allocator(None)
+    failed = 0
+    for i, case in enumerate(CASES):
+        result = _check.run_gpu_case(case, seed=i)
+        print(f"{'ok  ' if result.ok else 'FAIL'} {case}: {result.describe()}", flush=True)
+        failed += not result.ok
+    sys.exit(1 if failed else 0)

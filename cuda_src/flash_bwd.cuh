@@ -171,11 +171,13 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
 }
 
 // The two small kernels map one warp to one query row, 8 columns per lane (head dim <= 256).
-constexpr int kRowsPerRowKernelBlock = 8;
+struct RowKernel {
+    static constexpr int kRowsPerBlock = 8;
+};
 
 template <bool BF16>
 __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
-    const int row = blockIdx.x * kRowsPerRowKernelBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * RowKernel::kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int head = blockIdx.y, batch = blockIdx.z;
     if (row >= p.seqlen_q) return;
     const uint16* dout = static_cast<const uint16*>(p.dout) + batch * p.dout_batch_stride + head * p.dout_head_stride
@@ -199,7 +201,7 @@ __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
 
 template <bool BF16>
 __device__ __forceinline__ void flash_bwd_convert_dq(const FlashParams& p) {
-    const int row = blockIdx.x * kRowsPerRowKernelBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * RowKernel::kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int head = blockIdx.y, batch = blockIdx.z;
     if (row >= p.seqlen_q) return;
     const float* accum = p.dq_accum

@@ -11,7 +11,7 @@ from typing import Optional
 from . import _config, _params, _sources
 
 DTYPES = ("float16", "bfloat16")
-ROWS_PER_ROW_KERNEL_BLOCK = 8  # the one-warp-per-row kernels (kRowsPerRowKernelBlock in flash_bwd.cuh)
+ROWS_PER_ROW_KERNEL_BLOCK = 8  # the one-warp-per-row kernels (RowKernel::kRowsPerBlock in flash_bwd.cuh)
 ROW_KERNEL_THREADS = 32 * ROWS_PER_ROW_KERNEL_BLOCK
 
 _HEADER = {"fwd": "flash_fwd.cuh", "bwd": "flash_bwd.cuh", "bwd_dot": "flash_bwd.cuh",
@@ -47,7 +47,7 @@ class Kernel:
         bf16 = _bool(self.dtype == "bfloat16")
         if self.tile is None:
             call = f"flash_{self.pass_}<{bf16}>(p);"
-            check = (f"static_assert(kRowsPerRowKernelBlock == {ROWS_PER_ROW_KERNEL_BLOCK}, "
+            check = (f"static_assert(RowKernel::kRowsPerBlock == {ROWS_PER_ROW_KERNEL_BLOCK}, "
                      f"\"rows per block differ from cupyflash/_kernels.py\");\n")
         else:
             t = self.tile

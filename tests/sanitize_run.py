@@ -3,6 +3,8 @@
     compute-sanitizer --tool memcheck python tests/sanitize_run.py
 CuPy's memory pool is switched off so every buffer is its own cudaMalloc and an out-of-bounds
 access cannot hide inside a neighbouring pool block. Exits non-zero if any result is wrong.
+With --plant it first launches a kernel that writes one element past its buffer, to show that the
+sanitizer in use does catch such a bug (it must then report an error).
 """
 
 import sys
@@ -17,8 +19,17 @@ CASES = [Case(113, 113, 72, "float16", True, batch=1),
          Case(300, 17, 256, "bfloat16", True, batch=1),
          Case(65, 129, 128, "float16", True, batch=1, nheads=2, nheads_k=1)]
 
+def plant_out_of_bounds_write():
+    buffer = cupy.zeros(1000, dtype=cupy.float32)
+    write_past_end = cupy.RawKernel('extern "C" __global__ void k(float* x, int n) { x[n + threadIdx.x] = 1.f; }', "k")
+    write_past_end((1,), (32,), (buffer, cupy.int32(buffer.size)))
+    cupy.cuda.runtime.deviceSynchronize()
+
+
 if __name__ == "__main__":
     cupy.cuda.set_allocator(None)
+    if "--plant" in sys.argv:
+        plant_out_of_bounds_write()
     failed = 0
     for i, case in enumerate(CASES):
         result = _check.run_gpu_case(case, seed=i)

@@ -75,3 +75,36 @@ def test_numpy_path_runs_the_reference_in_the_input_dtype():
     numpy.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
     dq, dk, dv = flash_attn_backward(numpy.ones_like(out), q, k, v, out, lse, causal=True)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+class _FakeDLPackArray:
+    """Stands for another library's array: shape, dtype and a DLPack device, nothing else."""
+
+    def __init__(self, shape, device_type=2, device_id=0, dtype="float16"):
+        self.shape, self.dtype, self._device = shape, numpy.dtype(dtype), (device_type, device_id)
+
+    def __dlpack__(self, stream=None):
+        raise AssertionError("validation must refuse this input before importing it")
+
+    def __dlpack_device__(self):
+        return self._device
+
+
+def test_arrays_on_different_gpus_are_refused():
+    q = _FakeDLPackArray((1, 8, 2, 64), device_id=0)
+    k = v = _FakeDLPackArray((1, 8, 2, 64), device_id=1)
+    with pytest.raises(ValueError, match=r"k is on CUDA device 1 but q is on CUDA device 0"):
+        flash_attn_func(q, k, v)
+
+
+def test_cpu_dlpack_arrays_are_refused():
+    q = k = v = _FakeDLPackArray((1, 8, 2, 64), device_type=1)
+    with pytest.raises(ValueError, match=r"q is a dlpack array on the CPU"):
+        flash_attn_func(q, k, v)
+
+
+def test_mixed_kinds_are_refused():
+    q = _FakeDLPackArray((1, 8, 2, 64))
+    k = v = numpy.zeros((1, 8, 2, 64), numpy.float16)
+    with pytest.raises(TypeError, match=r"k is a numpy array but q is a dlpack array"):
+        flash_attn_func(q, k, v)

@@ -1,7 +1,6 @@
 """Command line: `python -m cupyflash info` and `python -m cupyflash check`."""
 
 import argparse
-import concurrent.futures
 import itertools
 import os
 import platform
@@ -131,22 +130,10 @@ def _check_numpy():
     return failures
 
 
-def compile_all(archs=("80", "90"), workers=None):
-    """Compiles every kernel variant for each arch; returns [(arch, kernel, PtxasReport)]."""
-    jobs = [(arch, kernel) for arch in archs for kernel in _kernels.all_kernels()]
-    results = []
-    start = time.time()
-    with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
-        futures = {pool.submit(_compile.compile_kernel, kernel, arch): (arch, kernel) for arch, kernel in jobs}
-        for i, future in enumerate(concurrent.futures.as_completed(futures)):
-            arch, kernel = futures[future]
-            results.append((arch, kernel, _compile.ptxas_report(future.result()[1])))
-            _progress(i + 1, len(jobs), f"sm_{arch} {kernel.name}", start)
-    return sorted(results, key=lambda r: (r[0], r[1].name))
-
-
 def _check_compile(verbose):
-    results = compile_all()
+    start = time.time()
+    results = _compile.compile_all(_kernels.all_kernels(), ("80", "90"),
+                                   progress=lambda done, total, label: _progress(done, total, label, start))
     rows = [[f"sm_{arch}", k.name, r.registers, r.spill_stores + r.spill_loads, r.stack_frame, k.smem_bytes]
             for arch, k, r in results if verbose or r.spills or r.stack_frame]
     if rows:

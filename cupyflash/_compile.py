@@ -5,31 +5,38 @@ and the GPU. The disk cache key is a hash of the full source text (headers inlin
 and the NVRTC version; set CUPYFLASH_CACHE_DIR to move it (default ~/.cache/cupyflash).
 """
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import functools
 import hashlib
+import multiprocessing
 import os
 import pathlib
 import re
 import threading
 
 _OPTIONS = ("-std=c++17", "--ptxas-options=-v")
-_lock = threading.Lock()
+_load_lock = threading.Lock()
+_nvrtc_lock = threading.Lock()
 
 
 def _nvrtc(source, name, options):
     """(cubin bytes, log) of one NVRTC compile; raises RuntimeError with the log on failure.
 
+    One compile at a time per process: seen on the H200 machine, many concurrent compiles in one
+    process returned logs without the ptxas report. Parallel builds use processes (compile_all).
+
     Seen on this project's CPU machines: NVRTC's own dlopen of libnvrtc-builtins occasionally fails
     in a fresh process ("failed to open libnvrtc-builtins"), while a ctypes load of the same file
     succeeds; once loaded, NVRTC finds it. So on that error, load it and try again."""
-    try:
+    with _nvrtc_lock:
+        try:
+            return _nvrtc_once(source, name, options)
+        except RuntimeError as error:
+            if "libnvrtc-builtins" not in str(error) or not _load_nvrtc_builtins():
+                raise
         return _nvrtc_once(source, name, options)
-    except RuntimeError as error:
-        if "libnvrtc-builtins" not in str(error) or not _load_nvrtc_builtins():
-            raise
-    return _nvrtc_once(source, name, options)
 
 
 def _load_nvrtc_builtins():
@@ -96,6 +103,27 @@ def compile_kernel(kernel, arch):
     return cubin_path, log
 
 
+def _compile_for_report(kernel, arch):
+    return ptxas_report(compile_kernel(kernel, arch)[1])
+
+
+def compile_all(kernels, archs, workers=None, progress=None):
+    """Compiles `kernels` for each arch in worker processes (NVRTC runs one compile at a time per
+    process); returns [(arch, kernel, PtxasReport)] sorted by arch and name. `progress(done, total,
+    label)` is called after each compile."""
+    jobs = [(arch, kernel) for arch in archs for kernel in kernels]
+    results = []
+    context = multiprocessing.get_context("spawn")  # no inherited CUDA state
+    with concurrent.futures.ProcessPoolExecutor(workers or min(os.cpu_count() or 1, 8), mp_context=context) as pool:
+        futures = {pool.submit(_compile_for_report, kernel, arch): (arch, kernel) for arch, kernel in jobs}
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            arch, kernel = futures[future]
+            results.append((arch, kernel, future.result()))
+            if progress:
+                progress(done, len(jobs), f"sm_{arch} {kernel.name}")
+    return sorted(results, key=lambda r: (r[0], r[1].name))
+
+
 @dataclasses.dataclass(frozen=True)
 class PtxasReport:
     registers: int
@@ -127,7 +155,7 @@ def load(kernel, device):
     if function is None:
         import cupy
         arch = device.compute_capability  # e.g. "90"
-        with _lock:
+        with _load_lock:
             cubin_path, _ = compile_kernel(kernel, arch)
             with device:
                 function = cupy.RawModule(path=str(cubin_path)).get_function(kernel.name)

@@ -102,8 +102,8 @@ def test_editing_a_header_changes_the_compiled_binary(tmp_path, monkeypatch):
 def ptxas_reports(tmp_path_factory):
     import os
     os.environ["CUPYFLASH_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))  # compile afresh
-    from cupyflash.__main__ import compile_all
-    return {(arch, kernel.name): report for arch, kernel, report in compile_all(("80", "90"))}
+    results = _compile.compile_all(_kernels.all_kernels(), ("80", "90"))
+    return {(arch, kernel.name): report for arch, kernel, report in results}
 
 
 @pytest.mark.parametrize("arch", ["80", "90"])

@@ -27,8 +27,9 @@ def test_each_device_gets_its_family_table(cc, smem_kib, family, monkeypatch):
 
 def test_a_newer_gpu_with_less_shared_memory_falls_back_to_smaller_tiles(monkeypatch):
     monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
-    tile = _config.tile_for("fwd", 256, (12, 0), 99 * 1024)       # consumer Blackwell: sm90 table, 99 KiB
-    assert tile == _config.Tile(256, *_config.TILES["sm86"]["fwd"][256])
+    assert _config.Tile(256, *_config.TILES["sm90"]["bwd"][256]).smem_bytes("bwd") > 99 * 1024
+    tile = _config.tile_for("bwd", 256, (12, 0), 99 * 1024)       # consumer Blackwell: sm90 table, 99 KiB
+    assert tile == _config.Tile(256, *_config.TILES["sm86"]["bwd"][256])
 
 
 def test_older_gpus_are_refused():

@@ -1,28 +1,34 @@
 """A quick timing of cupyflash beside PyTorch SDPA (flash backend), bf16, 16k tokens, FLOPs as the
 FlashAttention papers count them: fwd 4 b h s^2 d (halved when causal), bwd 2.5x fwd.
 
-Usage: python bench/quick.py [headdim ...]   (default: 128). CUDA-event median over 20 reps after warm-up.
+Usage: python bench/quick.py [headdim ...]   (default: 128).
+Timing: CUDA events around `calls` back-to-back calls (so the host's launch work overlaps the GPU's
+and the kernels, not Python, are measured), per-call time = elapsed / calls; median of `reps` such
+batches after warm-up. Peers are timed the same way in the same process.
 """
 
 import sys
 
-import cupy
 import numpy
 
 import cupyflash
 
 
-def time_ms(fn, reps=20, warmup=3):
+def time_ms(fn, reps=10, calls=10, warmup=3):
+    """Median per-call milliseconds of `fn`, which must launch its work on the current stream of
+    the framework it uses (torch's here: events are recorded on it)."""
+    import torch
     for _ in range(warmup):
         fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         stop.record()
         stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
+        times.append(start.elapsed_time(stop) / calls)
     return float(numpy.median(times))
 
 

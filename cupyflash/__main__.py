@@ -134,15 +134,16 @@ def _check_compile(verbose):
     start = time.time()
     results = _compile.compile_all(_kernels.all_kernels(), ("80", "90"),
                                    progress=lambda done, total, label: _progress(done, total, label, start))
-    rows = [[f"sm_{arch}", k.name, r.registers, r.spill_stores + r.spill_loads, r.stack_frame, k.smem_bytes]
-            for arch, k, r in results if verbose or r.spills or r.stack_frame]
+    rows = [[f"sm_{arch}", k.name, r.registers, "unknown" if r.spills is None else r.spills, r.stack_frame,
+             k.smem_bytes] for arch, k, r in results if verbose or r.spills != 0 or r.stack_frame]
     if rows:
         print(_table(["arch", "kernel", "registers", "spill bytes", "stack", "smem"], rows))
-    spilling = [row for row in rows if row[3]]
+    spilling = [row for row in rows if row[3] != 0 or row[4]]
     for arch in sorted({a for a, _, _ in results}):
         regs = [r.registers for a, _, r in results if a == arch]
         print(f"sm_{arch}: {len(regs)} kernel variants compiled, registers {min(regs)}-{max(regs)}, "
-              f"{sum(1 for a, _, r in results if a == arch and r.spills)} with spills")
+              f"{sum(1 for a, _, r in results if a == arch and (r.spills != 0 or r.stack_frame))} "
+              f"with spills or a stack frame")
     return 1 if spilling else 0
 
 

@@ -14,7 +14,9 @@ import multiprocessing
 import os
 import pathlib
 import re
+import struct
 import threading
+from typing import Optional
 
 _OPTIONS = ("-std=c++17", "--ptxas-options=-v")
 _load_lock = threading.Lock()
@@ -104,12 +106,13 @@ def compile_kernel(kernel, arch):
 
 
 def _compile_for_report(kernel, arch):
-    return ptxas_report(compile_kernel(kernel, arch)[1])
+    cubin_path, log = compile_kernel(kernel, arch)
+    return resource_report(cubin_path.read_bytes(), log)
 
 
 def compile_all(kernels, archs, workers=None, progress=None):
     """Compiles `kernels` for each arch in worker processes (NVRTC runs one compile at a time per
-    process); returns [(arch, kernel, PtxasReport)] sorted by arch and name. `progress(done, total,
+    process); returns [(arch, kernel, ResourceReport)] sorted by arch and name. `progress(done, total,
     label)` is called after each compile."""
     jobs = [(arch, kernel) for arch in archs for kernel in kernels]
     results = []
@@ -125,24 +128,68 @@ def compile_all(kernels, archs, workers=None, progress=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class PtxasReport:
+class ResourceReport:
     registers: int
-    spill_stores: int
-    spill_loads: int
-    stack_frame: int
+    stack_frame: int            # bytes of local memory per thread; spills live there
+    spill_stores: Optional[int]
+    spill_loads: Optional[int]
 
     @property
     def spills(self):
+        """Spill bytes, or None when unknown (no ptxas report and a nonzero stack frame)."""
+        if self.spill_stores is None:
+            return None
         return self.spill_stores + self.spill_loads
 
 
 def ptxas_report(log):
-    """Registers, spill bytes and stack frame from NVRTC's `--ptxas-options=-v` log (one entry)."""
+    """(registers, stack frame, spill stores, spill loads) from NVRTC's `--ptxas-options=-v` log,
+    or None when the log holds no report (seen under load on the H200 machine's NVRTC)."""
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     regs = re.search(r"Used (\d+) registers", log)
     if not (frame and regs):
-        raise ValueError(f"no ptxas resource report in log:\n{log}")
-    return PtxasReport(int(regs.group(1)), int(frame.group(2)), int(frame.group(3)), int(frame.group(1)))
+        return None
+    return int(regs.group(1)), int(frame.group(1)), int(frame.group(2)), int(frame.group(3))
+
+
+def _elf_sections(elf):
+    """{name: (offset, size)} of the sections of an ELF64 file (a cubin)."""
+    table, = struct.unpack_from("<Q", elf, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", elf, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", elf, table + i * entry_size) for i in range(count)]
+    names = headers[names_index][4]
+    return {elf[names + h[0]:elf.index(b"\0", names + h[0])].decode(): (h[4], h[5]) for h in headers}
+
+
+def cubin_resources(cubin):
+    """(registers, stack frame bytes) from the cubin's .nv.info section (EIATTR_REGCOUNT and
+    EIATTR_FRAME_SIZE, the largest over its functions): the compiler's own record, whatever the log."""
+    offset, size = _elf_sections(cubin)[".nv.info"]
+    values = {_REGCOUNT: [0], _FRAME_SIZE: [0]}
+    position = offset
+    while position < offset + size:
+        form, attribute, length = struct.unpack_from("<BBH", cubin, position)
+        if form == _EIFMT_SVAL:  # a sized value; these two hold (function symbol, value)
+            if attribute in values:
+                values[attribute].append(struct.unpack_from("<II", cubin, position + 4)[1])
+            position += 4 + length
+        else:
+            position += 4
+    return max(values[_REGCOUNT]), max(values[_FRAME_SIZE])
+
+
+_EIFMT_SVAL, _FRAME_SIZE, _REGCOUNT = 0x04, 0x11, 0x2F
+
+
+def resource_report(cubin, log):
+    """Registers and stack frame from the cubin; spill bytes from the ptxas log when it has them,
+    else 0 when there is no stack frame (spills need one) and unknown otherwise."""
+    registers, stack_frame = cubin_resources(cubin)
+    reported = ptxas_report(log)
+    if reported is not None:
+        return ResourceReport(registers, stack_frame, reported[2], reported[3])
+    known_zero = 0 if stack_frame == 0 else None
+    return ResourceReport(registers, stack_frame, known_zero, known_zero)
 
 
 _loaded = {}

@@ -52,12 +52,9 @@ def size_assert():
 
 def make_params(**values):
     """A FlashParams value, every field not given set to zero: a size-1 structured array, which
-    CuPy passes to a kernel by value."""
+    CuPy passes to a kernel by value. Built from one tuple, since it is made on every launch."""
     dtype = params_dtype()
     unknown = set(values) - set(dtype.names)
     if unknown:
         raise KeyError(f"unknown FlashParams fields: {sorted(unknown)}")
-    block = numpy.zeros(1, dtype=dtype)
-    for name, value in values.items():
-        block[name] = value
-    return block
+    return numpy.array([tuple(values.get(name, 0) for name in dtype.names)], dtype=dtype)

@@ -100,7 +100,7 @@ def test_editing_a_header_changes_the_compiled_binary(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------- every kernel, zero spills
 
 @pytest.fixture(scope="session")
-def ptxas_reports(tmp_path_factory):
+def resource_reports(tmp_path_factory):
     import os
     os.environ["CUPYFLASH_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))  # compile afresh
     results = _compile.compile_all(_kernels.all_kernels(), ("80", "90"))
@@ -109,16 +109,29 @@ def ptxas_reports(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ["80", "90"])
 @pytest.mark.parametrize("kernel", _kernels.all_kernels(), ids=lambda k: k.name)
-def test_kernel_compiles_without_spills(ptxas_reports, arch, kernel):
-    report = ptxas_reports[(arch, kernel.name)]
+def test_kernel_compiles_without_spills(resource_reports, arch, kernel):
+    report = resource_reports[(arch, kernel.name)]
     assert report.spills == 0 and report.stack_frame == 0, f"sm_{arch} {kernel.name}: {report}"
     assert report.registers <= 255
 
 
-def test_ptxas_report_parser():
+def test_ptxas_log_parser():
     log = ("ptxas info    : Function properties for k\n"
            "ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
            "ptxas info    : Used 168 registers, used 1 barriers\n")
-    assert _compile.ptxas_report(log) == _compile.PtxasReport(168, 8, 4, 16)
-    with pytest.raises(ValueError, match="no ptxas resource report"):
-        _compile.ptxas_report("nothing here")
+    assert _compile.ptxas_report(log) == (168, 16, 8, 4)
+    assert _compile.ptxas_report("a log with only front-end warnings") is None
+
+
+@pytest.mark.parametrize("tile", [(64, 64, 4), (128, 64, 4)])  # the second spills: 255 registers and a stack frame
+def test_cubin_resources_agree_with_ptxas(tile, tmp_path, monkeypatch):
+    """The registers and stack frame read from the cubin equal what ptxas reported, with and
+    without spills, so the cubin can stand in where NVRTC's log lacks the report."""
+    monkeypatch.setenv("CUPYFLASH_CACHE_DIR", str(tmp_path))
+    cubin_path, log = _compile.compile_kernel(_kernels.Kernel("fwd", "bfloat16", _config.Tile(128, *tile), True), "90")
+    registers, stack_frame, spill_stores, _ = _compile.ptxas_report(log)
+    assert _compile.cubin_resources(cubin_path.read_bytes()) == (registers, stack_frame)
+    if tile == (128, 64, 4):
+        assert stack_frame > 0 and spill_stores > 0
+    report = _compile.resource_report(cubin_path.read_bytes(), "")
+    assert report.spills == (0 if stack_frame == 0 else None)

@@ -129,7 +129,10 @@ def test_cubin_resources_agree_with_ptxas(tile, tmp_path, monkeypatch):
     without spills, so the cubin can stand in where NVRTC's log lacks the report."""
     monkeypatch.setenv("CUPYFLASH_CACHE_DIR", str(tmp_path))
     cubin_path, log = _compile.compile_kernel(_kernels.Kernel("fwd", "bfloat16", _config.Tile(128, *tile), True), "90")
-    registers, stack_frame, spill_stores, _ = _compile.ptxas_report(log)
+    reported = _compile.ptxas_report(log)
+    if reported is None:  # seen with the H200 machine's NVRTC for kernels without spills; CI's NVRTC reports
+        pytest.skip("this NVRTC returned no ptxas report in its log to compare with")
+    registers, stack_frame, spill_stores, _ = reported
     assert _compile.cubin_resources(cubin_path.read_bytes()) == (registers, stack_frame)
     if tile == (128, 64, 4):
         assert stack_frame > 0 and spill_stores > 0

@@ -15,16 +15,24 @@
 
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
-// A ROWS x COLS product split over WARPS warps: rows first (16 per warp at most), then columns.
+// A ROWS x COLS product split over WARPS warps. Each warp takes 32 rows (two m16 tiles) where the
+// columns then split evenly, else 16: with two m16 tiles every B fragment read from shared memory
+// feeds two mma instead of one, and shared-memory bandwidth, not the tensor cores, is what
+// limits these products.
+__host__ __device__ constexpr bool even_split(int rows, int cols, int warps, int warp_rows) {
+    return rows % warp_rows == 0 && warps % (rows / warp_rows) == 0 && rows / warp_rows <= warps
+           && cols % (8 * (warps / (rows / warp_rows))) == 0;
+}
+
 template <int ROWS, int COLS, int WARPS>
 struct WarpGrid {
-    static constexpr int kWarpsM = cmin(ROWS / 16, WARPS);
+    static constexpr int kWarpRows = even_split(ROWS, COLS, WARPS, 32) ? 32 : 16;
+    static constexpr int kWarpsM = ROWS / kWarpRows;
     static constexpr int kWarpsN = WARPS / kWarpsM;
-    static constexpr int MT = ROWS / kWarpsM / 16;
+    static constexpr int MT = kWarpRows / 16;
     static constexpr int NT = COLS / kWarpsN / 8;
-    static_assert(kWarpsM * kWarpsN == WARPS && ROWS % (16 * kWarpsM) == 0, "warps must tile the rows");
-    static_assert(COLS % (8 * kWarpsN) == 0, "each warp needs a multiple of 8 columns");
-    __device__ static int row0() { return (threadIdx.x / 32) % kWarpsM * (16 * MT); }
+    static_assert(even_split(ROWS, COLS, WARPS, kWarpRows), "warps must tile the product evenly");
+    __device__ static int row0() { return (threadIdx.x / 32) % kWarpsM * kWarpRows; }
     __device__ static int col0() { return (threadIdx.x / 32) / kWarpsM * (8 * NT); }
 };
 

@@ -113,12 +113,6 @@ __device__ __forceinline__ uint32 a_base(const uint16* tile, int m0) {
     if (A_ROW_MAJOR) return smem_address(tile + (m0 + lane % 8 + 8 * ((lane / 8) % 2)) * S + 8 * (lane / 16));
     return smem_address(tile + (lane % 8 + 8 * (lane / 16)) * S + m0 + 8 * ((lane / 8) % 2));
 }
-template <int A_COLS, bool A_ROW_MAJOR>
-__device__ __forceinline__ void load_a(uint32 (&a)[4], uint32 base, int mt, int k0) {
-    constexpr int S = Padded<A_COLS>::kStride;
-    if (A_ROW_MAJOR) ldmatrix_x4(a, base + 2 * (16 * mt * S + k0));
-    else ldmatrix_x4_trans(a, base + 2 * (k0 * S + 16 * mt));
-}
 
 // B operand, two adjacent n8 tiles (16 x 16) at a time. B_COL_MAJOR: the tile stores B[n][k]
 // (k contiguous, as K is stored for Q K^T); otherwise it stores B[k][n].
@@ -129,20 +123,22 @@ __device__ __forceinline__ uint32 b_base(const uint16* tile, int n0) {
     if (B_COL_MAJOR) return smem_address(tile + (n0 + lane % 8 + 8 * (lane / 16)) * S + 8 * ((lane / 8) % 2));
     return smem_address(tile + (lane % 8 + 8 * ((lane / 8) % 2)) * S + n0 + 8 * (lane / 16));
 }
-template <int B_COLS, bool B_COL_MAJOR>
-__device__ __forceinline__ void load_b_pair(uint32 (&b)[4], uint32 base, int k0, int np) {
-    constexpr int S = Padded<B_COLS>::kStride;
-    if (B_COL_MAJOR) ldmatrix_x4(b, base + 2 * (16 * np * S + k0));
-    else ldmatrix_x4_trans(b, base + 2 * (k0 * S + 16 * np));
-}
 
-// B operand of a single n8 tile (an odd NT's last one): ldmatrix.x2 reads its addresses from
-// lanes 0-15, whose x4 base addresses already point at exactly these two 8x8 matrices.
-template <int B_COLS, bool B_COL_MAJOR>
-__device__ __forceinline__ void load_b_single(uint32 (&b)[2], uint32 base, int k0, int np) {
-    constexpr int S = Padded<B_COLS>::kStride;
-    if (B_COL_MAJOR) ldmatrix_x2(b, base + 2 * (16 * np * S + k0));
-    else ldmatrix_x2_trans(b, base + 2 * (k0 * S + 16 * np));
+// The i-th 16-wide block at depth k0 of an operand, from its lane base: four 8x8 matrices (an A
+// fragment, or the B fragments of two n8 tiles) or two (one n8 tile of B: ldmatrix.x2 reads the
+// addresses of lanes 0-15, which the x4 bases already point at these two matrices). K_CONTIGUOUS
+// tiles are read as stored, the others through ldmatrix.trans.
+template <int COLS, bool K_CONTIGUOUS, int N>
+__device__ __forceinline__ void load_fragment(uint32 (&r)[N], uint32 lane_base, int i, int k0) {
+    constexpr int S = Padded<COLS>::kStride;
+    const uint32 address = lane_base + 2 * (K_CONTIGUOUS ? 16 * i * S + k0 : k0 * S + 16 * i);
+    if constexpr (N == 4) {
+        if (K_CONTIGUOUS) ldmatrix_x4(r, address);
+        else ldmatrix_x4_trans(r, address);
+    } else {
+        if (K_CONTIGUOUS) ldmatrix_x2(r, address);
+        else ldmatrix_x2_trans(r, address);
+    }
 }
 
 // One 16-deep step: acc[MT][NT] += a[MT] (16 x 16 each) * B[k0 : k0 + 16, n0 : n0 + 8 NT]. B is read
@@ -152,7 +148,7 @@ __device__ __forceinline__ void mma_step(float (&acc)[MT][NT][4], const uint32 (
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
         uint32 b[4];
-        load_b_pair<B_COLS, B_COL_MAJOR>(b, b_lane_base, k0, np);
+        load_fragment<B_COLS, B_COL_MAJOR>(b, b_lane_base, np, k0);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             mma_16x8x16<BF16>(acc[mt][2 * np], a[mt], b[0], b[1]);
@@ -161,7 +157,7 @@ __device__ __forceinline__ void mma_step(float (&acc)[MT][NT][4], const uint32 (
     }
     if (NT % 2 == 1) {
         uint32 b[2];
-        load_b_single<B_COLS, B_COL_MAJOR>(b, b_lane_base, k0, NT / 2);
+        load_fragment<B_COLS, B_COL_MAJOR>(b, b_lane_base, NT / 2, k0);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) mma_16x8x16<BF16>(acc[mt][NT - 1], a[mt], b[0], b[1]);
     }
@@ -177,7 +173,7 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const uint16*
     for (int k0 = 0; k0 < K; k0 += 16) {
         uint32 a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) load_a<A_COLS, A_ROW_MAJOR>(a[mt], a_lane_base, mt, k0);
+        for (int mt = 0; mt < MT; ++mt) load_fragment<A_COLS, A_ROW_MAJOR>(a[mt], a_lane_base, mt, k0);
         mma_step<BF16, MT, NT, B_COLS, B_COL_MAJOR>(acc, a, b_lane_base, k0);
     }
 }

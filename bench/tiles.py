@@ -2,10 +2,8 @@
 
 Usage: python bench/tiles.py            # every candidate below, seqlen 4096, causal and not
 Each candidate compiled with zero spills (see `python -m cupyflash check --compile --verbose`).
-Prints TFLOP/s (FLOPs as in ../shared/peers/README.md), CUDA-event median of 20 after warm-up.
+Prints TFLOP/s (FLOPs as in ../shared/peers/README.md), timed as `python -m cupyflash bench` times.
 """
-
-import cupy
 
 import cupyflash
 from cupyflash import _config
@@ -22,7 +20,7 @@ CANDIDATES = {
 
 def main(seqlen=4096):
     import torch
-    from quick import time_ms as median_ms
+    from cupyflash.benchmark import time_ms as median_ms
     table = _config.TILES["sm90"]
     print(f"{'pass':4} {'hd':>4} {'tile':>14} | {'TFLOP/s':>8} {'causal':>8}")
     for (pass_, hd), candidates in CANDIDATES.items():

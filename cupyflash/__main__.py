@@ -1,4 +1,4 @@
-"""Command line: `python -m cupyflash info` and `python -m cupyflash check`."""
+"""Command line: `python -m cupyflash info`, `python -m cupyflash check` and `python -m cupyflash bench`."""
 
 import argparse
 import itertools
@@ -156,6 +156,25 @@ def check(verbose=False):
     return 1 if status else 0
 
 
+# ---------------------------------------------------------------------------------------- bench
+
+def bench(args):
+    if not _gpu_available():
+        print("bench needs a GPU visible to CuPy")
+        return 1
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to CuPy and torch
+    from . import benchmark
+    impls = args.impls or list(benchmark.IMPLEMENTATIONS)
+    status = 0
+    if not args.memory_only:
+        rows = benchmark.run_speed(args.headdims, args.seqlens, args.dtypes, impls=impls)
+        print(benchmark.write_speed(rows, args.out, impls))
+    if not args.no_memory:
+        print(benchmark.write_memory(benchmark.run_memory(args.memory_seqlens), args.out))
+    print(f"results written to {args.out}")
+    return status
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -164,9 +183,21 @@ def main(argv=None):
                                                      "(without a GPU: NumPy path and NVRTC compile of every kernel)")
     check_parser.add_argument("--compile", action="store_true", help="also compile every kernel variant (GPU or not)")
     check_parser.add_argument("--verbose", action="store_true", help="list every kernel's ptxas report")
+    bench_parser = commands.add_parser("bench", help="speed and memory beside the peers on this machine")
+    bench_parser.add_argument("--out", default="bench/results", help="folder for the CSV, markdown and PNG files")
+    bench_parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256])
+    bench_parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    bench_parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
+    bench_parser.add_argument("--impls", nargs="+", help="implementations to time (default: all)")
+    bench_parser.add_argument("--memory-seqlens", type=int, nargs="+",
+                              default=[1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072])
+    bench_parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
+    bench_parser.add_argument("--memory-only", action="store_true", help="only the memory table")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    if args.command == "bench":
+        return bench(args)
     status = check(args.verbose)
     if args.compile and _gpu_available():
         status |= _check_compile(args.verbose)

@@ -1,0 +1,308 @@
+"""`python -m cupyflash bench`: cupyflash beside the attention implementations found on this machine.
+
+Method (the FlashAttention papers', as in ../shared/peers/README.md): batch x seqlen = 16384 tokens,
+hidden 2048 (nheads = 2048 / headdim), layout (batch, seqlen, nheads, headdim). FLOPs: forward
+4 b h s^2 d, halved when causal; backward 2.5x that, timed alone (the backward of an existing
+forward); fwd+bwd 3.5x. Timing: CUDA events on PyTorch's current stream around a batch of
+back-to-back calls (sized to ~25 ms, so the host's launch work overlaps the GPU's), per-call time =
+elapsed / calls, median of 5 batches after a warm-up batch (which includes compilation). JAX has
+no stream to put events on: its cells use the host clock around a batch ended by
+block_until_ready, and its backward is (fwd+bwd) - fwd. Fresh random inputs per cell; a peer that
+fails or is missing gives a blank cell, never a crash.
+
+Memory: peak device memory of fwd+bwd beyond the inputs, batch 1, 16 heads, head dim 128, against
+seqlen, for cupyflash and for naive attention (PyTorch's math backend, which builds the full score
+matrix).
+"""
+
+import csv
+import dataclasses
+import math
+import os
+import time
+
+import numpy
+
+PASSES = ("fwd", "bwd", "fwd+bwd")
+PASS_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+TOKENS, HIDDEN = 16384, 2048
+
+
+def attention_flops(batch, nheads, seqlen, headdim, causal, pass_):
+    return 4 * batch * nheads * seqlen ** 2 * headdim / (2 if causal else 1) * PASS_FLOP_FACTOR[pass_]
+
+
+def time_ms(fn, reps=5, target_ms=25.0, sync=None):
+    """Median per-call milliseconds of `fn` over `reps` batches of back-to-back calls.
+
+    Without `sync`, `fn` must launch on PyTorch's current stream (events are recorded there);
+    with `sync` (a function that waits for the work of the last call), the host clock is used."""
+    import torch
+
+    def batch_ms(calls):
+        if sync is None:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            stop.record()
+            stop.synchronize()
+            return start.elapsed_time(stop) / calls
+        begin = time.perf_counter()
+        for _ in range(calls):
+            result = fn()
+        sync(result)
+        return (time.perf_counter() - begin) * 1e3 / calls
+
+    batch_ms(1)  # warm-up, compilation included
+    calls = max(1, min(1000, int(target_ms / max(batch_ms(1), 1e-3))))
+    return float(numpy.median([batch_ms(calls) for _ in range(reps)]))
+
+
+# ----------------------------------------------------------------------------------- implementations
+# Each takes torch tensors q, k, v, dout (batch, seqlen, nheads, headdim) and returns
+# {pass: (callable, sync or None)}; the callables do the work of one call.
+
+def _cupyflash(q, k, v, dout, causal):
+    from . import flash_attn_backward, flash_attn_func
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+
+    def both():
+        o, l = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        return flash_attn_backward(dout, q, k, v, o, l, causal=causal)
+    return {"fwd": (lambda: flash_attn_func(q, k, v, causal=causal), None),
+            "bwd": (lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal), None),
+            "fwd+bwd": (both, None)}
+
+
+def _sdpa(backend_name):
+    def make(q, k, v, dout, causal):
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = getattr(SDPBackend, backend_name)
+        qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+        dot = dout.transpose(1, 2)
+
+        def forward():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        out = forward()
+
+        def both():
+            return torch.autograd.grad(forward(), (qt, kt, vt), dot)
+        return {"fwd": (forward, None),
+                "bwd": (lambda: torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True), None),
+                "fwd+bwd": (both, None)}
+    return make
+
+
+def _jax_cudnn(q, k, v, dout, causal):
+    import jax
+    import jax.dlpack
+    qj, kj, vj, doj = (jax.dlpack.from_dlpack(x.contiguous()) for x in (q, k, v, dout))
+
+    def attention(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    forward = jax.jit(attention)
+    both = jax.jit(lambda q, k, v, do: jax.vjp(attention, q, k, v)[1](do))
+    sync = jax.block_until_ready
+    return {"fwd": (lambda: forward(qj, kj, vj), sync), "fwd+bwd": (lambda: both(qj, kj, vj, doj), sync)}
+
+
+IMPLEMENTATIONS = {
+    "cupyflash": _cupyflash,
+    "SDPA flash (FA2)": _sdpa("FLASH_ATTENTION"),
+    "SDPA cuDNN": _sdpa("CUDNN_ATTENTION"),
+    "SDPA mem-efficient": _sdpa("EFFICIENT_ATTENTION"),
+    "JAX cuDNN": _jax_cudnn,
+}
+REFERENCE_PEER = "SDPA flash (FA2)"
+
+
+@dataclasses.dataclass
+class Row:
+    impl: str
+    dtype: str
+    headdim: int
+    seqlen: int
+    causal: bool
+    pass_: str
+    ms: float            # NaN when the implementation failed or is missing
+    tflops: float
+
+
+def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384), dtypes=("bfloat16", "float16"),
+              causals=(False, True), impls=tuple(IMPLEMENTATIONS), report=print):
+    import torch
+    rows = []
+    cells = [(d, hd, s, c) for d in dtypes for hd in headdims for s in seqlens for c in causals]
+    for index, (dtype, hd, seqlen, causal) in enumerate(cells, 1):
+        batch, nheads = TOKENS // seqlen, HIDDEN // hd
+        torch_dtype = getattr(torch, dtype)
+        q, k, v, dout = (torch.randn(batch, seqlen, nheads, hd, device="cuda", dtype=torch_dtype) for _ in range(4))
+        times = {}
+        for impl in impls:
+            try:
+                calls = IMPLEMENTATIONS[impl](q, k, v, dout, causal)
+                for pass_, (fn, sync) in calls.items():
+                    times[impl, pass_] = time_ms(fn, sync=sync)
+                if "bwd" not in calls and "fwd+bwd" in calls:
+                    times[impl, "bwd"] = times[impl, "fwd+bwd"] - times[impl, "fwd"]
+            except Exception as error:  # a failing peer is a blank cell
+                report(f"  {impl} failed at {dtype} hd{hd} s{seqlen} causal={causal}: {type(error).__name__}: "
+                       f"{str(error).splitlines()[0][:120] if str(error) else ''}")
+            torch.cuda.empty_cache()
+        for impl in impls:
+            for pass_ in PASSES:
+                ms = times.get((impl, pass_), math.nan)
+                flops = attention_flops(batch, nheads, seqlen, hd, causal, pass_)
+                rows.append(Row(impl, dtype, hd, seqlen, causal, pass_, ms, flops / ms / 1e9))
+        ours = {p: times.get(("cupyflash", p), math.nan) for p in PASSES}
+        peer = {p: times.get((REFERENCE_PEER, p), math.nan) for p in PASSES}
+        report(f"[{index}/{len(cells)}] {dtype} hd{hd} s{seqlen}{' causal' if causal else ''}: "
+               + "  ".join(f"{p} {peer[p] / ours[p]:.2f}x FA2" for p in PASSES))
+    return rows
+
+
+def run_memory(seqlens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072), nheads=16, headdim=128,
+               dtype="bfloat16", report=print):
+    """[(seqlen, implementation, extra MiB or NaN)] for one fwd+bwd, batch 1."""
+    import cupy
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from . import flash_attn_backward, flash_attn_func
+    pool = cupy.get_default_memory_pool()
+    results = []
+    for seqlen in seqlens:
+        q, k, v, dout = (torch.randn(1, seqlen, nheads, headdim, device="cuda", dtype=getattr(torch, dtype))
+                         for _ in range(4))
+
+        def cupyflash_step():
+            out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+            flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+
+        def naive_step():
+            qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+            with sdpa_kernel(SDPBackend.MATH):
+                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+            torch.autograd.grad(out, (qt, kt, vt), dout.transpose(1, 2))
+
+        for name, step in (("cupyflash", cupyflash_step), ("naive (PyTorch math)", naive_step)):
+            torch.cuda.synchronize()
+            pool.free_all_blocks()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            try:
+                step()
+                torch.cuda.synchronize()
+                # torch's peak covers torch allocations (outputs, for torch inputs); CuPy's pool holds
+                # cupyflash's own temporaries (the dq accumulator, D) until freed.
+                extra = torch.cuda.max_memory_allocated() - base + pool.total_bytes()
+                results.append((seqlen, name, extra / 2 ** 20))
+            except Exception as error:  # out of memory: a blank cell
+                results.append((seqlen, name, math.nan))
+                report(f"  {name} failed at seqlen {seqlen}: {type(error).__name__}")
+            torch.cuda.empty_cache()
+        report(f"memory seqlen {seqlen}: " + ", ".join(f"{n} {m:.0f} MiB" for s, n, m in results if s == seqlen))
+    return results
+
+
+# ----------------------------------------------------------------------------------------- output
+
+def _fmt(x):
+    return "" if math.isnan(x) else f"{x:.1f}"
+
+
+def write_speed(rows, out_dir, impls):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "speed.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["impl", "dtype", "headdim", "seqlen", "causal", "pass", "ms", "tflops"])
+        for r in rows:
+            writer.writerow([r.impl, r.dtype, r.headdim, r.seqlen, r.causal, r.pass_, f"{r.ms:.4f}", f"{r.tflops:.2f}"])
+    by_key = {(r.impl, r.dtype, r.headdim, r.seqlen, r.causal, r.pass_): r.tflops for r in rows}
+    keys = sorted({(r.pass_, r.dtype, r.headdim, r.seqlen, r.causal) for r in rows},
+                  key=lambda k: (PASSES.index(k[0]), k[1], k[2], k[4], k[3]))
+    lines = ["TFLOP/s (higher is better); ratio = cupyflash / " + REFERENCE_PEER + ".", "",
+             "| pass | dtype | hdim | seqlen | causal | " + " | ".join(impls) + " | ratio |",
+             "|" + "---|" * (6 + len(impls))]
+    for pass_, dtype, hd, seqlen, causal in keys:
+        values = [by_key.get((i, dtype, hd, seqlen, causal, pass_), math.nan) for i in impls]
+        ratio = by_key.get(("cupyflash", dtype, hd, seqlen, causal, pass_), math.nan) / \
+            by_key.get((REFERENCE_PEER, dtype, hd, seqlen, causal, pass_), math.nan)
+        lines.append(f"| {pass_} | {dtype} | {hd} | {seqlen} | {'yes' if causal else 'no'} | "
+                     + " | ".join(_fmt(x) for x in values) + f" | {'' if math.isnan(ratio) else f'{ratio:.2f}'} |")
+    with open(os.path.join(out_dir, "speed.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    _plot_speed(rows, impls, os.path.join(out_dir, "speed.png"))
+    return "\n".join(lines)
+
+
+def _plot_speed(rows, impls, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    for dtype in sorted({r.dtype for r in rows}):
+        panels = sorted({(r.headdim, r.causal, r.pass_) for r in rows if r.dtype == dtype},
+                        key=lambda p: (PASSES.index(p[2]), p[1], p[0]))
+        cols = len({(p[0]) for p in panels})
+        nrows = math.ceil(len(panels) / cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+        for ax, (hd, causal, pass_) in zip(axes.flat, panels):
+            for impl in impls:
+                points = sorted((r.seqlen, r.tflops) for r in rows if (r.impl, r.dtype, r.headdim, r.causal, r.pass_)
+                                == (impl, dtype, hd, causal, pass_) and not math.isnan(r.tflops))
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=impl, linewidth=2.5 if impl == "cupyflash" else 1.2)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{pass_} hdim {hd}{' causal' if causal else ''}", fontsize=9)
+            ax.set_xlabel("seqlen", fontsize=8)
+            ax.set_ylabel("TFLOP/s", fontsize=8)
+        axes.flat[0].legend(fontsize=7)
+        fig.suptitle(f"{dtype}, {TOKENS} tokens, hidden {HIDDEN}")
+        fig.tight_layout(rect=(0, 0, 1, 0.97))
+        fig.savefig(path.replace(".png", f"-{dtype}.png"), dpi=110)
+        plt.close(fig)
+
+
+def write_memory(results, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    names = list(dict.fromkeys(n for _, n, _ in results))
+    seqlens = sorted({s for s, _, _ in results})
+    table = {(s, n): m for s, n, m in results}
+    lines = ["Peak device memory of one causal fwd+bwd beyond the inputs, MiB (batch 1, 16 heads, hdim 128, bf16); "
+             "blank = failed (out of memory).", "",
+             "| seqlen | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]
+    lines += [f"| {s} | " + " | ".join(_fmt(table[s, n]) for n in names) + " |" for s in seqlens]
+    with open(os.path.join(out_dir, "memory.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out_dir, "memory.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["seqlen", "impl", "extra_mib"])
+        writer.writerows(results)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for n in names:
+            points = [(s, table[s, n]) for s in seqlens if not math.isnan(table[s, n])]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=n)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("extra MiB")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "memory.png"), dpi=110)
+        plt.close(fig)
+    except ImportError:
+        pass
+    return "\n".join(lines)

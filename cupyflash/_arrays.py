@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy
 
-_DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST, _DLPACK_CUDA_MANAGED = 1, 2, 3, 13
+_DLPACK_CUDA, _DLPACK_CUDA_MANAGED = 2, 13  # DLPack device types that are GPU memory
 
 
 def kind_of(array):

@@ -20,25 +20,20 @@ from typing import Optional
 
 _OPTIONS = ("-std=c++17", "--ptxas-options=-v")
 _load_lock = threading.Lock()
-_nvrtc_lock = threading.Lock()
 
 
 def _nvrtc(source, name, options):
     """(cubin bytes, log) of one NVRTC compile; raises RuntimeError with the log on failure.
 
-    One compile at a time per process: seen on the H200 machine, many concurrent compiles in one
-    process returned logs without the ptxas report. Parallel builds use processes (compile_all).
-
     Seen on this project's CPU machines: NVRTC's own dlopen of libnvrtc-builtins occasionally fails
     in a fresh process ("failed to open libnvrtc-builtins"), while a ctypes load of the same file
     succeeds; once loaded, NVRTC finds it. So on that error, load it and try again."""
-    with _nvrtc_lock:
-        try:
-            return _nvrtc_once(source, name, options)
-        except RuntimeError as error:
-            if "libnvrtc-builtins" not in str(error) or not _load_nvrtc_builtins():
-                raise
+    try:
         return _nvrtc_once(source, name, options)
+    except RuntimeError as error:
+        if "libnvrtc-builtins" not in str(error) or not _load_nvrtc_builtins():
+            raise
+    return _nvrtc_once(source, name, options)
 
 
 def _load_nvrtc_builtins():
@@ -111,8 +106,7 @@ def _compile_for_report(kernel, arch):
 
 
 def compile_all(kernels, archs, workers=None, progress=None):
-    """Compiles `kernels` for each arch in worker processes (NVRTC runs one compile at a time per
-    process); returns [(arch, kernel, ResourceReport)] sorted by arch and name. `progress(done, total,
+    """Compiles `kernels` for each arch in worker processes; returns [(arch, kernel, ResourceReport)] sorted by arch and name. `progress(done, total,
     label)` is called after each compile."""
     jobs = [(arch, kernel) for arch in archs for kernel in kernels]
     results = []
@@ -144,7 +138,8 @@ class ResourceReport:
 
 def ptxas_report(log):
     """(registers, stack frame, spill stores, spill loads) from NVRTC's `--ptxas-options=-v` log,
-    or None when the log holds no report (seen under load on the H200 machine's NVRTC)."""
+    or None when the log holds no report (seen on the H200 machine under pytest-xdist: most kernels
+    without spills came back with no ptxas lines; a lone compile there had them. Cause unknown)."""
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     regs = re.search(r"Used (\d+) registers", log)
     if not (frame and regs):

@@ -8,15 +8,24 @@ Layout (flash_attn's):
 Query head h reads kv head h // (nheads // nheads_k) (GQA / MQA).
 The default softmax_scale is headdim ** -0.5.
 
-Causal masking is aligned to the bottom-right corner (flash_attn >= 2.1):
-query row i sees key j iff j <= i + seqlen_k - seqlen_q.
+Options (flash_attn's names and meaning; every default means "off"):
+    causal        query row i sees key j only if j <= i + seqlen_k - seqlen_q
+    window_size   (left, right): row i sees key j only if
+                  i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right;
+                  -1 leaves that side unbounded. With causal the two masks intersect,
+                  which is the same as right = 0.
+    softcap       > 0 squashes the scores into (-softcap, softcap) with tanh
+    alibi_slopes  (nheads,) or (batch, nheads): head h adds -slope[h] * |i + seqlen_k - seqlen_q - j|
+    attn_bias     additive bias broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k)
+All masking is aligned to the bottom-right corner (flash_attn >= 2.1).
 
-Empty rows: a query row that sees no key (causal with seqlen_q > seqlen_k) has
-out = 0 and lse = -inf (the log of an empty sum), and contributes zero gradient
-to q, k and v. No function here returns NaN for such a row.
+Empty rows: a query row that sees no key (causal with seqlen_q > seqlen_k, or a window that
+misses every key) has out = 0 and lse = -inf (the log of an empty sum), and contributes zero
+gradient to q, k and v. No function here returns NaN for such a row.
 
-Three families of functions share one mask (`visible`) and one score transform
-(`scaled_scores`), so future options (window, softcap, ALiBi, ...) go in one place:
+Three families of functions share one mask (`visible`), one score transform (`scaled_scores`,
+whose docstring gives the order of the options) and one block-skipping rule
+(`key_block_range` / `query_block_range`), so every variant agrees:
   * attention_forward / attention_backward: naive float64, full score matrix.
   * attention_forward_tiled / attention_backward_tiled: the FlashAttention-2
     algorithm written out tile by tile, also in float64.
@@ -25,41 +34,145 @@ Three families of functions share one mask (`visible`) and one score transform
 """
 
 import math
+import operator
+from typing import NamedTuple
 
 import numpy as np
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
+# Called as tile_hook(pass_name, rows, cols) for every tile the tiled functions compute
+# ("forward" or "backward"; rows and cols are slices). Tests use it to see which tiles are skipped.
+tile_hook = None
+
 
 # ---------------------------------------------------------------------------
-# Shared building blocks: the mask and the score transform.
+# Shared building blocks: the mask, the score bias, the score transform.
 # ---------------------------------------------------------------------------
 
-def visible(seqlen_q, seqlen_k, causal, rows=slice(None), cols=slice(None)):
+def window_bounds(causal, window_size=(-1, -1)):
+    """(left, right) of the attention window, causal folded in as right = 0; -1 is unbounded."""
+    try:
+        left, right = (operator.index(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of integers >= -1, "
+                         f"got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 means unbounded), got {window_size!r}")
+    # Causal hides every key right of the diagonal: the intersection is the window with right = 0.
+    return left, (0 if causal else right)
+
+
+def _diagonal_offset(seqlen_q, seqlen_k, rows, cols):
+    """(m, n) matrix of j - (i + seqlen_k - seqlen_q): how far key j lies right of row i's diagonal."""
+    row = np.arange(seqlen_q)[rows, None]
+    col = np.arange(seqlen_k)[None, cols]
+    # Bottom-right alignment: the last query row's diagonal is the last key.
+    return col - (row + (seqlen_k - seqlen_q))
+
+
+def visible(seqlen_q, seqlen_k, causal, rows=slice(None), cols=slice(None), *, window_size=(-1, -1)):
     """Bool matrix whose entry (i, j) says whether query row i may attend to key j.
 
     rows and cols are slices of the full ranges, so tiled code can ask for one tile.
     """
-    row = np.arange(seqlen_q)[rows, None]
-    col = np.arange(seqlen_k)[None, cols]
-    if not causal:
-        return np.ones((row.shape[0], col.shape[1]), dtype=bool)
-    # Bottom-right alignment: the last query row sees every key.
-    return col <= row + (seqlen_k - seqlen_q)
+    left, right = window_bounds(causal, window_size)
+    offset = _diagonal_offset(seqlen_q, seqlen_k, rows, cols)
+    mask = np.ones(offset.shape, dtype=bool)
+    if left >= 0:
+        mask &= offset >= -left
+    if right >= 0:
+        mask &= offset <= right
+    return mask
 
 
-def scaled_scores(q, k, scale, mask, round_fn=None):
-    """Softmax logits (q k^T) * scale, with entries hidden by mask set to -inf.
+def _block_range(index, length, block, reach_before, reach_after):
+    """Blocks of range(length) that hold any of index.start - reach_before .. index.stop - 1 + reach_after.
 
-    q is (batch, nheads, m, headdim) and k (batch, nheads, n, headdim), heads first;
-    mask is (m, n). Computes in q's dtype. round_fn, if given, rounds the result of
-    each operation (low-precision emulation).
+    index is a slice of the other axis; a reach of None is unbounded.
+    """
+    if block < 1:
+        raise ValueError(f"block size must be positive, got {block}")
+    first = 0 if reach_before is None else max(index.start - reach_before, 0)
+    last = length - 1 if reach_after is None else min(index.stop - 1 + reach_after, length - 1)
+    if index.start >= index.stop or first > last:
+        return range(0)
+    return range(first // block, last // block + 1)
+
+
+def key_block_range(rows, seqlen_q, seqlen_k, block_n, causal=False, *, window_size=(-1, -1)):
+    """Indices of the key blocks (of block_n keys) that query rows `rows` (a slice) see at all.
+
+    Each row sees one contiguous run of keys and the runs of neighbouring rows overlap or touch, so this
+    range is exact: every block in it has a visible key, every block outside is fully masked and
+    the tiled code never visits it.
+    """
+    left, right = window_bounds(causal, window_size)
+    start, stop, _ = rows.indices(seqlen_q)
+    shift = seqlen_k - seqlen_q
+    # Row i sees keys i + shift - left .. i + shift + right.
+    return _block_range(slice(start, stop), seqlen_k, block_n,
+                        None if left < 0 else left - shift, None if right < 0 else right + shift)
+
+
+def query_block_range(cols, seqlen_q, seqlen_k, block_m, causal=False, *, window_size=(-1, -1)):
+    """Indices of the query blocks (of block_m rows) that see any key of `cols` (a slice); exact."""
+    left, right = window_bounds(causal, window_size)
+    start, stop, _ = cols.indices(seqlen_k)
+    shift = seqlen_k - seqlen_q
+    # Key j is seen by rows j - shift - right .. j - shift + left.
+    return _block_range(slice(start, stop), seqlen_q, block_m,
+                        None if right < 0 else right + shift, None if left < 0 else left - shift)
+
+
+def score_bias(seqlen_q, seqlen_k, alibi_slopes=None, attn_bias=None, rows=slice(None), cols=slice(None)):
+    """ALiBi plus attn_bias for one tile, broadcastable to (batch, nheads, m, n); None if neither.
+
+    alibi_slopes must already be shaped (batch or 1, nheads, 1, 1) and attn_bias broadcast to
+    (batch, nheads, seqlen_q, seqlen_k) (see _check_options).
+    """
+    bias = None
+    if alibi_slopes is not None:
+        distance = np.abs(_diagonal_offset(seqlen_q, seqlen_k, rows, cols))
+        bias = -alibi_slopes * distance
+    if attn_bias is not None:
+        tile = attn_bias[:, :, rows, cols]
+        bias = tile if bias is None else bias + tile
+    return bias
+
+
+def scaled_scores(q, k, scale, mask, round_fn=None, *, softcap=0.0, bias=None, log2=False,
+                  return_tanh=False):
+    """Softmax logits of q against k. The one score transform, in this order:
+
+        s = (q k^T) * scale
+        s = softcap * tanh(s / softcap)       if softcap > 0
+        s = s + bias                          ALiBi and attn_bias together (score_bias)
+        s = -inf where mask is False
+    lse is the log-sum-exp of this final s.
+
+    q is (batch, nheads, m, headdim) and k (batch, nheads, n, headdim), heads first; mask is
+    (m, n) and bias broadcasts to (batch, nheads, m, n). Computes in q's dtype. round_fn, if
+    given, rounds the result of each operation (low-precision emulation). log2=True returns
+    s * log2(e) for an exp2 softmax, with log2(e) folded into the last multiplications as the
+    kernels do. return_tanh=True returns (s, t) with t = tanh(s / softcap), None without softcap:
+    the backward needs d softcap(x) / dx = 1 - t^2.
     """
     keep = round_fn or (lambda x: x)
+    unit = LOG2E if log2 else 1.0
     s = keep(q @ k.swapaxes(-1, -2))
-    s = keep(s * np.asarray(scale, dtype=s.dtype))
-    return np.where(mask, s, -np.inf)
+    t = None
+    if softcap:
+        s = keep(s * np.asarray(scale, dtype=s.dtype))
+        t = keep(np.tanh(keep(s / np.asarray(softcap, dtype=s.dtype))))
+        s = keep(t * np.asarray(softcap * unit, dtype=s.dtype))
+    else:
+        s = keep(s * np.asarray(scale * unit, dtype=s.dtype))
+    if bias is not None:
+        s = keep(s + keep(bias).astype(s.dtype) * np.asarray(unit, dtype=s.dtype))
+    s = np.where(mask, s, -np.inf)
+    return (s, t) if return_tanh else s
 
 
 def _softmax(s):
@@ -75,9 +188,16 @@ def _softmax(s):
     return p, lse
 
 
+def _sum_to_shape(x, shape):
+    """Sum x over the axes along which an array of `shape` was broadcast to x's shape."""
+    x = x.sum(axis=tuple(range(x.ndim - len(shape))))
+    axes = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
+    return x.sum(axis=axes, keepdims=True).reshape(shape)
+
+
 # ---------------------------------------------------------------------------
-# Layout helpers. Internally everything is heads first: (batch, nheads, seqlen, headdim),
-# with kv heads repeated so that every query head has its own copy.
+# Layout helpers and option checks. Internally everything is heads first:
+# (batch, nheads, seqlen, headdim), with kv heads repeated so that every query head has its own copy.
 # ---------------------------------------------------------------------------
 
 def _check_shapes(q, k, v):
@@ -87,6 +207,43 @@ def _check_shapes(q, k, v):
         raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"nheads ({q.shape[2]}) must be a multiple of nheads_k ({k.shape[2]})")
+
+
+class _Options(NamedTuple):
+    """The validated masking and score options of one call."""
+    window_size: tuple  # (left, right), causal folded in
+    softcap: float
+    alibi_slopes: object  # None or (batch or 1, nheads, 1, 1) float64
+    attn_bias: object  # None or a read-only float64 view broadcast to (batch, nheads, seqlen_q, seqlen_k)
+    bias_shape: object  # attn_bias's own shape (dbias gets it), or None
+
+
+def _check_options(q_shape, seqlen_k, causal, window_size, softcap, alibi_slopes, attn_bias):
+    batch, seqlen_q, nheads, _ = q_shape
+    window = window_bounds(causal, window_size)
+    try:
+        softcap = float(softcap)
+    except (TypeError, ValueError):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap!r}") from None
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap!r}")
+    if alibi_slopes is not None:
+        alibi_slopes = np.asarray(alibi_slopes, dtype=np.float64)
+        if alibi_slopes.shape not in ((nheads,), (batch, nheads)):
+            raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
+                             f"got {alibi_slopes.shape}")
+        alibi_slopes = alibi_slopes.reshape(-1, nheads, 1, 1)
+    bias_shape = None
+    if attn_bias is not None:
+        attn_bias = np.asarray(attn_bias, dtype=np.float64)
+        bias_shape = attn_bias.shape
+        full = (batch, nheads, seqlen_q, seqlen_k)
+        try:
+            attn_bias = np.broadcast_to(attn_bias, full)
+        except ValueError:
+            raise ValueError(f"attn_bias must broadcast to (batch, nheads, seqlen_q, seqlen_k) = {full}, "
+                             f"got shape {bias_shape}") from None
+    return _Options(window, softcap, alibi_slopes, attn_bias, bias_shape)
 
 
 def _heads_first(x, round_fn=None):
@@ -115,53 +272,83 @@ def _sum_kv_groups(dx, nheads_k):
     return dx.reshape(batch, nheads_k, nheads // nheads_k, seqlen, dim).sum(axis=2)
 
 
-def _setup(q, k, v, softmax_scale, round_fn=None):
-    """Validate, go heads first, expand kv heads, resolve the default scale."""
+def _setup(q, k, v, softmax_scale, round_fn=None, causal=False, window_size=(-1, -1), softcap=0.0,
+           alibi_slopes=None, attn_bias=None):
+    """Validate, go heads first, expand kv heads, resolve the default scale and the options."""
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     _check_shapes(q, k, v)
+    opts = _check_options(q.shape, k.shape[1], causal, window_size, softcap, alibi_slopes, attn_bias)
     nheads = q.shape[2]
     qh = _heads_first(q, round_fn)
     kh = _expand_kv(_heads_first(k, round_fn), nheads)
     vh = _expand_kv(_heads_first(v, round_fn), nheads)
     if softmax_scale is None:
         softmax_scale = q.shape[3] ** -0.5
-    return qh, kh, vh, float(softmax_scale)
+    return qh, kh, vh, float(softmax_scale), opts
+
+
+def _scores(qh, kh, scale, opts, rows=slice(None), cols=slice(None), round_fn=None, log2=False):
+    """Logits and tanh values (see scaled_scores) of query rows `rows` against keys `cols`."""
+    seqlen_q, seqlen_k = qh.shape[2], kh.shape[2]
+    mask = visible(seqlen_q, seqlen_k, False, rows, cols, window_size=opts.window_size)
+    bias = score_bias(seqlen_q, seqlen_k, opts.alibi_slopes, opts.attn_bias, rows, cols)
+    return scaled_scores(qh[:, :, rows], kh[:, :, cols], scale, mask, round_fn, softcap=opts.softcap,
+                         bias=bias, log2=log2, return_tanh=True)
 
 
 def _grads_to_layout(dq, dk, dv, nheads_k):
     return _seq_first(dq), _seq_first(_sum_kv_groups(dk, nheads_k)), _seq_first(_sum_kv_groups(dv, nheads_k))
 
 
+def _with_dbias(grads, dbias, opts, return_dbias, round_fn=None):
+    """(dq, dk, dv), plus dbias in attn_bias's shape (None without attn_bias) when asked for."""
+    if not return_dbias:
+        return grads
+    if opts.bias_shape is None:
+        return grads + (None,)
+    dbias = _sum_to_shape(dbias, opts.bias_shape)
+    return grads + (round_fn(dbias) if round_fn else dbias,)
+
+
 # ---------------------------------------------------------------------------
 # Naive float64 attention.
 # ---------------------------------------------------------------------------
 
-def attention_forward(q, k, v, softmax_scale=None, causal=False):
+def attention_forward(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1, -1), softcap=0.0,
+                      alibi_slopes=None, attn_bias=None):
     """Naive attention in float64. Returns (out, lse)."""
-    qh, kh, vh, scale = _setup(q, k, v, softmax_scale)
-    mask = visible(qh.shape[2], kh.shape[2], causal)
-    p, lse = _softmax(scaled_scores(qh, kh, scale, mask))
+    qh, kh, vh, scale, opts = _setup(q, k, v, softmax_scale, None, causal, window_size, softcap,
+                                     alibi_slopes, attn_bias)
+    s, _ = _scores(qh, kh, scale, opts)
+    p, lse = _softmax(s)
     return _seq_first(p @ vh), lse
 
 
-def attention_backward(dout, q, k, v, softmax_scale=None, causal=False):
+def attention_backward(dout, q, k, v, softmax_scale=None, causal=False, *, window_size=(-1, -1), softcap=0.0,
+                       alibi_slopes=None, attn_bias=None, return_dbias=False):
     """Analytic gradient of attention_forward in float64. Returns (dq, dk, dv).
 
-    dk and dv are summed over the query heads that share each kv head.
+    dk and dv are summed over the query heads that share each kv head. With return_dbias, also
+    returns dbias, the gradient of attn_bias in its own shape (None if attn_bias is None).
     """
     nheads_k = np.shape(k)[2]
-    qh, kh, vh, scale = _setup(q, k, v, softmax_scale)
+    qh, kh, vh, scale, opts = _setup(q, k, v, softmax_scale, None, causal, window_size, softcap,
+                                     alibi_slopes, attn_bias)
     doh = _heads_first(dout)
-    mask = visible(qh.shape[2], kh.shape[2], causal)
-    p, _ = _softmax(scaled_scores(qh, kh, scale, mask))
+    s, t = _scores(qh, kh, scale, opts)
+    p, _ = _softmax(s)
 
     dv = p.swapaxes(-1, -2) @ doh
     dp = doh @ vh.swapaxes(-1, -2)
-    # Softmax backward: dS = P * (dP - rowsum(dP * P)).
+    # Softmax backward: dS = P * (dP - rowsum(dP * P)), the gradient of the final logits,
+    # which is also the gradient of the bias added to them.
     ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    dbias = ds
+    if t is not None:
+        ds = ds * (1 - t * t)  # through softcap: d/dx softcap * tanh(x / softcap) = 1 - tanh^2
     dq = ds @ kh * scale
     dk = ds.swapaxes(-1, -2) @ qh * scale
-    return _grads_to_layout(dq, dk, dv, nheads_k)
+    return _with_dbias(_grads_to_layout(dq, dk, dv, nheads_k), dbias, opts, return_dbias)
 
 
 # ---------------------------------------------------------------------------
@@ -175,28 +362,33 @@ def _blocks(length, block):
     return [slice(start, min(start + block, length)) for start in range(0, length, block)]
 
 
-def attention_forward_tiled(q, k, v, softmax_scale=None, causal=False, block_m=64, block_n=64):
-    """FlashAttention forward: online softmax over key tiles. Returns (out, lse)."""
-    qh, kh, vh, scale = _setup(q, k, v, softmax_scale)
+def attention_forward_tiled(q, k, v, softmax_scale=None, causal=False, block_m=64, block_n=64, *,
+                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, attn_bias=None):
+    """FlashAttention forward: online softmax over key tiles. Returns (out, lse).
+
+    Only the key tiles in key_block_range are visited; the others are fully masked.
+    """
+    qh, kh, vh, scale, opts = _setup(q, k, v, softmax_scale, None, causal, window_size, softcap,
+                                     alibi_slopes, attn_bias)
     batch, nheads, seqlen_q, _ = qh.shape
     seqlen_k, headdim_v = kh.shape[2], vh.shape[3]
-    # The kernel works in base 2: exp2 is a single instruction, and log2(e) folds into the scale.
-    scale_log2 = scale * LOG2E
+    key_blocks = _blocks(seqlen_k, block_n)
     out = np.empty((batch, nheads, seqlen_q, headdim_v))
     lse = np.empty((batch, nheads, seqlen_q))
 
     for rows in _blocks(seqlen_q, block_m):  # one thread block per query tile
-        q_tile = qh[:, :, rows]
         n_rows = rows.stop - rows.start
-        row_max = np.full((batch, nheads, n_rows), -np.inf)  # max of S * scale_log2 so far
-        row_sum = np.zeros((batch, nheads, n_rows))  # sum of exp2(S * scale_log2 - row_max)
+        row_max = np.full((batch, nheads, n_rows), -np.inf)  # max of S * log2(e) so far
+        row_sum = np.zeros((batch, nheads, n_rows))  # sum of exp2(S * log2(e) - row_max)
         acc = np.zeros((batch, nheads, n_rows, headdim_v))  # unnormalised output
 
-        for cols in _blocks(seqlen_k, block_n):
-            mask = visible(seqlen_q, seqlen_k, causal, rows, cols)
-            if not mask.any():
-                continue  # fully masked tile: the kernel never loads it
-            s = scaled_scores(q_tile, kh[:, :, cols], scale_log2, mask)
+        # Tiles outside the window (or right of the causal diagonal) are never loaded.
+        for n in key_block_range(rows, seqlen_q, seqlen_k, block_n, window_size=opts.window_size):
+            cols = key_blocks[n]
+            if tile_hook is not None:
+                tile_hook("forward", rows, cols)
+            # The kernel works in base 2: exp2 is a single instruction, and log2(e) folds into the scale.
+            s, _ = _scores(qh, kh, scale, opts, rows, cols, log2=True)
             new_max = np.maximum(row_max, s.max(axis=-1))
             # A row with no visible key so far keeps max -inf; use 0 so exp2 gives 0, not NaN.
             safe_max = np.where(np.isneginf(new_max), 0.0, new_max)
@@ -211,22 +403,28 @@ def attention_forward_tiled(q, k, v, softmax_scale=None, causal=False, block_m=6
         has_keys = row_sum > 0
         out[:, :, rows] = acc / np.where(has_keys, row_sum, 1.0)[..., None]
         with np.errstate(divide="ignore"):
-            # row_max is max(S) * scale * log2(e), so row_max * ln(2) = max(S) * scale.
+            # row_max is max(S) * log2(e), so row_max * ln(2) = max(S).
             lse[:, :, rows] = np.where(has_keys, row_max * LN2 + np.log(row_sum), -np.inf)
 
     return _seq_first(out), lse
 
 
 def attention_backward_tiled(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
-                             block_m=64, block_n=64):
+                             block_m=64, block_n=64, *, window_size=(-1, -1), softcap=0.0,
+                             alibi_slopes=None, attn_bias=None, return_dbias=False):
     """FlashAttention-2 backward: key tiles outside, query tiles inside. Returns (dq, dk, dv).
 
-    P is recomputed from the saved lse instead of being stored.
+    P is recomputed from the saved lse instead of being stored. Only the query tiles in
+    query_block_range of each key tile are visited. With return_dbias, also returns dbias
+    (None if attn_bias is None), written tile by tile.
     """
     nheads_k = np.shape(k)[2]
-    qh, kh, vh, scale = _setup(q, k, v, softmax_scale)
+    qh, kh, vh, scale, opts = _setup(q, k, v, softmax_scale, None, causal, window_size, softcap,
+                                     alibi_slopes, attn_bias)
     doh = _heads_first(dout)
-    seqlen_q, seqlen_k = qh.shape[2], kh.shape[2]
+    batch, nheads, seqlen_q, _ = qh.shape
+    seqlen_k = kh.shape[2]
+    query_blocks = _blocks(seqlen_q, block_m)
     lse = np.asarray(lse, dtype=np.float64)
     # Empty rows have lse = -inf; +inf instead makes exp(S - lse) = 0 there, not NaN.
     lse_for_p = np.where(np.isneginf(lse), np.inf, lse)
@@ -237,22 +435,29 @@ def attention_backward_tiled(dout, q, k, v, out, lse, softmax_scale=None, causal
     dq = np.zeros_like(qh)
     dk = np.zeros_like(kh)
     dv = np.zeros_like(vh)
+    want_dbias = return_dbias and opts.attn_bias is not None
+    dbias = np.zeros((batch, nheads, seqlen_q, seqlen_k)) if want_dbias else None
     for cols in _blocks(seqlen_k, block_n):  # one thread block per key tile
         k_tile, v_tile = kh[:, :, cols], vh[:, :, cols]
         # dk, dv of this key tile stay in registers for the whole inner loop.
         dk_acc = np.zeros_like(k_tile)
         dv_acc = np.zeros_like(v_tile)
 
-        for rows in _blocks(seqlen_q, block_m):
-            mask = visible(seqlen_q, seqlen_k, causal, rows, cols)
-            if not mask.any():
-                continue
+        # Query tiles that see none of these keys are skipped (their gradients here are zero).
+        for m in query_block_range(cols, seqlen_q, seqlen_k, block_m, window_size=opts.window_size):
+            rows = query_blocks[m]
+            if tile_hook is not None:
+                tile_hook("backward", rows, cols)
             q_tile, do_tile = qh[:, :, rows], doh[:, :, rows]
-            s = scaled_scores(q_tile, k_tile, scale, mask)
+            s, t = _scores(qh, kh, scale, opts, rows, cols)
             p = np.exp(s - lse_for_p[:, :, rows, None])
             dv_acc += p.swapaxes(-1, -2) @ do_tile
             dp = do_tile @ v_tile.swapaxes(-1, -2)
-            ds = p * (dp - delta[:, :, rows, None])
+            ds = p * (dp - delta[:, :, rows, None])  # gradient of the final logits (= of the bias)
+            if dbias is not None:
+                dbias[:, :, rows, cols] = ds
+            if t is not None:
+                ds = ds * (1 - t * t)  # through softcap
             dk_acc += ds.swapaxes(-1, -2) @ q_tile * scale
             # Several key tiles write the same dq rows: the kernel adds atomically in float32.
             dq[:, :, rows] += ds @ k_tile * scale
@@ -260,7 +465,7 @@ def attention_backward_tiled(dout, q, k, v, out, lse, softmax_scale=None, causal
         dk[:, :, cols] = dk_acc
         dv[:, :, cols] = dv_acc
 
-    return _grads_to_layout(dq, dk, dv, nheads_k)
+    return _with_dbias(_grads_to_layout(dq, dk, dv, nheads_k), dbias, opts, return_dbias)
 
 
 # ---------------------------------------------------------------------------
@@ -300,46 +505,61 @@ def round_to(x, dtype):
         return rounded.astype(np.float32)
 
 
-def _lowp_scores_and_probs(q, k, v, dtype, softmax_scale, causal):
+def _lowp_scores_and_probs(q, k, v, dtype, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           attn_bias):
     """Shared start of the low-precision forward and backward."""
     round_fn = lambda x: round_to(x, dtype)  # noqa: E731
-    qh, kh, vh, scale = _setup(q, k, v, softmax_scale, round_fn)
-    mask = visible(qh.shape[2], kh.shape[2], causal)
-    s = scaled_scores(qh, kh, scale, mask, round_fn)
+    qh, kh, vh, scale, opts = _setup(q, k, v, softmax_scale, round_fn, causal, window_size, softcap,
+                                     alibi_slopes, attn_bias)
+    s, t = _scores(qh, kh, scale, opts, round_fn=round_fn)
     # Frameworks upcast softmax to float32 and store its result in the tensor's dtype.
     p, lse = _softmax(s)
-    return qh, kh, vh, scale, round_to(p, dtype), lse, round_fn
+    return qh, kh, vh, scale, opts, t, round_to(p, dtype), lse, round_fn
 
 
-def attention_forward_lowp(q, k, v, dtype, softmax_scale=None, causal=False, return_lse=False):
+def attention_forward_lowp(q, k, v, dtype, softmax_scale=None, causal=False, return_lse=False, *,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, attn_bias=None):
     """Attention as a framework computes it on float16 / bfloat16 tensors.
 
-    Inputs are rounded to dtype; every matrix product runs in float32 and its result is
-    rounded to dtype; softmax runs in float32. Returns out as float32 values representable
-    in dtype (and, with return_lse, the log-sum-exp of the rounded scores). Empty rows give 0
-    (a framework would give NaN).
+    Inputs are rounded to dtype; every matrix product and elementwise op (scale, softcap's
+    divide / tanh / multiply, bias add) runs in float32 and its result is rounded to dtype; the
+    bias (ALiBi plus attn_bias) is itself rounded to dtype first; softmax runs in float32.
+    Returns out as float32 values representable in dtype (and, with return_lse, the log-sum-exp
+    of the rounded scores). Empty rows give 0 (a framework would give NaN).
     """
-    _, _, vh, _, p, lse, round_fn = _lowp_scores_and_probs(q, k, v, dtype, softmax_scale, causal)
+    _, _, vh, _, _, _, p, lse, round_fn = _lowp_scores_and_probs(
+        q, k, v, dtype, softmax_scale, causal, window_size, softcap, alibi_slopes, attn_bias)
     out = _seq_first(round_fn(p @ vh))
     return (out, lse) if return_lse else out
 
 
-def attention_backward_lowp(dout, q, k, v, dtype, softmax_scale=None, causal=False):
+def attention_backward_lowp(dout, q, k, v, dtype, softmax_scale=None, causal=False, *, window_size=(-1, -1),
+                            softcap=0.0, alibi_slopes=None, attn_bias=None, return_dbias=False):
     """Gradient of attention_forward_lowp, as autograd computes it in dtype. Returns (dq, dk, dv).
 
-    Each product is float32 then rounded; the softmax backward is float32 then rounded.
+    Each product is float32 then rounded; the softmax backward is float32 then rounded; so is
+    each step back through softcap. With return_dbias, also returns dbias (summed in float32
+    over attn_bias's broadcast axes, then rounded; None if attn_bias is None).
     """
     nheads_k = np.shape(k)[2]
-    qh, kh, vh, scale, p, _, round_fn = _lowp_scores_and_probs(q, k, v, dtype, softmax_scale, causal)
+    qh, kh, vh, scale, opts, t, p, _, round_fn = _lowp_scores_and_probs(
+        q, k, v, dtype, softmax_scale, causal, window_size, softcap, alibi_slopes, attn_bias)
     doh = _heads_first(dout, round_fn)
 
     dv = round_fn(p.swapaxes(-1, -2) @ doh)
     dp = round_fn(doh @ vh.swapaxes(-1, -2))
     ds = round_fn(p * (dp - (dp * p).sum(axis=-1, keepdims=True)))
+    dbias = ds
+    if t is not None:
+        # Autograd retraces softcap * tanh(x / softcap) one op at a time.
+        cap = np.float32(opts.softcap)
+        ds = round_fn(ds * cap)
+        ds = round_fn(ds * (1 - t * t))
+        ds = round_fn(ds / cap)
     # The forward scaled S = q k^T after the product, so autograd scales dS before the products.
     ds = round_fn(ds * np.float32(scale))
     dq = round_fn(ds @ kh)
     dk = round_fn(ds.swapaxes(-1, -2) @ qh)
     # Gradients of repeated kv heads are summed in float32, then stored in dtype.
     dq, dk, dv = _grads_to_layout(dq, dk, dv, nheads_k)
-    return dq, round_fn(dk), round_fn(dv)
+    return _with_dbias((dq, round_fn(dk), round_fn(dv)), dbias, opts, return_dbias, round_fn)

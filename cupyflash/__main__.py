@@ -10,15 +10,8 @@ import time
 import numpy
 
 from . import __version__, _check, _compile, _config, _kernels, reference
+from ._arrays import gpu_available
 from ._check import Case
-
-
-def _gpu_available():
-    try:
-        import cupy
-        return cupy.cuda.is_available()
-    except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
-        return False
 
 
 def _progress(done, total, label, start):
@@ -49,7 +42,7 @@ def info():
     print(f"cupyflash {__version__}  cupy {cupy.__version__}  numpy {numpy.__version__}  "
           f"NVRTC {'.'.join(map(str, nvrtc.getVersion()))}  python {platform.python_version()}")
     print(f"kernel cache: {_compile.cache_dir()}")
-    if not _gpu_available():
+    if not gpu_available():
         print("GPU: none visible to CuPy (the NumPy reference still runs; see `check`)")
         return 0
     from .interface import _device_info
@@ -135,20 +128,20 @@ def _check_compile(verbose):
     results = _compile.compile_all(_kernels.all_kernels(), ("80", "90"),
                                    progress=lambda done, total, label: _progress(done, total, label, start))
     rows = [[f"sm_{arch}", k.name, r.registers, "unknown" if r.spills is None else r.spills, r.stack_frame,
-             k.smem_bytes] for arch, k, r in results if verbose or r.spills != 0 or r.stack_frame]
+             k.smem_bytes] for arch, k, r in results if verbose or not r.clean]
     if rows:
         print(_table(["arch", "kernel", "registers", "spill bytes", "stack", "smem"], rows))
-    spilling = [row for row in rows if row[3] != 0 or row[4]]
+    unclean = [r for _, _, r in results if not r.clean]
     for arch in sorted({a for a, _, _ in results}):
         regs = [r.registers for a, _, r in results if a == arch]
         print(f"sm_{arch}: {len(regs)} kernel variants compiled, registers {min(regs)}-{max(regs)}, "
-              f"{sum(1 for a, _, r in results if a == arch and (r.spills != 0 or r.stack_frame))} "
+              f"{sum(1 for a, _, r in results if a == arch and not r.clean)} "
               f"with spills or a stack frame")
-    return 1 if spilling else 0
+    return 1 if unclean else 0
 
 
 def check(verbose=False):
-    if _gpu_available():
+    if gpu_available():
         return _check_gpu()
     print("No GPU visible to CuPy: checking the NumPy path and compiling every kernel variant with NVRTC.")
     status = _check_numpy()
@@ -159,7 +152,7 @@ def check(verbose=False):
 # ---------------------------------------------------------------------------------------- bench
 
 def bench(args):
-    if not _gpu_available():
+    if not gpu_available():
         print("bench needs a GPU visible to CuPy")
         return 1
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to CuPy and torch
@@ -199,7 +192,7 @@ def main(argv=None):
     if args.command == "bench":
         return bench(args)
     status = check(args.verbose)
-    if args.compile and _gpu_available():
+    if args.compile and gpu_available():
         status |= _check_compile(args.verbose)
     return status
 

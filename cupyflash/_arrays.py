@@ -14,6 +14,15 @@ import numpy
 _DLPACK_CUDA, _DLPACK_CUDA_MANAGED = 2, 13  # DLPack device types that are GPU memory
 
 
+def gpu_available():
+    """Whether CuPy sees a CUDA device (no CuPy, no driver or no device all mean no)."""
+    try:
+        import cupy
+        return cupy.cuda.is_available()
+    except Exception:
+        return False
+
+
 def kind_of(array):
     """'numpy', 'cupy', 'torch', 'jax' or 'dlpack' (another DLPack producer); None otherwise."""
     if isinstance(array, numpy.ndarray):

@@ -106,8 +106,8 @@ def _compile_for_report(kernel, arch):
 
 
 def compile_all(kernels, archs, workers=None, progress=None):
-    """Compiles `kernels` for each arch in worker processes; returns [(arch, kernel, ResourceReport)] sorted by arch and name. `progress(done, total,
-    label)` is called after each compile."""
+    """Compiles `kernels` for each arch in worker processes; returns [(arch, kernel, ResourceReport)]
+    sorted by arch and name. `progress(done, total, label)` is called after each compile."""
     jobs = [(arch, kernel) for arch in archs for kernel in kernels]
     results = []
     context = multiprocessing.get_context("spawn")  # no inherited CUDA state
@@ -134,6 +134,11 @@ class ResourceReport:
         if self.spill_stores is None:
             return None
         return self.spill_stores + self.spill_loads
+
+    @property
+    def clean(self):
+        """No spills and no stack frame: what every cupyflash kernel must compile to."""
+        return self.spills == 0 and self.stack_frame == 0
 
 
 def ptxas_report(log):

@@ -2,16 +2,9 @@
 
 import pytest
 
+from cupyflash._arrays import gpu_available
 
-def _gpu_available():
-    try:
-        import cupy
-        return cupy.cuda.is_available()
-    except Exception:  # no CuPy, no driver, no device: all mean "no GPU here"
-        return False
-
-
-HAS_GPU = _gpu_available()
+HAS_GPU = gpu_available()
 
 
 def pytest_collection_modifyitems(config, items):

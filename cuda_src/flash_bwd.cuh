@@ -1,11 +1,14 @@
 // Backward pass, in three kernels:
-//   flash_bwd_dot:        D = rowsum(dout * out), fp32, one warp per query row.
+//   flash_bwd_dot:        D = rowsum(dout * out) and lse in base 2, fp32, one warp per query row;
+//                         also zeroes the row's dq_accum (one launch fewer than a separate memset).
 //   flash_bwd:            one CTA per (key block, kv head, batch). K and V stay in shared memory
 //                         while the CTA walks the query blocks of every query head of its kv group
 //                         (so GQA needs no expanded dk/dv buffers and no reduction). Per query block:
 //                           S = Q K^T, dP = dO V^T, P = 2^(S * scale_log2 - lse_log2) (from the saved lse),
 //                           dS = P * (dP - D); P and dS go to shared memory; dV += P^T dO, dK += dS^T Q
 //                           in registers; dQ += dS K by fp32 atomics into dq_accum.
+//                         With STAGES = 2, Q, dO, lse and D have two buffers: the next query block
+//                         loads during the whole of the current step, and a step needs two barriers.
 //   flash_bwd_convert_dq: dq = dq_accum * scale, in the input dtype.
 #pragma once
 #include "mask.cuh"
@@ -36,21 +39,23 @@ struct WarpGrid {
     __device__ static int col0() { return (threadIdx.x / 32) / kWarpsM * (8 * NT); }
 };
 
-template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS>
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES>
 struct BwdTile {
     static constexpr int kThreads = WARPS * 32;
     typedef WarpGrid<BLOCK_M, BLOCK_N, WARPS> S;      // S, dP, P, dS
     typedef WarpGrid<BLOCK_N, HEADDIM, WARPS> KV;     // dK, dV
     typedef WarpGrid<BLOCK_M, HEADDIM, WARPS> Q;      // dQ
-    static constexpr int kSmemBytes = Padded<HEADDIM>::template bytes<2 * BLOCK_N + 2 * BLOCK_M>()  // K, V, Q, dO
-                                      + Padded<BLOCK_N>::template bytes<2 * BLOCK_M>()              // P, dS
-                                      + 2 * BLOCK_M * 4;                                           // lse, D
+    static constexpr int kQStage = Padded<HEADDIM>::template bytes<2 * BLOCK_M>() + 2 * BLOCK_M * 4;  // Q, dO, lse, D
+    static constexpr int kSmemBytes = Padded<HEADDIM>::template bytes<2 * BLOCK_N>()     // K, V
+                                      + STAGES * kQStage
+                                      + Padded<BLOCK_N>::template bytes<2 * BLOCK_M>();  // P, dS
     static_assert(BLOCK_M <= kThreads, "one thread loads each row's lse and D");
+    static_assert(STAGES == 1 || STAGES == 2, "one or two query-side buffers");
 };
 
-template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, bool BF16, bool CAUSAL, bool EVEN_K>
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool CAUSAL, bool EVEN_K>
 __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
-    typedef BwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS> T;
+    typedef BwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS, STAGES> T;
     typedef typename T::S GS;
     typedef typename T::KV GKV;
     typedef typename T::Q GQ;
@@ -59,19 +64,21 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     extern __shared__ __align__(16) uint16 smem[];
     uint16* s_k = smem;
     uint16* s_v = s_k + BLOCK_N * kStride;
-    uint16* s_q = s_v + BLOCK_N * kStride;
-    uint16* s_do = s_q + BLOCK_M * kStride;
-    uint16* s_p = s_do + BLOCK_M * kStride;
+    uint16* s_p = s_v + BLOCK_N * kStride;
     uint16* s_ds = s_p + BLOCK_M * Padded<BLOCK_N>::kStride;
-    float* s_lse = reinterpret_cast<float*>(s_ds + BLOCK_M * Padded<BLOCK_N>::kStride);
-    float* s_dot = s_lse + BLOCK_M;
+    uint16* s_stages = s_ds + BLOCK_M * Padded<BLOCK_N>::kStride;
+    // Stage i: Q, dO (BLOCK_M rows each), then lse and D (BLOCK_M floats each).
+    auto s_q = [&](int stage) { return s_stages + stage * (T::kQStage / 2); };
+    auto s_do = [&](int stage) { return s_q(stage) + BLOCK_M * kStride; };
+    auto s_lse = [&](int stage) { return reinterpret_cast<float*>(s_do(stage) + BLOCK_M * kStride); };
+    auto s_dot = [&](int stage) { return s_lse(stage) + BLOCK_M; };
 
     const int n_block = blockIdx.x, head_k = blockIdx.y, batch = blockIdx.z;
     const int key0 = n_block * BLOCK_N;
     const int group = p.nheads / p.nheads_k;
     const int m_begin = first_query_block<CAUSAL>(p, key0, BLOCK_M);
-    const int steps_per_head = max(ceil_div(p.seqlen_q, BLOCK_M) - m_begin, 0);
-    const int steps = group * steps_per_head;
+    const int m_end = ceil_div(p.seqlen_q, BLOCK_M);
+    const int steps = m_begin < m_end ? group * (m_end - m_begin) : 0;
 
     const uint16* k = static_cast<const uint16*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride
                       + key0 * p.k_row_stride;
@@ -80,19 +87,31 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k, k, p.k_row_stride, p.seqlen_k - key0, p.headdim);
     copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_v, v, p.v_row_stride, p.seqlen_k - key0, p.headdim);
 
-    // Step i covers query block m_begin + i % steps_per_head of query head head_k * group + i / steps_per_head.
-    auto load_q_do = [&](int step) {
-        const int head = head_k * group + step / steps_per_head;
-        const int row0 = (m_begin + step % steps_per_head) * BLOCK_M;
+    // The steps walk query blocks [m_begin, m_end) of each query head of the kv group in turn;
+    // (head, row0) moves on by `advance`, with no division.
+    auto advance = [&](int& head, int& row0) {
+        row0 += BLOCK_M;
+        if (row0 >= p.seqlen_q) { row0 = m_begin * BLOCK_M; ++head; }
+    };
+    // Loads Q, dO, lse_log2 and D of a query block into a stage; rows past the end are zero-filled.
+    auto load_step = [&](int head, int row0, int stage) {
         const uint16* q = static_cast<const uint16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride
                           + row0 * p.q_row_stride;
         const uint16* dout = static_cast<const uint16*>(p.dout) + batch * p.dout_batch_stride
                              + head * p.dout_head_stride + row0 * p.dout_row_stride;
-        copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_q, q, p.q_row_stride, p.seqlen_q - row0, p.headdim);
-        copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_do, dout, p.dout_row_stride, p.seqlen_q - row0,
+        copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_q(stage), q, p.q_row_stride, p.seqlen_q - row0,
                                                                 p.headdim);
+        copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_do(stage), dout, p.dout_row_stride,
+                                                                p.seqlen_q - row0, p.headdim);
+        if (threadIdx.x < BLOCK_M) {
+            const long long row = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + row0 + threadIdx.x;
+            const bool valid = row0 + threadIdx.x < p.seqlen_q;
+            cp_async_4(smem_address(s_lse(stage) + threadIdx.x), valid ? p.lse_log2 + row : p.lse_log2, valid);
+            cp_async_4(smem_address(s_dot(stage) + threadIdx.x), valid ? p.dout_dot_out + row : p.dout_dot_out, valid);
+        }
     };
-    if (steps > 0) load_q_do(0);
+    int head = head_k * group, row0 = m_begin * BLOCK_M;  // the current step's query block
+    if (steps > 0) load_step(head, row0, 0);
     cp_async_commit();
 
     float acc_dk[GKV::MT][GKV::NT][4], acc_dv[GKV::MT][GKV::NT][4];
@@ -100,68 +119,83 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     zero(acc_dv);
 
     for (int step = 0; step < steps; ++step) {
-        const int head = head_k * group + step / steps_per_head;
-        const int row0 = (m_begin + step % steps_per_head) * BLOCK_M;
-        const long long stats_row0 = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
-
-        // Row statistics. Rows past the end, and rows that see no key (lse = -inf), get
-        // lse_log2 = +inf, which makes their P exactly 0.
-        if (threadIdx.x < BLOCK_M) {
-            const int row = row0 + threadIdx.x;
-            const float lse = row < p.seqlen_q ? p.lse[stats_row0 + row] : CUPYFLASH_INF;
-            s_lse[threadIdx.x] = lse == -CUPYFLASH_INF ? CUPYFLASH_INF : lse * CUPYFLASH_LOG2E;
-            s_dot[threadIdx.x] = row < p.seqlen_q ? p.dout_dot_out[stats_row0 + row] : 0.f;
-        }
+        const int stage = STAGES == 2 ? step % 2 : 0;
+        int next_head = head, next_row0 = row0;
+        advance(next_head, next_row0);
         cp_async_wait<0>();
-        __syncthreads();  // Q, dO (and K, V) have landed; the row statistics are visible
+        __syncthreads();  // this step's Q, dO, lse, D (and K, V) have landed; every warp is done with the last step
+        if (STAGES == 2 && step + 1 < steps) load_step(next_head, next_row0, stage ^ 1);
+        cp_async_commit();
+        const uint16* sq = s_q(stage);
+        const uint16* sdo = s_do(stage);
 
         float s[GS::MT][GS::NT][4], dp[GS::MT][GS::NT][4];
         zero(s);
         zero(dp);
-        warp_gemm<BF16, GS::MT, GS::NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, GS::row0(), s_k, GS::col0());
-        warp_gemm<BF16, GS::MT, GS::NT, HEADDIM, HEADDIM, true, HEADDIM, true>(dp, s_do, GS::row0(), s_v, GS::col0());
+        warp_gemm<BF16, GS::MT, GS::NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, sq, GS::row0(), s_k, GS::col0());
+        warp_gemm<BF16, GS::MT, GS::NT, HEADDIM, HEADDIM, true, HEADDIM, true>(dp, sdo, GS::row0(), s_v, GS::col0());
 
-        const bool needs_mask = block_needs_mask<CAUSAL>(p, row0, key0, BLOCK_N);
+        // P = 2^(S * scale_log2 - lse_log2). A row that sees no key has lse_log2 = +inf, so its P
+        // is exactly 0. Rows past the end were zero-filled (Q, dO, lse_log2, D): their P is 1 but
+        // dO and dP - D are 0, so they add nothing to dV, dK or dQ.
 #pragma unroll
         for (int mt = 0; mt < GS::MT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < GS::NT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = GS::row0() + fragment_row(mt, e);
-                    const int c = GS::col0() + fragment_col(nt, e);
-                    float prob = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -s_lse[r]));
-                    if (needs_mask && !is_visible<CAUSAL>(p, row0 + r, key0 + c)) prob = 0.f;
-                    s[mt][nt][e] = prob;
-                    dp[mt][nt][e] = prob * (dp[mt][nt][e] - s_dot[r]);
-                }
+                for (int e = 0; e < 4; ++e)
+                    s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -s_lse(stage)[GS::row0() + fragment_row(mt, e)]));
+        if (block_needs_mask<CAUSAL>(p, row0, key0, BLOCK_N)) {
+#pragma unroll
+            for (int mt = 0; mt < GS::MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < GS::NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!is_visible<CAUSAL>(p, row0 + GS::row0() + fragment_row(mt, e), key0 + GS::col0() + fragment_col(nt, e)))
+                            s[mt][nt][e] = 0.f;
+        }
+        // dS = P * (dP - D)
+#pragma unroll
+        for (int mt = 0; mt < GS::MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < GS::NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - s_dot(stage)[GS::row0() + fragment_row(mt, e)]);
         store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_p, s, 1.f, GS::row0(), GS::col0());
         store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_ds, dp, 1.f, GS::row0(), GS::col0());
         __syncthreads();  // P and dS are complete
 
         // dV += P^T dO and dK += dS^T Q: the A operands are read transposed out of the P and dS tiles.
-        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false>(acc_dv, s_p, GKV::row0(), s_do,
+        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false>(acc_dv, s_p, GKV::row0(), sdo,
                                                                                    GKV::col0());
-        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false>(acc_dk, s_ds, GKV::row0(), s_q,
+        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false>(acc_dk, s_ds, GKV::row0(), sq,
                                                                                    GKV::col0());
-        __syncthreads();  // Q and dO are free: fetch the next block while dQ is computed
-        if (step + 1 < steps) load_q_do(step + 1);
-        cp_async_commit();
+        if (STAGES == 1) {
+            __syncthreads();  // Q and dO are free: fetch the next block while dQ is computed
+            if (step + 1 < steps) load_step(next_head, next_row0, 0);
+            cp_async_commit();
+        }
 
         float dq[GQ::MT][GQ::NT][4];
         zero(dq);
         warp_gemm<BF16, GQ::MT, GQ::NT, BLOCK_N, BLOCK_N, true, HEADDIM, false>(dq, s_ds, GQ::row0(), s_k, GQ::col0());
-        float* dq_accum = p.dq_accum + (stats_row0 + row0) * p.headdim_padded;
+        float* dq_accum = p.dq_accum
+                          + ((static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + row0) * p.headdim_padded;
 #pragma unroll
         for (int mt = 0; mt < GQ::MT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < GQ::NT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = GQ::row0() + fragment_row(mt, e);
+                for (int half = 0; half < 2; ++half) {
+                    const int r = GQ::row0() + fragment_row(mt, 2 * half);
                     if (row0 + r < p.seqlen_q)
-                        atomicAdd(dq_accum + r * p.headdim_padded + GQ::col0() + fragment_col(nt, e), dq[mt][nt][e]);
+                        atomic_add_pair(dq_accum + r * p.headdim_padded + GQ::col0() + fragment_col(nt, 0),
+                                        dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
                 }
+        head = next_head;
+        row0 = next_row0;
     }
 
     // dK and dV leave through the K and V tiles for 16-byte coalesced stores.
@@ -204,7 +238,15 @@ __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    if (lane == 0) p.dout_dot_out[(static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + row] = dot;
+    const long long stats_row = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + row;
+    if (lane == 0) {
+        p.dout_dot_out[stats_row] = dot;
+        const float lse = p.lse[stats_row];
+        p.lse_log2[stats_row] = lse == -CUPYFLASH_INF ? CUPYFLASH_INF : lse * CUPYFLASH_LOG2E;
+    }
+    float* accum = p.dq_accum + stats_row * p.headdim_padded;
+    for (int col = 4 * lane; col < p.headdim_padded; col += 4 * 32)
+        *reinterpret_cast<float4*>(accum + col) = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 template <bool BF16>

@@ -10,7 +10,7 @@
 #include "mask.cuh"
 #include "tile.cuh"
 
-template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS>
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES>
 struct FwdTile {
     static constexpr int kThreads = WARPS * 32;
     static constexpr int kWarpRows = BLOCK_M / WARPS;
@@ -20,11 +20,12 @@ struct FwdTile {
     static constexpr int kSmemBytes = Padded<HEADDIM>::template bytes<BLOCK_M + 2 * BLOCK_N>();  // Q, K, V
     static_assert(kWarpRows % 16 == 0, "each warp owns a multiple of 16 query rows");
     static_assert(BLOCK_N % 16 == 0 && HEADDIM % 16 == 0, "tiles are built of 16-wide mma steps");
+    static_assert(STAGES == 1, "K and V have one buffer each (their loads already overlap the math)");
 };
 
-template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, bool BF16, bool CAUSAL, bool EVEN_K>
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool CAUSAL, bool EVEN_K>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
-    typedef FwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS> T;
+    typedef FwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS, STAGES> T;
     constexpr int MT = T::MT, NT = T::NT, DT = T::DT;
     constexpr int kStride = Padded<HEADDIM>::kStride;
 

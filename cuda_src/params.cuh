@@ -20,6 +20,7 @@ struct FlashParams {
     void* dv;
     float* dq_accum;       // (batch, nheads, seqlen_q, headdim_padded), fp32, zeroed before the backward
     float* dout_dot_out;   // (batch, nheads, seqlen_q): D = rowsum(dout * out), fp32
+    float* lse_log2;       // (batch, nheads, seqlen_q): lse * log2(e), +inf for a row that sees no key
 
     // Strides in elements. The last dimension (headdim) is always contiguous.
     long long q_batch_stride;

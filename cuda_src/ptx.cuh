@@ -18,6 +18,11 @@ __device__ __forceinline__ void cp_async_16(uint32 dst, const void* src, bool va
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+// The same for one 4-byte word (row statistics such as lse, whose rows need not be 16-byte aligned).
+__device__ __forceinline__ void cp_async_4(uint32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
@@ -77,6 +82,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
+}
+
+// *address += (a, b) on two adjacent fp32 words in global memory (8-byte aligned), without a
+// return value. sm_90 has a vector reduction, which halves the atomic instructions.
+__device__ __forceinline__ void atomic_add_pair(float* address, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(address), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(address, a);
+    atomicAdd(address + 1, b);
+#endif
 }
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }

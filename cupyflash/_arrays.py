@@ -1,13 +1,14 @@
 """Arrays in and out: CuPy, PyTorch, JAX (or any CUDA DLPack producer), and NumPy.
 
-GPU inputs are viewed as CuPy arrays through DLPack, without copies. Work is issued on the
-caller's current stream (PyTorch's current stream for torch tensors, CuPy's otherwise), and
-results are handed back in the caller's kind: torch outputs are allocated by torch's allocator,
-JAX outputs are CuPy buffers that JAX adopts through DLPack.
+The kernels take raw device pointers: torch tensors and CuPy arrays are launched on as they are,
+other GPU arrays (JAX, any DLPack producer) are viewed as CuPy arrays through DLPack, without
+copies. Work is issued on the caller's current stream (PyTorch's current stream for torch tensors,
+CuPy's otherwise), and results are handed back in the caller's kind: torch outputs are allocated by
+torch's allocator, JAX outputs are CuPy buffers that JAX adopts through DLPack.
 """
 
-import contextlib
 import dataclasses
+import functools
 
 import numpy
 
@@ -25,14 +26,20 @@ def gpu_available():
 
 def kind_of(array):
     """'numpy', 'cupy', 'torch', 'jax' or 'dlpack' (another DLPack producer); None otherwise."""
-    if isinstance(array, numpy.ndarray):
+    return kind_of_type(type(array))
+
+
+@functools.cache
+def kind_of_type(cls):
+    """kind_of for an array type (cached: the launch path asks on every call)."""
+    if issubclass(cls, numpy.ndarray):
         return "numpy"
-    module = type(array).__module__.split(".")[0]
+    module = cls.__module__.split(".")[0]
     if module in ("cupy", "torch"):
         return module
     if module in ("jax", "jaxlib"):
         return "jax"
-    if hasattr(array, "__dlpack__") and hasattr(array, "__dlpack_device__"):
+    if hasattr(cls, "__dlpack__") and hasattr(cls, "__dlpack_device__"):
         return "dlpack"
     return None
 
@@ -50,50 +57,62 @@ def is_on_gpu(array):
     return dlpack_device(array)[0] in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Caller:
-    """The kind of arrays a call came with, its device, and how results go back."""
+    """The kind of arrays a call came with, its device, and how the launch path treats them.
+
+    The kernels launch on raw pointers. torch tensors and CuPy arrays are used as they are; other
+    GPU arrays (JAX, any DLPack producer) are viewed as CuPy arrays first (`launchable`) and their
+    outputs are CuPy arrays handed back through DLPack (`give_back`)."""
     kind: str
     device_id: int
 
-    @contextlib.contextmanager
-    def on_stream(self):
-        """Makes the caller's current stream CuPy's current stream for the duration."""
-        import cupy
-        with cupy.cuda.Device(self.device_id):
-            if self.kind == "torch":
-                import torch
-                torch_stream = torch.cuda.current_stream(self.device_id)
-                if hasattr(torch_stream, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
-                    stream = cupy.cuda.Stream.from_external(torch_stream)
-                else:
-                    stream = cupy.cuda.ExternalStream(torch_stream.cuda_stream, self.device_id)
-                with stream:
-                    yield
-            else:
-                yield
+    @property
+    def allocates_with_torch(self):
+        return self.kind == "torch"
 
-    def to_cupy(self, array):
+    def device(self):
+        """A context that makes the caller's device current (CuPy's allocations and launches)."""
         import cupy
-        return array if self.kind == "cupy" else cupy.from_dlpack(array)
+        return cupy.cuda.Device(self.device_id)
+
+    def launchable(self, array):
+        """`array` as the launch path takes it: torch tensors and CuPy arrays as they are, the rest
+        viewed as CuPy arrays through DLPack."""
+        if self.kind in ("torch", "cupy"):
+            return array
+        import cupy
+        return cupy.from_dlpack(array)
+
+    def stream_pointer(self):
+        """The stream to launch on: PyTorch's current stream for torch callers, CuPy's otherwise."""
+        if self.allocates_with_torch:
+            import torch
+            return torch.cuda.current_stream(self.device_id).cuda_stream
+        import cupy
+        return cupy.cuda.get_current_stream().ptr
 
     def empty(self, shape, dtype):
-        """A new array of the caller's kind, and a CuPy view of the same memory."""
-        import cupy
-        if self.kind == "torch":
+        """A new uninitialised GPU array (torch's allocator for torch callers, CuPy's otherwise)."""
+        if self.allocates_with_torch:
             import torch
-            torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-            native = torch.empty(shape, dtype=torch_dtype[numpy.dtype(dtype).name], device=f"cuda:{self.device_id}")
-            return native, cupy.from_dlpack(native)
-        array = cupy.empty(shape, dtype=dtype)
-        return array, array
+            return torch.empty(shape, dtype=getattr(torch, dtype), device=self.device_id)  # an int is a CUDA ordinal
+        import cupy
+        return cupy.empty(shape, dtype=dtype)
 
-    def give_back(self, native):
+    def give_back(self, array):
         """The caller's kind of array for an output made by `empty`."""
+        if self.kind in ("torch", "cupy"):
+            return array
         if self.kind == "jax":
             import jax
-            return jax.dlpack.from_dlpack(native)
-        return native
+            return jax.dlpack.from_dlpack(array)
+        return array  # another DLPack producer: a CuPy array, itself a DLPack producer
+
+
+def data_pointer(array):
+    """The device address of a torch tensor's or CuPy array's first element."""
+    return array.data_ptr() if hasattr(array, "data_ptr") else array.data.ptr
 
 
 def bfloat16_dtype():

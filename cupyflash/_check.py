@@ -29,7 +29,8 @@ class Case:
     batch: int = 2
     nheads: int = 2
     nheads_k: int = 2
-    layout: str = "separate"   # or 'qkvpacked': q, k, v are views of one (b, s, 3, h, d) array
+    layout: str = "separate"   # or 'qkvpacked': q, k, v are views of one (b, s, 3, h, d) array;
+                               # or 'misaligned': every input starts 2 bytes past a 16-byte boundary
 
     def __str__(self):
         return (f"{self.dtype} b{self.batch} sq{self.seqlen_q} sk{self.seqlen_k} h{self.nheads}/{self.nheads_k} "
@@ -80,9 +81,15 @@ def to_cupy_inputs(case, inputs):
             raise ValueError("a packed qkv case needs seqlen_q == seqlen_k and nheads == nheads_k")
         packed = cupy.asarray(numpy.stack([inputs["q"], inputs["k"], inputs["v"]], axis=2).astype(dtype))
         arrays = {"q": packed[:, :, 0], "k": packed[:, :, 1], "v": packed[:, :, 2]}
+        arrays["dout"] = cupy.asarray(inputs["dout"].astype(dtype))
+    elif case.layout == "misaligned":
+        arrays = {}
+        for name in ("q", "k", "v", "dout"):
+            buffer = cupy.empty(inputs[name].size + 1, dtype)
+            arrays[name] = buffer[1:].reshape(inputs[name].shape)  # contiguous strides, odd element offset
+            arrays[name][...] = cupy.asarray(inputs[name].astype(dtype))
     else:
-        arrays = {name: cupy.asarray(inputs[name].astype(dtype)) for name in ("q", "k", "v")}
-    arrays["dout"] = cupy.asarray(inputs["dout"].astype(dtype))
+        arrays = {name: cupy.asarray(inputs[name].astype(dtype)) for name in ("q", "k", "v", "dout")}
     return arrays
 
 

@@ -1,6 +1,6 @@
 """Tile sizes: one table per GPU family, chosen at run time from the device's attributes.
 
-The kernels are templates over (head dim, block_m, block_n, warps). A caller's head dim is rounded
+The kernels are templates over (head dim, block_m, block_n, warps, stages). A caller's head dim is rounded
 up to the next head dim of the table (the extra columns are zero-filled and never written).
 Setting CUPYFLASH_TILES=sm80|sm86|sm90 forces a family's table on any GPU, so every table is
 tested on whatever card the tests run on.
@@ -12,9 +12,11 @@ import os
 HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEADDIM = HEADDIMS[-1]
 
-# (block_m, block_n, warps) per family, pass and head dim. Shared memory per CTA:
-#   fwd: (block_m + 2 block_n) (hd + 8) 2 bytes                       (Q, K, V)
-#   bwd: (2 block_m + 2 block_n) (hd + 8) 2 + 2 block_m (block_n + 8) 2 + 8 block_m bytes
+# (block_m, block_n, warps, stages) per family, pass and head dim. `stages` is the number of buffers
+# for the tiles a CTA streams through (bwd: Q, dO, lse, D; fwd: K and V, one buffer for now).
+# Shared memory per CTA (row = (hd + 8) 2 bytes):
+#   fwd: (block_m + 2 block_n) row                                               (Q, K, V)
+#   bwd: 2 block_n row + stages (2 block_m row + 8 block_m) + 2 block_m (block_n + 8) 2
 # and it must fit the family's opt-in limit: sm80 163 KiB, sm86/sm89 99 KiB, sm90 227 KiB.
 #
 # sm90 choices measured on an H200 (bench/tiles.py, bf16, 16k tokens, seqlen 4096, TFLOP/s
@@ -25,24 +27,30 @@ MAX_HEADDIM = HEADDIMS[-1]
 #   bwd hd64:  64x128/8w 150/129 | 64x64/8w 105/94, 128x64/8w 113/99
 #   bwd hd128: 64x128/8w 170/146 | 64x64/8w 117/107, 128x32/8w 73/68, 128x64/8w 123/112
 #   bwd hd256: 64x64/8w 123/113  | 64x32/8w 74/70, 128x32/8w 72/67
+# (those bwd figures are single-stage, before the 32-row warp tiles).
 # The other head dims follow their neighbours where that compiles without spills (bwd hd224
-# 64x64/8w spills 12 bytes in some variants, so it keeps 64x32). sm80 reuses sm90's tiles (all
-# fit 163 KiB; not yet timed on an A100); sm86 keeps every tile under 99 KiB.
+# 64x64/8w spills 12 bytes in some variants, so it keeps 64x32). sm80 has sm90's tiles with a
+# single backward stage where two do not fit 163 KiB (not yet timed on an A100); sm86 keeps every
+# tile under 99 KiB.
 TILES = {
     "sm90": {
-        "fwd": {32: (128, 64, 4), 64: (128, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4),
-                160: (64, 64, 4), 192: (64, 64, 4), 224: (64, 64, 4), 256: (64, 64, 4)},
-        "bwd": {32: (64, 128, 8), 64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 128, 8),
-                160: (64, 64, 8), 192: (64, 64, 8), 224: (64, 32, 8), 256: (64, 64, 8)},
+        "fwd": {32: (128, 64, 4, 1), 64: (128, 64, 4, 1), 96: (64, 64, 4, 1), 128: (64, 64, 4, 1),
+                160: (64, 64, 4, 1), 192: (64, 64, 4, 1), 224: (64, 64, 4, 1), 256: (64, 64, 4, 1)},
+        "bwd": {32: (64, 128, 8, 2), 64: (64, 128, 8, 2), 96: (64, 128, 8, 2), 128: (64, 128, 8, 2),
+                160: (64, 64, 8, 2), 192: (64, 64, 8, 2), 224: (64, 32, 8, 2), 256: (64, 64, 8, 1)},
     },
     "sm86": {
-        "fwd": {32: (128, 64, 4), 64: (128, 64, 4), 96: (64, 64, 4), 128: (64, 64, 4),
-                160: (64, 64, 4), 192: (64, 64, 4), 224: (64, 64, 4), 256: (64, 32, 4)},
-        "bwd": {32: (64, 64, 4), 64: (64, 64, 4), 96: (64, 32, 4), 128: (64, 32, 4),
-                160: (32, 32, 4), 192: (64, 32, 8), 224: (32, 32, 4), 256: (32, 32, 4)},
+        "fwd": {32: (128, 64, 4, 1), 64: (128, 64, 4, 1), 96: (64, 64, 4, 1), 128: (64, 64, 4, 1),
+                160: (64, 64, 4, 1), 192: (64, 64, 4, 1), 224: (64, 64, 4, 1), 256: (64, 32, 4, 1)},
+        "bwd": {32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 96: (64, 32, 4, 2), 128: (64, 32, 4, 1),
+                160: (32, 32, 4, 1), 192: (64, 32, 8, 1), 224: (32, 32, 4, 1), 256: (32, 32, 4, 1)},
     },
 }
-TILES["sm80"] = TILES["sm90"]
+TILES["sm80"] = {
+    "fwd": TILES["sm90"]["fwd"],
+    "bwd": {**TILES["sm90"]["bwd"], 128: (64, 64, 8, 2), 160: (64, 64, 8, 1), 192: (64, 64, 8, 1),
+            224: (64, 32, 8, 1)},
+}
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
 PASSES = ("fwd", "bwd")
 
@@ -53,6 +61,7 @@ class Tile:
     block_m: int
     block_n: int
     warps: int
+    stages: int
 
     @property
     def threads(self):
@@ -61,9 +70,9 @@ class Tile:
     def smem_bytes(self, pass_):
         row = (self.headdim + 8) * 2
         if pass_ == "fwd":
-            return (self.block_m + 2 * self.block_n) * row
-        return ((2 * self.block_m + 2 * self.block_n) * row
-                + 2 * self.block_m * (self.block_n + 8) * 2 + 8 * self.block_m)
+            return (self.block_m + 2 * self.block_n * self.stages) * row
+        return (2 * self.block_n * row + self.stages * (2 * self.block_m * row + 8 * self.block_m)
+                + 2 * self.block_m * (self.block_n + 8) * 2)
 
 
 def padded_headdim(headdim):

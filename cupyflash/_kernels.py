@@ -31,7 +31,7 @@ class Kernel:
         name = f"cupyflash_{self.pass_}_{self.dtype}"
         if self.tile is not None:
             t = self.tile
-            name += f"_hd{t.headdim}_m{t.block_m}_n{t.block_n}_w{t.warps}"
+            name += f"_hd{t.headdim}_m{t.block_m}_n{t.block_n}_w{t.warps}_s{t.stages}"
             name += "_causal" * self.causal + "_evenk" * self.even_k
         return name
 
@@ -51,7 +51,7 @@ class Kernel:
                      f"\"rows per block differ from cupyflash/_kernels.py\");\n")
         else:
             t = self.tile
-            args = f"{t.headdim}, {t.block_m}, {t.block_n}, {t.warps}"
+            args = f"{t.headdim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}"
             call = f"flash_{self.pass_}<{args}, {bf16}, {_bool(self.causal)}, {_bool(self.even_k)}>(p);"
             traits = "FwdTile" if self.pass_ == "fwd" else "BwdTile"
             check = (f"static_assert({traits}<{args}>::kSmemBytes == {self.smem_bytes}, "

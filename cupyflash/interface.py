@@ -4,8 +4,10 @@ Names, argument order and layout follow flash_attn's `flash_attn_func`: q is
 (batch, seqlen_q, nheads, headdim), k and v are (batch, seqlen_k, nheads_k, headdim).
 """
 
+import dataclasses
 import functools
 import math
+import threading
 
 import numpy
 
@@ -24,16 +26,24 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
     sees no key (causal with seqlen_q > seqlen_k) gets out = 0 and lse = -inf.
     Causal masking is aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
     """
-    caller = _caller_of(q=q, k=k, v=v)
-    shape = _check_qkv(q, k, v, caller)
-    scale = _check_scale(softmax_scale, shape.headdim)
-    causal = _check_flag("causal", causal)
-    if caller.kind == "numpy":
-        out, lse = reference.attention_forward(q, k, v, scale, causal)
-        out, lse = out.astype(q.dtype), lse.astype(numpy.float32)
-    else:
-        out, lse = _forward_gpu(caller, shape, q, k, v, scale, causal)
-    return (out, lse) if return_lse else out
+    inputs = (q, k, v)
+    key = _plan_key("fwd", inputs, softmax_scale, causal)
+    plan = _plans.get(key)
+    result = plan.run(inputs) if plan is not None else None
+    if result is None:
+        caller = _caller_of(q=q, k=k, v=v)
+        shape = _check_qkv(q, k, v, caller)
+        scale = _check_scale(softmax_scale, shape.headdim)
+        causal = _check_flag("causal", causal)
+        if caller.kind == "numpy":
+            out, lse = reference.attention_forward(q, k, v, scale, causal)
+            result = out.astype(q.dtype), lse.astype(numpy.float32)
+        else:
+            inputs, copied = _launchable(caller, dict(q=q, k=k, v=v))
+            plan = _forward_plan(caller, shape, scale, causal, *inputs)
+            _remember(key, plan, copied)
+            result = plan.run(inputs)
+    return result if return_lse else result[0]
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False):
@@ -41,17 +51,26 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
 
     dout is the gradient of out; out and lse are what the forward returned (return_lse=True).
     """
-    caller = _caller_of(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-    shape = _check_qkv(q, k, v, caller)
-    for name, array in (("dout", dout), ("out", out)):
-        _check_like_q(name, array, q, caller)
-    _check_lse(lse, shape)
-    scale = _check_scale(softmax_scale, shape.headdim)
-    causal = _check_flag("causal", causal)
-    if caller.kind == "numpy":
-        grads = reference.attention_backward(dout, q, k, v, scale, causal)
-        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
-    return _backward_gpu(caller, shape, dout, q, k, v, out, lse, scale, causal)
+    inputs = (dout, q, k, v, out, lse)
+    key = _plan_key("bwd", inputs, softmax_scale, causal)
+    plan = _plans.get(key)
+    result = plan.run(inputs) if plan is not None else None
+    if result is None:
+        caller = _caller_of(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+        shape = _check_qkv(q, k, v, caller)
+        for name, array in (("dout", dout), ("out", out)):
+            _check_like_q(name, array, q, caller)
+        _check_lse(lse, shape)
+        scale = _check_scale(softmax_scale, shape.headdim)
+        causal = _check_flag("causal", causal)
+        if caller.kind == "numpy":
+            grads = reference.attention_backward(dout, q, k, v, scale, causal)
+            return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+        inputs, copied = _launchable(caller, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse))
+        plan = _backward_plan(caller, shape, scale, causal, *inputs)
+        _remember(key, plan, copied)
+        result = plan.run(inputs)
+    return result
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,7 +194,11 @@ def _check_flag(name, value):
 
 
 # --------------------------------------------------------------------------------------------
-# GPU path: import through DLPack, make the parameter block, launch.
+# GPU path. Everything about a launch except the data pointers (kernels, grids, the parameter
+# block's sizes and strides) follows from the arrays' kinds, shapes, strides, dtypes and device
+# and from the options, all of which the argument checks have passed for. So a call's launch plan
+# is cached under exactly those: a repeated call costs its output allocations, one pointer patch
+# and the launches (at seqlen 1k a kernel runs for tens of microseconds, so the host must not).
 
 @functools.cache
 def _device_info(device_id):
@@ -190,74 +213,151 @@ def _tile(pass_, headdim, device_id):
     return _config.tile_for(pass_, headdim, cc, smem_limit)
 
 
-def _import(caller, name, array):
-    """A CuPy view of a GPU input whose layout the kernels accept (16-byte aligned rows).
+_plans = {}
+_MAX_PLANS = 4096  # shapes seen by one process; past this the cache starts afresh
 
-    A view that is not (odd element offset or strides) is copied once, which keeps it correct."""
-    view = caller.to_cupy(array)
-    _check_last_dim_contiguous(name, view)  # JAX and other producers show their strides only now
-    aligned = view.data.ptr % 16 == 0 and all(s % 16 == 0 for s in view.strides[:-1])
-    return view if aligned else view.copy()  # a fresh allocation is aligned
+
+def _plan_key(pass_, arrays, softmax_scale, causal):
+    """The cache key of a call, or None for arrays that are not torch tensors or CuPy arrays.
+    Option types are part of it, so that a call with causal=1 still meets the bool check."""
+    key = [pass_, type(softmax_scale), softmax_scale, type(causal), causal]
+    for array in arrays:
+        kind = _arrays.kind_of_type(type(array))
+        if kind == "torch":
+            key += (array.shape, array.stride(), array.dtype, array.device)
+        elif kind == "cupy":
+            key += (array.shape, array.strides, array.dtype, array.device.id)
+        else:
+            return None
+        key.append(type(array))
+    return tuple(key)
+
+
+def _remember(key, plan, copied):
+    """Caches a plan, unless some input had to be copied (its strides are not the caller's)."""
+    if key is None or copied:
+        return
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    _plans[key] = plan
+
+
+def _launchable(caller, arrays):
+    """(inputs as the plan takes them, whether any was copied). Views the kernels cannot read
+    (rows not 16-byte aligned, or an lse that is not contiguous) are copied once, which keeps
+    them correct."""
+    result, copied = [], False
+    for name, array in arrays.items():
+        array = caller.launchable(array)
+        strides = _element_strides(array)
+        if name == "lse":
+            ok = strides == _contiguous_strides(array.shape)
+        else:
+            _check_last_dim_contiguous(name, array)  # JAX and other producers show their strides only now
+            ok = _arrays.data_pointer(array) % 16 == 0 and all(s * 2 % 16 == 0 for s in strides[:-1])
+        if not ok:
+            copied = True
+            if caller.kind == "torch":
+                import torch
+                array = array.clone(memory_format=torch.contiguous_format)  # a fresh allocation is aligned
+            else:
+                array = array.copy()
+        result.append(array)
+    return tuple(result), copied
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    kernel: _kernels.Kernel
+    grid: tuple
+
+
+class _Plan:
+    """The launches of one call signature, with the parameter block ready but for its pointers.
+
+    `run(inputs)` allocates the outputs, writes the inputs' and outputs' addresses into the
+    block and launches every kernel on the caller's stream; it returns the outputs that are
+    results, or None when an input's address is not 16-byte aligned (then the caller's slow path
+    copies it)."""
+
+    def __init__(self, caller, params, inputs, outputs, results, launches):
+        self.caller = caller
+        self.outputs = outputs      # [(name, shape, dtype)], allocated on every call
+        self.results = results      # indices into outputs of what the call returns
+        self.launches = [(load(l.kernel, caller.device()), l.grid, l.kernel.threads, l.kernel.smem_bytes)
+                         for l in launches]
+        self.words = params.view(numpy.uint64)
+        self.slots = numpy.array([params.dtype.fields[name][1] // 8 for name in (*inputs, *(o[0] for o in outputs))])
+        self.argv = numpy.array([self.words.ctypes.data], numpy.uint64)  # the kernels' one argument
+        self.argv_address = self.argv.ctypes.data
+        self.lock = threading.Lock()
+
+    def run(self, inputs):
+        import cupy
+        pointers = [_arrays.data_pointer(a) for a in inputs]
+        if any(pointer % 16 for pointer in pointers):
+            return None
+        caller = self.caller
+        with caller.device():
+            outputs = [caller.empty(shape, dtype) for _, shape, dtype in self.outputs]
+            pointers += [_arrays.data_pointer(a) for a in outputs]
+            stream = caller.stream_pointer()
+            with self.lock:  # the launch copies the parameter block, so it is free again after it
+                self.words[self.slots] = pointers
+                for function, grid, threads, smem_bytes in self.launches:
+                    cupy.cuda.driver.launchKernel(function.ptr, *grid, threads, 1, 1, smem_bytes, stream,
+                                                  self.argv_address, 0)
+        return tuple(caller.give_back(outputs[i]) for i in self.results)
 
 
 _STRIDED = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")  # the (batch, seqlen, heads, headdim) tensors
 
 
-def _strides(prefix, array):
-    """FlashParams stride fields of a (batch, seqlen, heads, headdim) array, in elements."""
-    batch, row, head, _ = (s // array.itemsize for s in array.strides)
-    return {f"{prefix}_batch_stride": batch, f"{prefix}_row_stride": row, f"{prefix}_head_stride": head}
-
-
-def _common_params(shape, tile, scale, **arrays):
+def _param_block(shape, tile, scale, strides):
+    """The FlashParams block without pointers; `strides` maps each of _STRIDED used to its
+    element strides."""
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
                   seqlen_k=shape.seqlen_k, headdim=shape.headdim, headdim_padded=tile.headdim,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e))
-    for name, array in arrays.items():
-        fields[name] = array.data.ptr
-        if name in _STRIDED:
-            fields.update(_strides(name, array))
+    for name, (batch, row, head, _) in strides.items():
+        fields.update({f"{name}_batch_stride": batch, f"{name}_row_stride": row, f"{name}_head_stride": head})
     return _params.make_params(**fields)
 
 
-def _launch(kernel, device, grid, params):
-    function = load(kernel, device)
-    function(grid, (kernel.threads,), (params,), shared_mem=kernel.smem_bytes)
+def _forward_plan(caller, shape, scale, causal, q, k, v):
+    tile = _tile("fwd", shape.headdim, caller.device_id)
+    dtype = _arrays.dtype_name(q)
+    stats = (shape.batch, shape.nheads, shape.seqlen_q)
+    strides = dict(q=_element_strides(q), k=_element_strides(k), v=_element_strides(v),
+                   out=_contiguous_strides(q.shape))
+    kernel = _kernels.Kernel("fwd", dtype, tile, causal, shape.headdim == tile.headdim)
+    grid = (-(-shape.seqlen_q // tile.block_m), shape.nheads, shape.batch)
+    return _Plan(caller, _param_block(shape, tile, scale, strides), ("q", "k", "v"),
+                 [("out", tuple(q.shape), dtype), ("lse", stats, "float32")], (0, 1), [_Launch(kernel, grid)])
 
 
-def _forward_gpu(caller, shape, q, k, v, scale, causal):
-    with caller.on_stream():
-        q_, k_, v_ = (_import(caller, n, a) for n, a in (("q", q), ("k", k), ("v", v)))
-        device = _device_info(caller.device_id)[0]
-        tile = _tile("fwd", shape.headdim, caller.device_id)
-        out, out_ = caller.empty(q_.shape, q_.dtype)
-        lse, lse_ = caller.empty((shape.batch, shape.nheads, shape.seqlen_q), numpy.float32)
-        params = _common_params(shape, tile, scale, q=q_, k=k_, v=v_, out=out_, lse=lse_)
-        kernel = _kernels.Kernel("fwd", str(q_.dtype), tile, causal, shape.headdim == tile.headdim)
-        grid = (-(-shape.seqlen_q // tile.block_m), shape.nheads, shape.batch)
-        _launch(kernel, device, grid, params)
-        return caller.give_back(out), caller.give_back(lse)
-
-
-def _backward_gpu(caller, shape, dout, q, k, v, out, lse, scale, causal):
-    import cupy
-    with caller.on_stream():
-        names = ("dout", "q", "k", "v", "out")
-        dout_, q_, k_, v_, out_ = (_import(caller, n, a) for n, a in zip(names, (dout, q, k, v, out)))
-        lse_ = cupy.ascontiguousarray(caller.to_cupy(lse))
-        device = _device_info(caller.device_id)[0]
-        tile = _tile("bwd", shape.headdim, caller.device_id)
-        dtype = str(q_.dtype)
-        dq, dq_ = caller.empty(q_.shape, q_.dtype)
-        dk, dk_ = caller.empty(k_.shape, k_.dtype)
-        dv, dv_ = caller.empty(v_.shape, v_.dtype)
-        dout_dot_out = cupy.empty((shape.batch, shape.nheads, shape.seqlen_q), numpy.float32)
-        dq_accum = cupy.zeros((shape.batch, shape.nheads, shape.seqlen_q, tile.headdim), numpy.float32)
-        params = _common_params(shape, tile, scale, q=q_, k=k_, v=v_, out=out_, lse=lse_, dout=dout_,
-                                dq=dq_, dk=dk_, dv=dv_, dq_accum=dq_accum, dout_dot_out=dout_dot_out)
-        row_grid = (-(-shape.seqlen_q // _kernels.ROWS_PER_ROW_KERNEL_BLOCK), shape.nheads, shape.batch)
-        _launch(_kernels.Kernel("bwd_dot", dtype), device, row_grid, params)
-        kernel = _kernels.Kernel("bwd", dtype, tile, causal, shape.headdim == tile.headdim)
-        _launch(kernel, device, (-(-shape.seqlen_k // tile.block_n), shape.nheads_k, shape.batch), params)
-        _launch(_kernels.Kernel("bwd_convert_dq", dtype), device, row_grid, params)
-        return caller.give_back(dq), caller.give_back(dk), caller.give_back(dv)
+def _backward_plan(caller, shape, scale, causal, dout, q, k, v, out, lse):
+    tile = _tile("bwd", shape.headdim, caller.device_id)
+    dtype = _arrays.dtype_name(q)
+    stats = (shape.batch, shape.nheads, shape.seqlen_q)
+    strides = dict(dout=_element_strides(dout), q=_element_strides(q), k=_element_strides(k),
+                   v=_element_strides(v), out=_element_strides(out), dq=_contiguous_strides(q.shape),
+                   dk=_contiguous_strides(k.shape), dv=_contiguous_strides(v.shape))
+    outputs = [("dq", tuple(q.shape), dtype), ("dk", tuple(k.shape), dtype), ("dv", tuple(v.shape), dtype),
+               ("dout_dot_out", stats, "float32"), ("lse_log2", stats, "float32"),
+               ("dq_accum", (*stats, tile.headdim), "float32")]  # zeroed by bwd_dot
+    row_grid = (-(-shape.seqlen_q // _kernels.ROWS_PER_ROW_KERNEL_BLOCK), shape.nheads, shape.batch)
+    launches = [_Launch(_kernels.Kernel("bwd_dot", dtype), row_grid),
+                _Launch(_kernels.Kernel("bwd", dtype, tile, causal, shape.headdim == tile.headdim),
+                        (-(-shape.seqlen_k // tile.block_n), shape.nheads_k, shape.batch)),
+                _Launch(_kernels.Kernel("bwd_convert_dq", dtype), row_grid)]
+    return _Plan(caller, _param_block(shape, tile, scale, strides), ("dout", "q", "k", "v", "out", "lse"),
+                 outputs, (0, 1, 2), launches)

@@ -61,20 +61,25 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf():
         assert bool(cupy.all(cupy.isfinite(grad)))
 
 
-def test_misaligned_view_is_still_correct():
-    """A view whose rows are not 16-byte aligned (odd element offset) is copied, not misread."""
+def test_misaligned_views_are_still_correct():
+    """Views whose rows are not 16-byte aligned (odd element offset) are copied, not misread, also
+    when an aligned call of the same shapes and strides has cached its launch plan first."""
+    for layout in ("separate", "misaligned"):
+        result = _check.run_gpu_case(Case(65, 65, 64, "float16", causal=True, layout=layout), 11)
+        assert result.ok, f"{layout}: {result.describe()}"
+
+
+def test_cached_plan_checks_option_types():
+    """A call that differs from a cached one only in an option's type still meets the checks."""
     import cupy
     from cupyflash import flash_attn_func
-    from cupyflash import reference
-    case = Case(65, 65, 64, "float16")
-    inputs = _check.random_inputs(case, 11)
-    flat = cupy.asarray(numpy.concatenate([numpy.zeros(1, numpy.float16), inputs["q"].astype(numpy.float16).ravel()]))
-    q = flat[1:].reshape(inputs["q"].shape)            # offset by one element: 2 bytes off 16-byte alignment
-    k, v = (cupy.asarray(inputs[n].astype(numpy.float16)) for n in ("k", "v"))
-    out = cupy.asnumpy(flash_attn_func(q, k, v)).astype(numpy.float64)
-    ref, _ = reference.attention_forward(inputs["q"], inputs["k"], inputs["v"])
-    lowp = reference.attention_forward_lowp(inputs["q"], inputs["k"], inputs["v"], "float16")
-    assert numpy.abs(out - ref).max() <= 2 * numpy.abs(lowp - ref).max() + 2 ** -10 * numpy.abs(ref).max()
+    q = cupy.asarray(numpy.random.default_rng(3).standard_normal((1, 17, 2, 64)), dtype=numpy.float16)
+    flash_attn_func(q, q, q, causal=True)
+    with pytest.raises(TypeError, match="causal must be a bool, got 1"):
+        flash_attn_func(q, q, q, causal=1)
+    flash_attn_func(q, q, q, softmax_scale=1.0)
+    with pytest.raises(TypeError, match="softmax_scale must be a positive number or None, got True"):
+        flash_attn_func(q, q, q, softmax_scale=True)
 
 
 def test_params_layout_matches_numpy():

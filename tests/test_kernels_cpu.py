@@ -123,7 +123,7 @@ def test_ptxas_log_parser():
     assert _compile.ptxas_report("a log with only front-end warnings") is None
 
 
-@pytest.mark.parametrize("tile", [(64, 64, 4), (128, 64, 4)])  # the second spills: 255 registers and a stack frame
+@pytest.mark.parametrize("tile", [(64, 64, 4, 1), (128, 64, 4, 1)])  # the second spills: 255 registers and a stack frame
 def test_cubin_resources_agree_with_ptxas(tile, tmp_path, monkeypatch):
     """The registers and stack frame read from the cubin equal what ptxas reported, with and
     without spills, so the cubin can stand in where NVRTC's log lacks the report."""

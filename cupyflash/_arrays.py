@@ -98,7 +98,7 @@ class Caller:
             import torch
             return torch.empty(shape, dtype=getattr(torch, dtype), device=self.device_id)  # an int is a CUDA ordinal
         import cupy
-        return cupy.empty(shape, dtype=dtype)
+        return cupy.empty(shape, dtype=bfloat16_dtype() if dtype == "bfloat16" else dtype)
 
     def give_back(self, array):
         """The caller's kind of array for an output made by `empty`."""

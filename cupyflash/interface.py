@@ -292,8 +292,9 @@ class _Plan:
         self.caller = caller
         self.outputs = outputs      # [(name, shape, dtype)], allocated on every call
         self.results = results      # indices into outputs of what the call returns
-        self.launches = [(load(l.kernel, caller.device()), l.grid, l.kernel.threads, l.kernel.smem_bytes)
-                         for l in launches]
+        with caller.device():  # a kernel's CUfunction belongs to the device current when it is loaded
+            self.launches = [(load(l.kernel, caller.device()).kernel.ptr, l.grid, l.kernel.threads,
+                              l.kernel.smem_bytes) for l in launches]  # (CUfunction, grid, threads, smem)
         self.words = params.view(numpy.uint64)
         self.slots = numpy.array([params.dtype.fields[name][1] // 8 for name in (*inputs, *(o[0] for o in outputs))])
         self.argv = numpy.array([self.words.ctypes.data], numpy.uint64)  # the kernels' one argument
@@ -313,7 +314,7 @@ class _Plan:
             with self.lock:  # the launch copies the parameter block, so it is free again after it
                 self.words[self.slots] = pointers
                 for function, grid, threads, smem_bytes in self.launches:
-                    cupy.cuda.driver.launchKernel(function.ptr, *grid, threads, 1, 1, smem_bytes, stream,
+                    cupy.cuda.driver.launchKernel(function, *grid, threads, 1, 1, smem_bytes, stream,
                                                   self.argv_address, 0)
         return tuple(caller.give_back(outputs[i]) for i in self.results)
 

@@ -84,11 +84,16 @@ class Caller:
         import cupy
         return cupy.from_dlpack(array)
 
+    def data_pointer(self, array):
+        """The device address of the first element of a launchable array."""
+        return array.data_ptr() if self.allocates_with_torch else array.data.ptr
+
     def stream_pointer(self):
         """The stream to launch on: PyTorch's current stream for torch callers, CuPy's otherwise."""
         if self.allocates_with_torch:
             import torch
-            return torch.cuda.current_stream(self.device_id).cuda_stream
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the handle alone, no Stream object
+            return raw(self.device_id) if raw else torch.cuda.current_stream(self.device_id).cuda_stream
         import cupy
         return cupy.cuda.get_current_stream().ptr
 
@@ -110,9 +115,6 @@ class Caller:
         return array  # another DLPack producer: a CuPy array, itself a DLPack producer
 
 
-def data_pointer(array):
-    """The device address of a torch tensor's or CuPy array's first element."""
-    return array.data_ptr() if hasattr(array, "data_ptr") else array.data.ptr
 
 
 def bfloat16_dtype():

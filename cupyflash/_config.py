@@ -24,14 +24,18 @@ MAX_HEADDIM = HEADDIMS[-1]
 #   fwd hd64:  128x64/4w 231/188 | 128x128/8w 197/156, 128x64/8w 217/147, 64x128/4w 214/169, 128x32/4w 217/168
 #   fwd hd128: 64x64/4w 237/194  | 128x64/8w 206/162, 128x32/4w 234/182, 128x128/8w 223/174, 64x128/4w 234/167
 #   fwd hd256: 64x64/4w 258/199  | 128x64/8w 217/175, 64x32/4w 216/163, 128x32/8w 194/152
-#   bwd hd64:  64x128/8w 150/129 | 64x64/8w 105/94, 128x64/8w 113/99
-#   bwd hd128: 64x128/8w 170/146 | 64x64/8w 117/107, 128x32/8w 73/68, 128x64/8w 123/112
-#   bwd hd256: 64x64/8w 123/113  | 64x32/8w 74/70, 128x32/8w 72/67
-# (those bwd figures are single-stage, before the 32-row warp tiles).
+#   bwd (single stage, before the 32-row warp tiles):
+#     hd64:  64x128/8w 150/129 | 64x64/8w 105/94, 128x64/8w 113/99
+#     hd128: 64x128/8w 170/146 | 64x64/8w 117/107, 128x32/8w 73/68, 128x64/8w 123/112
+#     hd256: 64x64/8w 123/113  | 64x32/8w 74/70, 128x32/8w 72/67
+#   bwd with two stages (v4 in bench/NOTES.md):
+#     hd64:  64x128/8w/s2 220/200  | 128x128/8w/s2 241/219 (spills 20 bytes), 64x128/8w/s1 210/197
+#     hd128: 64x128/8w/s2 273/247  | 64x128/8w/s1 257/239 (spills 8 bytes), 64x64/8w/s2 180/172
+#     hd256: 64x64/8w/s1 193/185   | 64x64/8w/s2 198/185 (spills 44 bytes; 216 KiB)
 # The other head dims follow their neighbours where that compiles without spills (bwd hd224
-# 64x64/8w spills 12 bytes in some variants, so it keeps 64x32). sm80 has sm90's tiles with a
-# single backward stage where two do not fit 163 KiB (not yet timed on an A100); sm86 keeps every
-# tile under 99 KiB.
+# 64x64/8w spills 12 bytes in some variants, so it keeps 64x32). sm80 has sm90's tiles where they
+# fit 163 KiB and compile without spills for sm_80, smaller ones elsewhere (not yet timed on an
+# A100); sm86 keeps every tile under 99 KiB.
 TILES = {
     "sm90": {
         "fwd": {32: (128, 64, 4, 1), 64: (128, 64, 4, 1), 96: (64, 64, 4, 1), 128: (64, 64, 4, 1),
@@ -48,8 +52,8 @@ TILES = {
 }
 TILES["sm80"] = {
     "fwd": TILES["sm90"]["fwd"],
-    "bwd": {**TILES["sm90"]["bwd"], 128: (64, 64, 8, 2), 160: (64, 64, 8, 1), 192: (64, 64, 8, 1),
-            224: (64, 32, 8, 1)},
+    "bwd": {**TILES["sm90"]["bwd"], 128: (64, 64, 8, 2),
+            160: (64, 64, 8, 1), 192: (64, 64, 8, 1), 224: (64, 32, 8, 1)},
 }
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
 PASSES = ("fwd", "bwd")

@@ -254,7 +254,7 @@ def _launchable(caller, arrays):
             ok = strides == _contiguous_strides(array.shape)
         else:
             _check_last_dim_contiguous(name, array)  # JAX and other producers show their strides only now
-            ok = _arrays.data_pointer(array) % 16 == 0 and all(s * 2 % 16 == 0 for s in strides[:-1])
+            ok = caller.data_pointer(array) % 16 == 0 and all(s * 2 % 16 == 0 for s in strides[:-1])
         if not ok:
             copied = True
             if caller.kind == "torch":
@@ -285,8 +285,8 @@ class _Plan:
 
     `run(inputs)` allocates the outputs, writes the inputs' and outputs' addresses into the
     block and launches every kernel on the caller's stream; it returns the outputs that are
-    results, or None when an input's address is not 16-byte aligned (then the caller's slow path
-    copies it)."""
+    results, or None when an input's address is not aligned as the kernels need (then the
+    caller's slow path copies it)."""
 
     def __init__(self, caller, params, inputs, outputs, results, launches):
         self.caller = caller
@@ -297,19 +297,20 @@ class _Plan:
                               l.kernel.smem_bytes) for l in launches]  # (CUfunction, grid, threads, smem)
         self.words = params.view(numpy.uint64)
         self.slots = numpy.array([params.dtype.fields[name][1] // 8 for name in (*inputs, *(o[0] for o in outputs))])
+        self.alignments = [4 if name == "lse" else 16 for name in inputs]  # what the kernels' loads need
         self.argv = numpy.array([self.words.ctypes.data], numpy.uint64)  # the kernels' one argument
         self.argv_address = self.argv.ctypes.data
         self.lock = threading.Lock()
 
     def run(self, inputs):
         import cupy
-        pointers = [_arrays.data_pointer(a) for a in inputs]
-        if any(pointer % 16 for pointer in pointers):
-            return None
         caller = self.caller
+        pointers = [caller.data_pointer(a) for a in inputs]
+        if any(pointer % alignment for pointer, alignment in zip(pointers, self.alignments)):
+            return None
         with caller.device():
             outputs = [caller.empty(shape, dtype) for _, shape, dtype in self.outputs]
-            pointers += [_arrays.data_pointer(a) for a in outputs]
+            pointers += [caller.data_pointer(a) for a in outputs]
             stream = caller.stream_pointer()
             with self.lock:  # the launch copies the parameter block, so it is free again after it
                 self.words[self.slots] = pointers

@@ -69,6 +69,22 @@ def test_misaligned_views_are_still_correct():
         assert result.ok, f"{layout}: {result.describe()}"
 
 
+def test_lse_view_at_a_4_byte_offset():
+    """lse needs only 4-byte alignment: a view one float in is used as it is and read correctly."""
+    import cupy
+    from cupyflash import flash_attn_backward, flash_attn_func
+    case = Case(113, 113, 64, "float16", causal=True)
+    arrays = _check.to_cupy_inputs(case, _check.random_inputs(case, 5))
+    q, k, v, dout = (arrays[n] for n in ("q", "k", "v", "dout"))
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    shifted = cupy.empty(lse.size + 1, lse.dtype)[1:].reshape(lse.shape)
+    shifted[...] = lse
+    expected = flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+    got = flash_attn_backward(dout, q, k, v, out, shifted, causal=True)
+    for g, e in zip(got, expected):  # equal up to the order of dq's atomic additions
+        assert float(cupy.abs(g.astype(cupy.float32) - e.astype(cupy.float32)).max()) <= 1e-2 * float(cupy.abs(e).max())
+
+
 def test_cached_plan_checks_option_types():
     """A call that differs from a cached one only in an option's type still meets the checks."""
     import cupy

@@ -286,7 +286,7 @@ def test_side_stream_ordering():
         q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
         out = cft.flash_attn_func(q, k, v, causal=True)
         out.backward(dout)
-        results = [torch.full(x.shape, math.nan, dtype=torch.bfloat16).pin_memory() for x in host]
+        results = [torch.full(x.shape, math.nan, dtype=torch.bfloat16).pin_memory() for x in (q, q, k, v)]
         for dst, src in zip(results, (out, q.grad, k.grad, v.grad)):
             dst.copy_(src, non_blocking=True)
     side.synchronize()  # not the device: only what was ordered on the side stream is complete

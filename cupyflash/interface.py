@@ -7,6 +7,7 @@ Names, argument order and layout follow flash_attn's `flash_attn_func`: q is
 import dataclasses
 import functools
 import math
+import os
 import threading
 
 import numpy
@@ -219,8 +220,9 @@ _MAX_PLANS = 4096  # shapes seen by one process; past this the cache starts afre
 
 def _plan_key(pass_, arrays, softmax_scale, causal):
     """The cache key of a call, or None for arrays that are not torch tensors or CuPy arrays.
-    Option types are part of it, so that a call with causal=1 still meets the bool check."""
-    key = [pass_, type(softmax_scale), softmax_scale, type(causal), causal]
+    Option types are part of it, so that a call with causal=1 still meets the bool check, and so
+    is a forced tile table, which picks other kernels for the same arrays."""
+    key = [pass_, type(softmax_scale), softmax_scale, type(causal), causal, os.environ.get("CUPYFLASH_TILES")]
     for array in arrays:
         kind = _arrays.kind_of_type(type(array))
         if kind == "torch":
@@ -292,6 +294,7 @@ class _Plan:
         self.caller = caller
         self.outputs = outputs      # [(name, shape, dtype)], allocated on every call
         self.results = results      # indices into outputs of what the call returns
+        self.kernels = [l.kernel for l in launches]
         with caller.device():  # a kernel's CUfunction belongs to the device current when it is loaded
             self.launches = [(load(l.kernel, caller.device()).kernel.ptr, l.grid, l.kernel.threads,
                               l.kernel.smem_bytes) for l in launches]  # (CUfunction, grid, threads, smem)
@@ -320,12 +323,9 @@ class _Plan:
         return tuple(caller.give_back(outputs[i]) for i in self.results)
 
 
-_STRIDED = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")  # the (batch, seqlen, heads, headdim) tensors
-
-
 def _param_block(shape, tile, scale, strides):
-    """The FlashParams block without pointers; `strides` maps each of _STRIDED used to its
-    element strides."""
+    """The FlashParams block without pointers; `strides` maps each (batch, seqlen, heads, headdim)
+    tensor of the call (q, k, v, out, dout, dq, dk, dv) to its element strides."""
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
                   seqlen_k=shape.seqlen_k, headdim=shape.headdim, headdim_padded=tile.headdim,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e))

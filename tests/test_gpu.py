@@ -46,6 +46,23 @@ def test_every_tile_table(family, case, monkeypatch):
     _assert_ok(_check.run_gpu_case(case, _seed(case) + len(family)))
 
 
+def test_forced_tile_table_gets_its_own_plan(monkeypatch):
+    """A cached launch plan of the native table is not reused once CUPYFLASH_TILES forces another."""
+    from cupyflash import _config, flash_attn_backward, flash_attn_func, interface
+    monkeypatch.setattr(interface, "_plans", {})
+    case = Case(300, 300, 128, "bfloat16")
+    arrays = _check.to_cupy_inputs(case, _check.random_inputs(case, 2))
+    q, k, v, dout = (arrays[n] for n in ("q", "k", "v", "dout"))
+    tiles = []
+    for family in ("sm90", "sm86"):
+        monkeypatch.setenv("CUPYFLASH_TILES", family)
+        out, lse = flash_attn_func(q, k, v, return_lse=True)
+        flash_attn_backward(dout, q, k, v, out, lse)
+        tiles.append(_config.Tile(128, *_config.TILES[family]["bwd"][128]))
+    used = {kernel.tile for plan in interface._plans.values() for kernel in plan.kernels if kernel.pass_ == "bwd"}
+    assert tiles[0] != tiles[1] and set(tiles) <= used
+
+
 def test_rows_that_see_no_key_give_zero_and_minus_inf():
     import cupy
     from cupyflash import flash_attn_backward, flash_attn_func

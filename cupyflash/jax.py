@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy
 
-from . import _config, _xla_ffi
+from . import _arrays, _xla_ffi, interface
 from .interface import flash_attn_backward, flash_attn_func
 
 __all__ = ["flash_attn"]
@@ -85,39 +85,11 @@ def _attributes(scale, causal):
 # Checks at trace time (shapes and dtypes are known then); the core repeats them at run time.
 
 def _checked(q, k, v, softmax_scale, causal):
-    """(softmax_scale, causal) as the custom calls take them, after checking everything."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if len(x.shape) != 4:
-            raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
-        if 0 in x.shape:
-            raise ValueError(f"{name} has an empty dimension: shape {tuple(x.shape)}")
-    if q.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
-        raise TypeError(f"q must have a floating dtype (float16 or bfloat16 on the GPU), got {q.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
-    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"k {k.shape} must match q {q.shape} in batch and head dim")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"q's nheads ({q.shape[2]}) must be a multiple of k's nheads ({k.shape[2]})")
-    if q.shape[3] % 8 or q.shape[3] > _config.MAX_HEADDIM:
-        raise ValueError(f"head dim must be a multiple of 8 and at most {_config.MAX_HEADDIM}, got {q.shape[3]}")
-    if not isinstance(causal, (bool, numpy.bool_)):
-        raise TypeError(f"causal must be a bool (static under jit), got {causal!r}")
-    return _scale(softmax_scale, q.shape[3]), bool(causal)
-
-
-def _scale(softmax_scale, headdim):
-    if softmax_scale is None:
-        return headdim ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, numpy.number)):
-        raise TypeError(f"softmax_scale must be a positive number or None (static under jit), got {softmax_scale!r}")
-    scale = float(softmax_scale)
-    if not (numpy.isfinite(scale) and scale > 0):
-        raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale!r}")
-    return scale
+    """(softmax_scale, causal) as the custom calls take them, after the core's own argument checks.
+    The NumPy caller's rules apply at trace time (any float dtype: CPU arrays run the reference);
+    on the GPU the core refuses what its kernels cannot take when the custom call runs."""
+    shape = interface._check_qkv(q, k, v, _arrays.Caller("numpy", -1))
+    return interface._check_scale(softmax_scale, shape.headdim), interface._check_flag("causal", causal)
 
 
 # --------------------------------------------------------------------------------------------

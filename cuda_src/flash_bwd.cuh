@@ -138,31 +138,20 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         // P = 2^(S * scale_log2 - lse_log2). A row that sees no key has lse_log2 = +inf, so its P
         // is exactly 0. Rows past the end were zero-filled (Q, dO, lse_log2, D): their P is 1 but
         // dO and dP - D are 0, so they add nothing to dV, dK or dQ.
-#pragma unroll
-        for (int mt = 0; mt < GS::MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < GS::NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -s_lse(stage)[GS::row0() + fragment_row(mt, e)]));
+        // (Three passes rather than one: fused, the 255-register variants spilled.)
+        for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
+            s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -s_lse(stage)[GS::row0() + fragment_row(mt, e)]));
+        });
         if (block_needs_mask<CAUSAL>(p, row0, key0, BLOCK_N)) {
-#pragma unroll
-            for (int mt = 0; mt < GS::MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < GS::NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (!is_visible<CAUSAL>(p, row0 + GS::row0() + fragment_row(mt, e), key0 + GS::col0() + fragment_col(nt, e)))
-                            s[mt][nt][e] = 0.f;
+            for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
+                if (!is_visible<CAUSAL>(p, row0 + GS::row0() + fragment_row(mt, e), key0 + GS::col0() + fragment_col(nt, e)))
+                    s[mt][nt][e] = 0.f;
+            });
         }
         // dS = P * (dP - D)
-#pragma unroll
-        for (int mt = 0; mt < GS::MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < GS::NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - s_dot(stage)[GS::row0() + fragment_row(mt, e)]);
+        for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
+            dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - s_dot(stage)[GS::row0() + fragment_row(mt, e)]);
+        });
         store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_p, s, 1.f, GS::row0(), GS::col0());
         store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_ds, dp, 1.f, GS::row0(), GS::col0());
         __syncthreads();  // P and dS are complete

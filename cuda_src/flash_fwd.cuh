@@ -74,14 +74,10 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k, 0);
 
         if (block_needs_mask<CAUSAL>(p, row0, key0, BLOCK_N)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (!is_visible<CAUSAL>(p, row0 + warp_row0 + fragment_row(mt, e), key0 + fragment_col(nt, e)))
-                            s[mt][nt][e] = -CUPYFLASH_INF;
+            for_each_element<MT, NT>([&](int mt, int nt, int e) {
+                if (!is_visible<CAUSAL>(p, row0 + warp_row0 + fragment_row(mt, e), key0 + fragment_col(nt, e)))
+                    s[mt][nt][e] = -CUPYFLASH_INF;
+            });
         }
 
         cp_async_wait<0>();

@@ -91,14 +91,21 @@ __device__ __forceinline__ void store_fragment(uint16* smem, const float (&acc)[
             }
 }
 
-template <int MT, int NT>
-__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
+// Calls f(mt, nt, e) for every element of an accumulator fragment [MT][NT][4], fully unrolled, so
+// after inlining mt, nt and e are constants and every fragment index is a register, not memory.
+template <int MT, int NT, typename F>
+__device__ __forceinline__ void for_each_element(F f) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+            for (int e = 0; e < 4; ++e) f(mt, nt, e);
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
+    for_each_element<MT, NT>([&](int mt, int nt, int e) { acc[mt][nt][e] = 0.f; });
 }
 
 // ldmatrix addresses are split in two: the lane's base address (run-time, computed once per

@@ -10,8 +10,11 @@
 //                         With STAGES = 2, Q, dO, lse and D have two buffers: the next query block
 //                         loads during the whole of the current step, and a step needs two barriers.
 //   flash_bwd_convert_dq: dq = dq_accum * scale, in the input dtype.
+// As in the forward, LOCAL kernels bound each row's keys and EXTRAS kernels add the options of
+// score.cuh; the EXTRAS kernels also return dbias and, when asked, add dQ in a fixed order.
 #pragma once
 #include "mask.cuh"
+#include "score.cuh"
 #include "tile.cuh"
 
 #define CUPYFLASH_LOG2E 1.4426950408889634f
@@ -53,7 +56,44 @@ struct BwdTile {
     static_assert(STAGES == 1 || STAGES == 2, "one or two query-side buffers");
 };
 
-template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool CAUSAL, bool EVEN_K>
+// The EXTRAS kernels' elementwise step, all in one pass over the S and dP fragments of a warp
+// whose tile starts at (row0, col0): the score options, P, dropout, dS (and dbias). On return s
+// holds what dV needs (P, dropped and rescaled) and dp the gradient of the raw scores (dS times
+// softcap's slope). lse and dot point at the warp's first row.
+template <bool BF16, bool LOCAL, int MT, int NT>
+__device__ __forceinline__ void extras_probabilities(float (&s)[MT][NT][4], float (&dp)[MT][NT][4], const FlashParams& p,
+                                                     const Sequence& seq, int batch, int head, int row0, int col0,
+                                                     bool masked, const float* lse, const float* dot) {
+    const ScoreOptions options(p, seq, batch, head);
+    float* dbias = p.dbias_accum == nullptr ? nullptr
+                   : p.dbias_accum + batch * p.dbias_batch_stride + head * p.dbias_head_stride;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const uint32 keep = p.dropout_scale != 0.f
+                                ? dropout_keep_bits(p, batch, head, row0 + fragment_row(mt, 0), col0 + fragment_col(nt, 0))
+                                : 0xfu;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = fragment_row(mt, e), row = row0 + r, col = col0 + fragment_col(nt, e);
+                const bool in_bounds = row < seq.seqlen_q && col < seq.seqlen_k;
+                float slope;
+                const float x = options.apply<BF16>(s[mt][nt][e], seq, row, col, in_bounds, slope);
+                float prob = fast_exp2(fmaf(x, p.scale_log2, -lse[r]));
+                if (masked && !is_visible<LOCAL>(p, seq, row, col)) prob = 0.f;
+                // Dropout: dV sees the kept P times 1 / (1 - p), and the gradient reaching P is dP times the same.
+                const float drop = p.dropout_scale == 0.f ? 1.f : (keep >> e & 1 ? p.dropout_scale : 0.f);
+                const float ds = prob * (dp[mt][nt][e] * drop - dot[r]);
+                if (dbias != nullptr && in_bounds) atomicAdd(dbias + row * p.dbias_row_stride + col, ds);
+                s[mt][nt][e] = prob * drop;
+                dp[mt][nt][e] = ds * slope;
+            }
+        }
+}
+
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool LOCAL, bool EVEN_K,
+          bool EXTRAS>
 __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     typedef BwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS, STAGES> T;
     typedef typename T::S GS;
@@ -75,42 +115,43 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
 
     const int n_block = blockIdx.x, head_k = blockIdx.y, batch = blockIdx.z;
     const int key0 = n_block * BLOCK_N;
+    const Sequence seq(p, batch);
+    if (key0 >= seq.seqlen_k) return;  // a varlen grid covers the longest sequence
     const int group = p.nheads / p.nheads_k;
-    const int m_begin = first_query_block<CAUSAL>(p, key0, BLOCK_M);
-    const int m_end = ceil_div(p.seqlen_q, BLOCK_M);
-    const int steps = m_begin < m_end ? group * (m_end - m_begin) : 0;
+    const BlockRange query_blocks = query_blocks_seeing<LOCAL>(p, seq, key0, BLOCK_M, BLOCK_N);
+    const int steps = group * (query_blocks.end - query_blocks.first);
 
     const uint16* k = static_cast<const uint16*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride
-                      + key0 * p.k_row_stride;
+                      + (seq.first_row_k + key0) * p.k_row_stride;
     const uint16* v = static_cast<const uint16*>(p.v) + batch * p.v_batch_stride + head_k * p.v_head_stride
-                      + key0 * p.v_row_stride;
-    copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k, k, p.k_row_stride, p.seqlen_k - key0, p.headdim);
-    copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_v, v, p.v_row_stride, p.seqlen_k - key0, p.headdim);
+                      + (seq.first_row_k + key0) * p.v_row_stride;
+    copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k, k, p.k_row_stride, seq.seqlen_k - key0, p.headdim);
+    copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_v, v, p.v_row_stride, seq.seqlen_k - key0, p.headdim);
 
-    // The steps walk query blocks [m_begin, m_end) of each query head of the kv group in turn;
-    // (head, row0) moves on by `advance`, with no division.
+    // The steps walk the query blocks that see this key block, of each query head of the kv group
+    // in turn; (head, row0) moves on by `advance`, with no division.
     auto advance = [&](int& head, int& row0) {
         row0 += BLOCK_M;
-        if (row0 >= p.seqlen_q) { row0 = m_begin * BLOCK_M; ++head; }
+        if (row0 >= query_blocks.end * BLOCK_M) { row0 = query_blocks.first * BLOCK_M; ++head; }
     };
     // Loads Q, dO, lse_log2 and D of a query block into a stage; rows past the end are zero-filled.
     auto load_step = [&](int head, int row0, int stage) {
         const uint16* q = static_cast<const uint16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride
-                          + row0 * p.q_row_stride;
+                          + (seq.first_row_q + row0) * p.q_row_stride;
         const uint16* dout = static_cast<const uint16*>(p.dout) + batch * p.dout_batch_stride
-                             + head * p.dout_head_stride + row0 * p.dout_row_stride;
-        copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_q(stage), q, p.q_row_stride, p.seqlen_q - row0,
+                             + head * p.dout_head_stride + (seq.first_row_q + row0) * p.dout_row_stride;
+        copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_q(stage), q, p.q_row_stride, seq.seqlen_q - row0,
                                                                 p.headdim);
         copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_do(stage), dout, p.dout_row_stride,
-                                                                p.seqlen_q - row0, p.headdim);
+                                                                seq.seqlen_q - row0, p.headdim);
         if (threadIdx.x < BLOCK_M) {
-            const long long row = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + row0 + threadIdx.x;
-            const bool valid = row0 + threadIdx.x < p.seqlen_q;
+            const long long row = seq.stats_row0(p, batch, head) + row0 + threadIdx.x;
+            const bool valid = row0 + threadIdx.x < seq.seqlen_q;
             cp_async_4(smem_address(s_lse(stage) + threadIdx.x), valid ? p.lse_log2 + row : p.lse_log2, valid);
             cp_async_4(smem_address(s_dot(stage) + threadIdx.x), valid ? p.dout_dot_out + row : p.dout_dot_out, valid);
         }
     };
-    int head = head_k * group, row0 = m_begin * BLOCK_M;  // the current step's query block
+    int head = head_k * group, row0 = query_blocks.first * BLOCK_M;  // the current step's query block
     if (steps > 0) load_step(head, row0, 0);
     cp_async_commit();
 
@@ -136,22 +177,30 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         warp_gemm<BF16, GS::MT, GS::NT, HEADDIM, HEADDIM, true, HEADDIM, true>(dp, sdo, GS::row0(), s_v, GS::col0());
 
         // P = 2^(S * scale_log2 - lse_log2). A row that sees no key has lse_log2 = +inf, so its P
-        // is exactly 0. Rows past the end were zero-filled (Q, dO, lse_log2, D): their P is 1 but
-        // dO and dP - D are 0, so they add nothing to dV, dK or dQ.
-        // (Three passes rather than one: fused, the 255-register variants spilled.)
-        for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
-            s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -s_lse(stage)[GS::row0() + fragment_row(mt, e)]));
-        });
-        if (block_needs_mask<CAUSAL>(p, row0, key0, BLOCK_N)) {
+        // is exactly 0. Rows past the end were zero-filled (Q, dO, lse_log2, D): their P is at most 1
+        // but dO and dP - D are 0, so they add nothing to dV, dK or dQ.
+        const bool masked = block_needs_mask<LOCAL>(p, seq, row0, key0, BLOCK_M, BLOCK_N);
+        if constexpr (EXTRAS) {
+            extras_probabilities<BF16, LOCAL, GS::MT, GS::NT>(s, dp, p, seq, batch, head, row0 + GS::row0(),
+                                                               key0 + GS::col0(), masked, s_lse(stage) + GS::row0(),
+                                                               s_dot(stage) + GS::row0());
+        } else {
+            // (Three passes rather than one: fused, the 255-register variants spilled.)
             for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
-                if (!is_visible<CAUSAL>(p, row0 + GS::row0() + fragment_row(mt, e), key0 + GS::col0() + fragment_col(nt, e)))
-                    s[mt][nt][e] = 0.f;
+                s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -s_lse(stage)[GS::row0() + fragment_row(mt, e)]));
+            });
+            if (masked) {
+                for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
+                    if (!is_visible<LOCAL>(p, seq, row0 + GS::row0() + fragment_row(mt, e),
+                                           key0 + GS::col0() + fragment_col(nt, e)))
+                        s[mt][nt][e] = 0.f;
+                });
+            }
+            // dS = P * (dP - D)
+            for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
+                dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - s_dot(stage)[GS::row0() + fragment_row(mt, e)]);
             });
         }
-        // dS = P * (dP - D)
-        for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
-            dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - s_dot(stage)[GS::row0() + fragment_row(mt, e)]);
-        });
         store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_p, s, 1.f, GS::row0(), GS::col0());
         store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_ds, dp, 1.f, GS::row0(), GS::col0());
         __syncthreads();  // P and dS are complete
@@ -170,8 +219,20 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         float dq[GQ::MT][GQ::NT][4];
         zero(dq);
         warp_gemm<BF16, GQ::MT, GQ::NT, BLOCK_N, BLOCK_N, true, HEADDIM, false>(dq, s_ds, GQ::row0(), s_k, GQ::col0());
-        float* dq_accum = p.dq_accum
-                          + ((static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + row0) * p.headdim_padded;
+        float* dq_accum = p.dq_accum + (seq.stats_row0(p, batch, head) + row0) * p.headdim_padded;
+        // Deterministic: the key blocks of a query block add their dQ in key-block order, each
+        // waiting for its predecessor's count (those CTAs started earlier, so they cannot be waiting on us).
+        int* semaphore = nullptr;
+        if constexpr (EXTRAS) {
+            if (p.dq_semaphore != nullptr) {
+                semaphore = p.dq_semaphore + (static_cast<long long>(batch) * p.nheads + head) * p.dq_semaphore_blocks
+                            + row0 / BLOCK_M;
+                const int turn = n_block - key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N).first;
+                if (threadIdx.x == 0)
+                    while (load_acquire(semaphore) != turn) {}
+                __syncthreads();
+            }
+        }
 #pragma unroll
         for (int mt = 0; mt < GQ::MT; ++mt)
 #pragma unroll
@@ -179,10 +240,14 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int r = GQ::row0() + fragment_row(mt, 2 * half);
-                    if (row0 + r < p.seqlen_q)
+                    if (row0 + r < seq.seqlen_q)
                         atomic_add_pair(dq_accum + r * p.headdim_padded + GQ::col0() + fragment_col(nt, 0),
                                         dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
                 }
+        if (EXTRAS && semaphore != nullptr) {
+            __syncthreads();  // every thread's adds are issued before the next key block's turn
+            if (threadIdx.x == 0) add_release(semaphore, 1);
+        }
         head = next_head;
         row0 = next_row0;
     }
@@ -194,11 +259,11 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     store_fragment<BF16, GKV::MT, GKV::NT, HEADDIM>(s_v, acc_dv, 1.f, GKV::row0(), GKV::col0());
     __syncthreads();
     uint16* dk = static_cast<uint16*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride
-                 + key0 * p.dk_row_stride;
+                 + (seq.first_row_k + key0) * p.dk_row_stride;
     uint16* dv = static_cast<uint16*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride
-                 + key0 * p.dv_row_stride;
-    store_tile<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(dk, s_k, p.dk_row_stride, p.seqlen_k - key0, p.headdim);
-    store_tile<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(dv, s_v, p.dv_row_stride, p.seqlen_k - key0, p.headdim);
+                 + (seq.first_row_k + key0) * p.dv_row_stride;
+    store_tile<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(dk, s_k, p.dk_row_stride, seq.seqlen_k - key0, p.headdim);
+    store_tile<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(dv, s_v, p.dv_row_stride, seq.seqlen_k - key0, p.headdim);
 }
 
 // The two small kernels map one warp to one query row, 8 columns per lane (head dim <= 256).
@@ -210,11 +275,13 @@ template <bool BF16>
 __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
     const int row = blockIdx.x * RowKernel::kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int head = blockIdx.y, batch = blockIdx.z;
-    if (row >= p.seqlen_q) return;
+    const Sequence seq(p, batch);
+    if (row >= seq.seqlen_q) return;
+    const int packed_row = seq.first_row_q + row;
     const uint16* dout = static_cast<const uint16*>(p.dout) + batch * p.dout_batch_stride + head * p.dout_head_stride
-                         + row * p.dout_row_stride;
+                         + packed_row * p.dout_row_stride;
     const uint16* out = static_cast<const uint16*>(p.out) + batch * p.out_batch_stride + head * p.out_head_stride
-                        + row * p.out_row_stride;
+                        + packed_row * p.out_row_stride;
     float dot = 0.f;
     for (int col = 8 * lane; col < p.headdim; col += 8 * 32) {
         const uint4 a = *reinterpret_cast<const uint4*>(dout + col);
@@ -227,7 +294,7 @@ __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    const long long stats_row = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + row;
+    const long long stats_row = seq.stats_row0(p, batch, head) + row;
     if (lane == 0) {
         p.dout_dot_out[stats_row] = dot;
         const float lse = p.lse[stats_row];
@@ -242,11 +309,11 @@ template <bool BF16>
 __device__ __forceinline__ void flash_bwd_convert_dq(const FlashParams& p) {
     const int row = blockIdx.x * RowKernel::kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int head = blockIdx.y, batch = blockIdx.z;
-    if (row >= p.seqlen_q) return;
-    const float* accum = p.dq_accum
-                         + ((static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + row) * p.headdim_padded;
+    const Sequence seq(p, batch);
+    if (row >= seq.seqlen_q) return;
+    const float* accum = p.dq_accum + (seq.stats_row0(p, batch, head) + row) * p.headdim_padded;
     uint16* dq = static_cast<uint16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride
-                 + row * p.dq_row_stride;
+                 + (seq.first_row_q + row) * p.dq_row_stride;
     for (int col = 8 * lane; col < p.headdim; col += 8 * 32) {
         const float4 lo = *reinterpret_cast<const float4*>(accum + col);
         const float4 hi = *reinterpret_cast<const float4*>(accum + col + 4);

@@ -6,8 +6,11 @@
 //   wait for K(n) -> start loading V(n) -> S = Q K(n)^T (tensor cores) -> mask if the block needs it
 //   -> wait for V(n) -> start loading K(n-1) -> online softmax in base 2 -> O += P V(n), where P
 //   stays in registers: the fp32 S fragment, packed to 16 bits, is exactly the A fragment of P V.
+// LOCAL kernels bound each row's keys (causal, sliding window); EXTRAS kernels add the score
+// options of score.cuh (softcap, ALiBi, attn_bias) and dropout. Varlen is a run-time property.
 #pragma once
 #include "mask.cuh"
+#include "score.cuh"
 #include "tile.cuh"
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES>
@@ -23,7 +26,8 @@ struct FwdTile {
     static_assert(STAGES == 1, "K and V have one buffer each (their loads already overlap the math)");
 };
 
-template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool CAUSAL, bool EVEN_K>
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool LOCAL, bool EVEN_K,
+          bool EXTRAS>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     typedef FwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS, STAGES> T;
     constexpr int MT = T::MT, NT = T::NT, DT = T::DT;
@@ -38,11 +42,15 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     const int head_k = head / (p.nheads / p.nheads_k);
     const int row0 = m_block * BLOCK_M;
     const int warp_row0 = (threadIdx.x / 32) * T::kWarpRows;
+    const Sequence seq(p, batch);
+    if (row0 >= seq.seqlen_q) return;  // a varlen grid covers the longest sequence
 
     const uint16* q = static_cast<const uint16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride
-                      + row0 * p.q_row_stride;
-    const uint16* k = static_cast<const uint16*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride;
-    const uint16* v = static_cast<const uint16*>(p.v) + batch * p.v_batch_stride + head_k * p.v_head_stride;
+                      + (seq.first_row_q + row0) * p.q_row_stride;
+    const uint16* k = static_cast<const uint16*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride
+                      + seq.first_row_k * p.k_row_stride;
+    const uint16* v = static_cast<const uint16*>(p.v) + batch * p.v_batch_stride + head_k * p.v_head_stride
+                      + seq.first_row_k * p.v_row_stride;
 
     float acc_o[MT][DT][4];
     zero(acc_o);
@@ -52,40 +60,51 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) { row_max[mt][half] = -CUPYFLASH_INF; row_sum[mt][half] = 0.f; }
 
-    const int n_blocks = key_blocks_seen<CAUSAL>(p, row0, BLOCK_M, BLOCK_N);
-    if (n_blocks > 0) {
-        const int key0 = (n_blocks - 1) * BLOCK_N;
-        copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_q, q, p.q_row_stride, p.seqlen_q - row0, p.headdim);
+    const BlockRange blocks = key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N);
+    if (blocks.end > blocks.first) {
+        const int key0 = (blocks.end - 1) * BLOCK_N;
+        copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_q, q, p.q_row_stride, seq.seqlen_q - row0,
+                                                                p.headdim);
         copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k, k + key0 * p.k_row_stride, p.k_row_stride,
-                                                                p.seqlen_k - key0, p.headdim);
+                                                                seq.seqlen_k - key0, p.headdim);
         cp_async_commit();
     }
+    const ScoreOptions options(p, seq, batch, head);  // EXTRAS only; dead code otherwise
 
-    for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
+    for (int n_block = blocks.end - 1; n_block >= blocks.first; --n_block) {
         const int key0 = n_block * BLOCK_N;
         cp_async_wait<0>();
         __syncthreads();  // K(n) has landed; every warp is done with V(n+1)
         copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_v, v + key0 * p.v_row_stride, p.v_row_stride,
-                                                                p.seqlen_k - key0, p.headdim);
+                                                                seq.seqlen_k - key0, p.headdim);
         cp_async_commit();
 
         float s[MT][NT][4];
         zero(s);
         warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k, 0);
 
-        if (block_needs_mask<CAUSAL>(p, row0, key0, BLOCK_N)) {
+        if constexpr (EXTRAS) {
             for_each_element<MT, NT>([&](int mt, int nt, int e) {
-                if (!is_visible<CAUSAL>(p, row0 + warp_row0 + fragment_row(mt, e), key0 + fragment_col(nt, e)))
+                const int row = row0 + warp_row0 + fragment_row(mt, e), col = key0 + fragment_col(nt, e);
+                float slope;
+                s[mt][nt][e] = options.apply<BF16>(s[mt][nt][e], seq, row, col,
+                                                   row < seq.seqlen_q && col < seq.seqlen_k, slope);
+            });
+        }
+        if (block_needs_mask<LOCAL>(p, seq, row0, key0, BLOCK_M, BLOCK_N)) {
+            for_each_element<MT, NT>([&](int mt, int nt, int e) {
+                if (!is_visible<LOCAL>(p, seq, row0 + warp_row0 + fragment_row(mt, e), key0 + fragment_col(nt, e)))
                     s[mt][nt][e] = -CUPYFLASH_INF;
             });
         }
 
         cp_async_wait<0>();
         __syncthreads();  // V(n) has landed; every warp is done with K(n)
-        if (n_block > 0) {
+        if (n_block > blocks.first) {
             const int next_key0 = key0 - BLOCK_N;
             copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k, k + next_key0 * p.k_row_stride,
-                                                                    p.k_row_stride, p.seqlen_k - next_key0, p.headdim);
+                                                                    p.k_row_stride, seq.seqlen_k - next_key0,
+                                                                    p.headdim);
             cp_async_commit();
         }
 
@@ -119,6 +138,23 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                     }
             }
 
+        // Dropout acts on the probabilities after the softmax: the sums above keep every element,
+        // P V only the kept ones (scaled by 1 / (1 - dropout_p) at the end).
+        if constexpr (EXTRAS) {
+            if (p.dropout_scale != 0.f) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const uint32 keep = dropout_keep_bits(p, batch, head, row0 + warp_row0 + fragment_row(mt, 0),
+                                                              key0 + fragment_col(nt, 0));
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (!(keep >> e & 1)) s[mt][nt][e] = 0.f;
+                    }
+            }
+        }
+
         uint32 p_frag[BLOCK_N / 16][MT][4];
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk)
@@ -134,7 +170,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
     // Finish: each row's sum is spread over the 4 threads of its quad. A row that saw no key
     // gets out = 0 and lse = -inf (the log of an empty sum).
-    const long long lse_row0 = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q;
+    const long long lse_row0 = seq.stats_row0(p, batch, head);
+    const float out_scale = EXTRAS && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -142,14 +179,14 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             float sum = row_sum[mt][half];
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+            const float inv_sum = sum > 0.f ? out_scale / sum : 0.f;
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 acc_o[mt][dt][2 * half] *= inv_sum;
                 acc_o[mt][dt][2 * half + 1] *= inv_sum;
             }
             const int row = row0 + warp_row0 + fragment_row(mt, 2 * half);
-            if (threadIdx.x % 4 == 0 && row < p.seqlen_q)
+            if (threadIdx.x % 4 == 0 && row < seq.seqlen_q)
                 p.lse[lse_row0 + row] = sum > 0.f ? row_max[mt][half] * p.softmax_scale + logf(sum) : -CUPYFLASH_INF;
         }
 
@@ -159,6 +196,6 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     store_fragment<BF16, MT, DT, HEADDIM>(s_q, acc_o, 1.f, warp_row0, 0);
     __syncthreads();
     uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + head * p.out_head_stride
-                  + row0 * p.out_row_stride;
-    store_tile<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(out, s_q, p.out_row_stride, p.seqlen_q - row0, p.headdim);
+                  + (seq.first_row_q + row0) * p.out_row_stride;
+    store_tile<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(out, s_q, p.out_row_stride, seq.seqlen_q - row0, p.headdim);
 }

@@ -1,37 +1,80 @@
 // Which keys a query sees, and which whole blocks can be skipped. Every masking option lives
 // here, so the forward and backward kernels agree by construction.
 //
-// Causal masking is aligned bottom-right (as flash_attn >= 2.1): query row i sees key j iff
-// j <= i + seqlen_k - seqlen_q. With seqlen_q > seqlen_k the first rows see no key at all.
+// Masks are aligned bottom-right (as flash_attn >= 2.1): row i's diagonal is key
+// i + seqlen_k - seqlen_q. The LOCAL kernels bound each row's keys to
+// [diagonal - window_left, diagonal + window_right]: causal is window_right = 0, and an unbounded
+// side is 1 << 30, so there is no "unbounded" test per element. A row may see no key at all.
 #pragma once
 #include "params.cuh"
+#include "ptx.cuh"
 
-template <bool CAUSAL>
-__device__ __forceinline__ bool is_visible(const FlashParams& p, int row, int col) {
-    return col < p.seqlen_k && (!CAUSAL || col <= row + p.seqlen_k - p.seqlen_q);
+// The sequence a CTA works on: batch entry `batch`, or with cu_seqlens one packed sequence.
+struct Sequence {
+    int seqlen_q, seqlen_k;
+    int first_row_q, first_row_k;  // where it starts in the packed tensors (0 unless varlen)
+
+    __device__ __forceinline__ Sequence(const FlashParams& p, int batch) {
+        if (p.cu_seqlens_q == nullptr) {
+            seqlen_q = p.seqlen_q; seqlen_k = p.seqlen_k; first_row_q = 0; first_row_k = 0;
+        } else {
+            first_row_q = p.cu_seqlens_q[batch];
+            first_row_k = p.cu_seqlens_k[batch];
+            seqlen_q = p.cu_seqlens_q[batch + 1] - first_row_q;
+            seqlen_k = p.cu_seqlens_k[batch + 1] - first_row_k;
+        }
+    }
+    __device__ __forceinline__ int diagonal(int row) const { return row + seqlen_k - seqlen_q; }
+    // Index of (batch, head, row 0) in the row statistics (lse, lse_log2, D, dq_accum rows).
+    __device__ __forceinline__ long long stats_row0(const FlashParams& p, int batch, int head) const {
+        return batch * p.stats_batch_stride + head * p.stats_head_stride + first_row_q;
+    }
+};
+
+template <bool LOCAL>
+__device__ __forceinline__ bool is_visible(const FlashParams& p, const Sequence& seq, int row, int col) {
+    return col < seq.seqlen_k
+           && (!LOCAL || (col <= seq.diagonal(row) + p.window_right && col >= seq.diagonal(row) - p.window_left));
 }
 
-// Number of key blocks that query rows [row0, row0 + block_m) see at all: blocks past it are
-// fully masked and are skipped, not computed.
-template <bool CAUSAL>
-__device__ __forceinline__ int key_blocks_seen(const FlashParams& p, int row0, int block_m, int block_n) {
-    int key_end = p.seqlen_k;
-    if (CAUSAL) key_end = min(key_end, row0 + block_m + p.seqlen_k - p.seqlen_q);
-    return key_end > 0 ? (key_end + block_n - 1) / block_n : 0;
+// Key blocks [first, end) that query rows [row0, row0 + block_m) see at all: the blocks outside
+// are fully masked and are skipped, not computed.
+struct BlockRange {
+    int first, end;
+};
+
+template <bool LOCAL>
+__device__ __forceinline__ BlockRange key_blocks_seen(const FlashParams& p, const Sequence& seq, int row0,
+                                                      int block_m, int block_n) {
+    int key_begin = 0, key_end = seq.seqlen_k;
+    if (LOCAL) {
+        key_begin = max(key_begin, seq.diagonal(row0) - p.window_left);
+        key_end = min(key_end, seq.diagonal(min(row0 + block_m, seq.seqlen_q) - 1) + p.window_right + 1);
+    }
+    return key_begin < key_end ? BlockRange{key_begin / block_n, ceil_div(key_end, block_n)} : BlockRange{0, 0};
 }
 
-// First query block that sees any key of the block starting at key0 (the backward's loop start).
-template <bool CAUSAL>
-__device__ __forceinline__ int first_query_block(const FlashParams& p, int key0, int block_m) {
-    if (!CAUSAL) return 0;
-    const int first_row = key0 - (p.seqlen_k - p.seqlen_q);
-    return first_row > 0 ? first_row / block_m : 0;
+// Query blocks [first, end) that see any key of the block starting at key0 (the backward's loop).
+template <bool LOCAL>
+__device__ __forceinline__ BlockRange query_blocks_seeing(const FlashParams& p, const Sequence& seq, int key0,
+                                                          int block_m, int block_n) {
+    int row_begin = 0, row_end = seq.seqlen_q;
+    if (LOCAL) {
+        const int shift = seq.seqlen_k - seq.seqlen_q;
+        const int key_last = min(key0 + block_n, seq.seqlen_k) - 1;
+        row_begin = max(row_begin, key0 - shift - p.window_right);
+        row_end = min(row_end, key_last - shift + p.window_left + 1);
+    }
+    return row_begin < row_end ? BlockRange{row_begin / block_m, ceil_div(row_end, block_m)} : BlockRange{0, 0};
 }
 
 // Whether a (query block, key block) pair needs per-element masking; all other pairs run the
 // mask-free path.
-template <bool CAUSAL>
-__device__ __forceinline__ bool block_needs_mask(const FlashParams& p, int row0, int key0, int block_n) {
+template <bool LOCAL>
+__device__ __forceinline__ bool block_needs_mask(const FlashParams& p, const Sequence& seq, int row0, int key0,
+                                                 int block_m, int block_n) {
     const int key_last = key0 + block_n - 1;
-    return key_last >= p.seqlen_k || (CAUSAL && key_last > row0 + p.seqlen_k - p.seqlen_q);
+    return key_last >= seq.seqlen_k
+           || (LOCAL && (key_last > seq.diagonal(row0) + p.window_right
+                         || key0 < seq.diagonal(row0 + block_m - 1) - p.window_left));
 }

@@ -1,8 +1,8 @@
 // The one parameter block that every cupyflash kernel receives, by value.
 //
 // Python builds the same bytes from this very file: cupyflash/_params.py reads the field lines
-// below (one field per line, C types `const void*`, `void*`, `float*`, `long long`, `int`,
-// `float`; anything else is refused there) into a NumPy structured dtype with C alignment, and
+// below (one field per line, C types `const void*`, `void*`, `const float*`, `float*`, `const int*`,
+// `int*`, `long long`, `int`, `float`; anything else is refused there) into a NumPy structured dtype with C alignment, and
 // every compiled source asserts the struct's size against it. A new option is
 // one new field here (and, where it changes the code path, one template flag in the kernel).
 #pragma once
@@ -60,4 +60,39 @@ struct FlashParams {
     // Softmax scale, and the same times log2(e) so the kernels can use exp2.
     float softmax_scale;
     float scale_log2;
+
+    // Row statistics (lse, lse_log2, dout_dot_out, and dq_accum's rows) of (batch, head, row) sit
+    // at batch * stats_batch_stride + head * stats_head_stride + first_row + row, first_row being
+    // the sequence's first packed row (0 unless varlen).
+    long long stats_batch_stride;
+    long long stats_head_stride;
+
+    // Variable-length batches: when set, sequence b is rows [cu[b], cu[b + 1]) of the packed
+    // tensors (whose batch strides are then 0), and seqlen_q / seqlen_k above are the maxima.
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+
+    // Sliding window, read by the LOCAL kernels: row i sees keys [i + seqlen_k - seqlen_q - left,
+    // i + seqlen_k - seqlen_q + right]. Causal is right = 0; an unbounded side is 1 << 30.
+    int window_left;
+    int window_right;
+
+    // The options of the EXTRAS kernels (score.cuh), each off when zero / null.
+    float softcap;                  // scores become softcap * tanh(scores / softcap)
+    const float* alibi_slopes;      // head h of batch b adds -slope * |i + seqlen_k - seqlen_q - j|
+    long long alibi_batch_stride;   // 0 for slopes shaped (nheads,)
+    const void* attn_bias;          // additive bias; the batch and head strides are 0 where it broadcasts
+    long long bias_batch_stride;
+    long long bias_head_stride;
+    long long bias_row_stride;
+    int bias_is_float32;            // else it has q's 16-bit dtype
+    float* dbias_accum;             // fp32, zeroed, with the bias strides below: += dS, by atomics
+    long long dbias_batch_stride;
+    long long dbias_head_stride;
+    long long dbias_row_stride;
+    long long dropout_seed;         // Philox key (cupyflash/reference.py has the same generator)
+    long long dropout_keep_below;   // an element is kept iff its 32-bit random word is below this
+    float dropout_scale;            // 1 / (1 - dropout_p); 0 disables dropout
+    int* dq_semaphore;              // deterministic backward: one zeroed counter per (batch, head, query block)
+    int dq_semaphore_blocks;        // query blocks per (batch, head)
 };

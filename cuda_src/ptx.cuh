@@ -95,4 +95,15 @@ __device__ __forceinline__ void atomic_add_pair(float* address, float a, float b
 #endif
 }
 
+// A GPU-scope flag: the load sees every write made before the matching release add.
+__device__ __forceinline__ int load_acquire(const int* address) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(address) : "memory");
+    return value;
+}
+// Orders the CTA's earlier writes (made visible to this thread by a barrier) before the add.
+__device__ __forceinline__ void add_release(int* address, int value) {
+    asm volatile("fence.acq_rel.gpu;\nred.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(address), "r"(value) : "memory");
+}
+
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }

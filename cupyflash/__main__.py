@@ -125,7 +125,7 @@ def _check_numpy():
 
 def _check_compile(verbose):
     start = time.time()
-    results = _compile.compile_all(_kernels.all_kernels(), ("80", "90"),
+    results = _compile.compile_all(_kernels.compile_jobs(),
                                    progress=lambda done, total, label: _progress(done, total, label, start))
     rows = [[f"sm_{arch}", k.name, r.registers, "unknown" if r.spills is None else r.spills, r.stack_frame,
              k.smem_bytes] for arch, k, r in results if verbose or not r.clean]
@@ -159,9 +159,13 @@ def bench(args):
     from . import benchmark
     impls = args.impls or list(benchmark.IMPLEMENTATIONS)
     status = 0
+    if args.options_only:
+        print(benchmark.write_options(benchmark.run_options(), args.out))
+        return status
     if not args.memory_only:
         rows = benchmark.run_speed(args.headdims, args.seqlens, args.dtypes, impls=impls)
         print(benchmark.write_speed(rows, args.out, impls))
+        print(benchmark.write_options(benchmark.run_options(), args.out))
     if not args.no_memory:
         print(benchmark.write_memory(benchmark.run_memory(args.memory_seqlens), args.out))
     print(f"results written to {args.out}")
@@ -186,6 +190,8 @@ def main(argv=None):
                               default=[1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072])
     bench_parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
     bench_parser.add_argument("--memory-only", action="store_true", help="only the memory table")
+    bench_parser.add_argument("--options-only", action="store_true",
+                              help="only the attention options' table (window, softcap, ALiBi, bias, dropout, ...)")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()

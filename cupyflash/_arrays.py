@@ -105,6 +105,24 @@ class Caller:
         import cupy
         return cupy.empty(shape, dtype=bfloat16_dtype() if dtype == "bfloat16" else dtype)
 
+    def zeros(self, shape, dtype):
+        """empty(), zero-filled (on the caller's stream)."""
+        if self.allocates_with_torch:
+            import torch
+            return torch.zeros(shape, dtype=getattr(torch, dtype), device=self.device_id)
+        import cupy
+        return cupy.zeros(shape, dtype=dtype)
+
+    def reduce(self, array, axes, shape, dtype):
+        """array summed over `axes` (in a fixed order), reshaped to `shape`, cast to `dtype`."""
+        if axes:
+            array = array.sum(axes, keepdims=True) if not self.allocates_with_torch else array.sum(axes, keepdim=True)
+        array = array.reshape(shape)
+        if self.allocates_with_torch:
+            import torch
+            return array.to(getattr(torch, dtype))
+        return array.astype(bfloat16_dtype() if dtype == "bfloat16" else dtype)
+
     def give_back(self, array):
         """The caller's kind of array for an output made by `empty`."""
         if self.kind in ("torch", "cupy"):
@@ -115,6 +133,16 @@ class Caller:
         return array  # another DLPack producer: a CuPy array, itself a DLPack producer
 
 
+
+
+def to_host(array, caller):
+    """A NumPy copy of a small array (waits for the work that computes it)."""
+    if caller.kind == "numpy":
+        return array
+    if caller.kind == "torch":
+        return array.cpu().numpy()
+    import cupy
+    return cupy.asnumpy(caller.launchable(array))
 
 
 def bfloat16_dtype():

@@ -31,10 +31,34 @@ class Case:
     nheads_k: int = 2
     layout: str = "separate"   # or 'qkvpacked': q, k, v are views of one (b, s, 3, h, d) array;
                                # or 'misaligned': every input starts 2 bytes past a 16-byte boundary
+    # Options (see flash_attn_func); alibi gives random slopes of shape (batch, nheads); bias is the
+    # shape of a random attn_bias: 'full' (b, h, sq, sk), 'heads' (h, sq, sk) or 'keys' (sq, sk).
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: bool = False
+    bias: str = ""
+    dropout_p: float = 0.0
+    deterministic: bool = False
+    # Varlen: per-sequence lengths (q, k); then batch is their number and seqlen_* their maxima.
+    varlen: tuple = ()
 
     def __str__(self):
-        return (f"{self.dtype} b{self.batch} sq{self.seqlen_q} sk{self.seqlen_k} h{self.nheads}/{self.nheads_k} "
+        text = (f"{self.dtype} b{self.batch} sq{self.seqlen_q} sk{self.seqlen_k} h{self.nheads}/{self.nheads_k} "
                 f"d{self.headdim}{' causal' if self.causal else ''}{' ' + self.layout if self.layout != 'separate' else ''}")
+        options = [f"window{self.window}" if self.window != (-1, -1) else "", f"softcap{self.softcap}" * bool(self.softcap),
+                   "alibi" * self.alibi, f"bias-{self.bias}" * bool(self.bias),
+                   f"dropout{self.dropout_p}" * bool(self.dropout_p), "deterministic" * self.deterministic,
+                   f"varlen{self.varlen}" * bool(self.varlen)]
+        return " ".join([text] + [o for o in options if o])
+
+    @staticmethod
+    def packed(lengths_q, lengths_k, headdim, dtype="bfloat16", causal=False, **fields):
+        """A varlen case of sequences with these lengths."""
+        return Case(max(lengths_q), max(lengths_k), headdim, dtype, causal, batch=len(lengths_q),
+                    varlen=(tuple(lengths_q), tuple(lengths_k)), **fields)
+
+    def cu_seqlens(self):
+        return tuple(numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(numpy.int32) for lengths in self.varlen)
 
 
 @dataclasses.dataclass
@@ -63,12 +87,37 @@ class Result:
 
 
 def random_inputs(case, seed):
-    """q, k, v, dout as float32 NumPy arrays whose values are exactly representable in case.dtype."""
+    """q, k, v, dout as float32 NumPy arrays whose values are exactly representable in case.dtype,
+    and the case's options: alibi_slopes, attn_bias, and the dropout seed. (A 'heads' bias is
+    representable in case.dtype and reaches the kernels in that dtype; the others are float32.)"""
     rng = numpy.random.default_rng(seed)
     b, sq, sk, h, hk, d = case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k, case.headdim
     shapes = {"q": (b, sq, h, d), "k": (b, sk, hk, d), "v": (b, sk, hk, d), "dout": (b, sq, h, d)}
-    return {name: reference.round_to(rng.standard_normal(shape, dtype=numpy.float32), case.dtype)
-            for name, shape in shapes.items()}
+    if case.varlen:
+        total_q, total_k = sum(case.varlen[0]), sum(case.varlen[1])
+        shapes = {"q": (total_q, h, d), "k": (total_k, hk, d), "v": (total_k, hk, d), "dout": (total_q, h, d)}
+    inputs = {name: reference.round_to(rng.standard_normal(shape, dtype=numpy.float32), case.dtype)
+              for name, shape in shapes.items()}
+    if case.alibi:
+        inputs["alibi_slopes"] = rng.uniform(0.01, 0.5, (b, h)).astype(numpy.float32)
+    if case.bias:
+        bias_shape = {"full": (b, h, sq, sk), "heads": (h, sq, sk), "keys": (sq, sk)}[case.bias]
+        inputs["attn_bias"] = rng.standard_normal(bias_shape).astype(numpy.float32)
+        if case.bias == "heads":
+            inputs["attn_bias"] = reference.round_to(inputs["attn_bias"], case.dtype)
+    if case.dropout_p:
+        inputs["seed"] = int(rng.integers(0, 2 ** 63)) * 2 + 1  # use the high key word too
+    return inputs
+
+
+def options_of(case, inputs):
+    """The keyword options of flash_attn_func for `case`, with `inputs`' arrays (any kind)."""
+    options = dict(window_size=case.window, softcap=case.softcap, dropout_p=case.dropout_p,
+                   seed=inputs.get("seed"))
+    for name in ("alibi_slopes", "attn_bias"):
+        if name in inputs:
+            options[name] = inputs[name]
+    return options
 
 
 def to_cupy_inputs(case, inputs):
@@ -90,6 +139,10 @@ def to_cupy_inputs(case, inputs):
             arrays[name][...] = cupy.asarray(inputs[name].astype(dtype))
     else:
         arrays = {name: cupy.asarray(inputs[name].astype(dtype)) for name in ("q", "k", "v", "dout")}
+    if "alibi_slopes" in inputs:
+        arrays["alibi_slopes"] = cupy.asarray(inputs["alibi_slopes"])
+    if "attn_bias" in inputs:
+        arrays["attn_bias"] = cupy.asarray(inputs["attn_bias"].astype(dtype if case.bias == "heads" else numpy.float32))
     return arrays
 
 
@@ -105,12 +158,36 @@ def _floor(dtype, ref):
     return _UNIT_ROUNDOFF[dtype] * (float(numpy.abs(ref).max(initial=0)) + 2.0 ** -6)
 
 
-def compare(case, inputs, out, lse, grads):
-    """Checks of out, lse and (dq, dk, dv) (NumPy arrays) against the reference for `inputs`."""
+def _references(case, inputs, backward):
+    """(float64 out, lse, grads) and the low-precision (out, lse, grads); grads end with dbias
+    when the case has a bias."""
     q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
     scale = case.headdim ** -0.5
-    ref_out, ref_lse = reference.attention_forward(q, k, v, scale, case.causal)
-    lowp_out, lowp_lse = reference.attention_forward_lowp(q, k, v, case.dtype, scale, case.causal, return_lse=True)
+    options = options_of(case, inputs)
+    if case.varlen:
+        cu = case.cu_seqlens()
+        ref = reference.attention_forward_varlen(q, k, v, *cu, scale, case.causal, **options)
+        lowp = reference.attention_forward_varlen_lowp(q, k, v, *cu, case.dtype, scale, case.causal, return_lse=True,
+                                                      **options)
+        ref_grads = lowp_grads = None
+        if backward:
+            ref_grads = reference.attention_backward_varlen(dout, q, k, v, *cu, scale, case.causal, **options)
+            lowp_grads = reference.attention_backward_varlen_lowp(dout, q, k, v, *cu, case.dtype, scale, case.causal,
+                                                                  **options)
+        return (*ref, ref_grads), (*lowp, lowp_grads)
+    dbias = dict(return_dbias=True) if case.bias else {}
+    ref = reference.attention_forward(q, k, v, scale, case.causal, **options)
+    lowp = reference.attention_forward_lowp(q, k, v, case.dtype, scale, case.causal, return_lse=True, **options)
+    ref_grads = lowp_grads = None
+    if backward:
+        ref_grads = reference.attention_backward(dout, q, k, v, scale, case.causal, **options, **dbias)
+        lowp_grads = reference.attention_backward_lowp(dout, q, k, v, case.dtype, scale, case.causal, **options, **dbias)
+    return (*ref, ref_grads), (*lowp, lowp_grads)
+
+
+def compare(case, inputs, out, lse, grads):
+    """Checks of out, lse and (dq, dk, dv[, dbias]) (NumPy arrays) against the reference for `inputs`."""
+    (ref_out, ref_lse, ref_grads), (lowp_out, lowp_lse, lowp_grads) = _references(case, inputs, grads is not None)
     checks = [Check("out", _max_error(out, ref_out),
                     2 * _max_error(lowp_out, ref_out) + _floor(case.dtype, ref_out))]
 
@@ -126,9 +203,7 @@ def compare(case, inputs, out, lse, grads):
     checks.append(Check("lse", lse_error, lse_bound))
 
     if grads is not None:
-        ref_grads = reference.attention_backward(dout, q, k, v, scale, case.causal)
-        lowp_grads = reference.attention_backward_lowp(dout, q, k, v, case.dtype, scale, case.causal)
-        for name, got, ref, lowp in zip(("dq", "dk", "dv"), grads, ref_grads, lowp_grads):
+        for name, got, ref, lowp in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads, lowp_grads):
             checks.append(Check(name, _max_error(got, ref),
                                 3 * _max_error(lowp, ref) + _floor(case.dtype, ref)))
     return Result(case, checks)
@@ -143,13 +218,28 @@ def run_gpu_case(case, seed, wrap=None, unwrap=None, backward=True):
     from .interface import flash_attn_backward, flash_attn_func
     wrap = wrap or (lambda x: x)
     unwrap = unwrap or cupy.asnumpy
+    from . import interface
     inputs = random_inputs(case, seed)
     arrays = {name: wrap(a) for name, a in to_cupy_inputs(case, inputs).items()}
     scale = case.headdim ** -0.5
-    out, lse = flash_attn_func(arrays["q"], arrays["k"], arrays["v"], scale, case.causal, return_lse=True)
-    grads = None
-    if backward:
-        grads = flash_attn_backward(arrays["dout"], arrays["q"], arrays["k"], arrays["v"], out, lse, scale, case.causal)
+    options = options_of(case, arrays)
+    q, k, v, dout = (arrays[n] for n in ("q", "k", "v", "dout"))
+    if case.varlen:
+        cu = [wrap(cupy.asarray(c)) for c in case.cu_seqlens()]
+        lengths = (case.seqlen_q, case.seqlen_k)
+        out, lse = interface.flash_attn_varlen_func(q, k, v, *cu, *lengths, scale, case.causal, return_lse=True,
+                                                    **options)
+        grads = None
+        if backward:
+            grads = interface.flash_attn_varlen_backward(dout, q, k, v, out, lse, *cu, *lengths, scale, case.causal,
+                                                         deterministic=case.deterministic, **options)
+    else:
+        out, lse = flash_attn_func(q, k, v, scale, case.causal, return_lse=True, **options)
+        grads = None
+        if backward:
+            grads = flash_attn_backward(dout, q, k, v, out, lse, scale, case.causal, deterministic=case.deterministic,
+                                        return_dbias=bool(case.bias), **options)
+    if grads is not None:
         grads = [_to_float64(unwrap(g)) for g in grads]
     return compare(case, inputs, _to_float64(unwrap(out)), _to_float64(unwrap(lse)), grads)
 

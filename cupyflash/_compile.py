@@ -105,10 +105,9 @@ def _compile_for_report(kernel, arch):
     return resource_report(cubin_path.read_bytes(), log)
 
 
-def compile_all(kernels, archs, workers=None, progress=None):
-    """Compiles `kernels` for each arch in worker processes; returns [(arch, kernel, ResourceReport)]
+def compile_all(jobs, workers=None, progress=None):
+    """Compiles each (arch, kernel) of `jobs` in worker processes; returns [(arch, kernel, ResourceReport)]
     sorted by arch and name. `progress(done, total, label)` is called after each compile."""
-    jobs = [(arch, kernel) for arch in archs for kernel in kernels]
     results = []
     context = multiprocessing.get_context("spawn")  # no inherited CUDA state
     with concurrent.futures.ProcessPoolExecutor(workers or min(os.cpu_count() or 1, 8), mp_context=context) as pool:

@@ -32,6 +32,9 @@ MAX_HEADDIM = HEADDIMS[-1]
 #     hd64:  64x128/8w/s2 220/200  | 128x128/8w/s2 241/219 (spills 20 bytes), 64x128/8w/s1 210/197
 #     hd128: 64x128/8w/s2 273/247  | 64x128/8w/s1 257/239 (spills 8 bytes), 64x64/8w/s2 180/172
 #     hd256: 64x64/8w/s1 193/185   | 64x64/8w/s2 198/185 (spills 44 bytes; 216 KiB)
+# bwd_extras is the backward with the options of cuda_src/score.cuh (softcap, ALiBi, attn_bias, dropout,
+# deterministic dQ): those need registers, and the plain tiles spill 8-128 bytes with them, so it
+# takes smaller tiles. (The forward's options fit its plain tiles.)
 # The other head dims follow their neighbours where that compiles without spills (bwd hd224
 # 64x64/8w spills 12 bytes in some variants, so it keeps 64x32). sm80 has sm90's tiles where they
 # fit 163 KiB and compile without spills for sm_80, smaller ones elsewhere (not yet timed on an
@@ -42,21 +45,32 @@ TILES = {
                 160: (64, 64, 4, 1), 192: (64, 64, 4, 1), 224: (64, 64, 4, 1), 256: (64, 64, 4, 1)},
         "bwd": {32: (64, 128, 8, 2), 64: (64, 128, 8, 2), 96: (64, 128, 8, 2), 128: (64, 128, 8, 2),
                 160: (64, 64, 8, 2), 192: (64, 64, 8, 2), 224: (64, 32, 8, 2), 256: (64, 64, 8, 1)},
+        "bwd_extras": {32: (64, 64, 8, 2), 64: (64, 64, 8, 2), 96: (64, 64, 8, 2), 128: (64, 64, 8, 2),
+                       160: (64, 64, 8, 1), 192: (64, 64, 8, 1), 224: (64, 32, 8, 2), 256: (64, 32, 8, 1)},
     },
     "sm86": {
         "fwd": {32: (128, 64, 4, 1), 64: (128, 64, 4, 1), 96: (64, 64, 4, 1), 128: (64, 64, 4, 1),
                 160: (64, 64, 4, 1), 192: (64, 64, 4, 1), 224: (64, 64, 4, 1), 256: (64, 32, 4, 1)},
         "bwd": {32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 96: (64, 32, 4, 2), 128: (64, 32, 4, 1),
                 160: (32, 32, 4, 1), 192: (64, 32, 8, 1), 224: (32, 32, 4, 1), 256: (32, 32, 4, 1)},
+        "bwd_extras": {32: (64, 64, 4, 2), 64: (64, 32, 4, 2), 96: (64, 32, 4, 2), 128: (64, 32, 4, 1),
+                       160: (32, 32, 4, 1), 192: (64, 32, 8, 1), 224: (32, 32, 4, 1), 256: (32, 32, 8, 1)},
     },
 }
 TILES["sm80"] = {
     "fwd": TILES["sm90"]["fwd"],
     "bwd": {**TILES["sm90"]["bwd"], 128: (64, 64, 8, 2),
-            160: (64, 64, 8, 1), 192: (64, 64, 8, 1), 224: (64, 32, 8, 1)},
+            160: (64, 64, 8, 1), 192: (64, 64, 8, 1), 224: (64, 32, 8, 1), 256: (64, 32, 8, 1)},
+    "bwd_extras": {**TILES["sm90"]["bwd_extras"], 224: (64, 32, 8, 1)},
 }
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
-PASSES = ("fwd", "bwd")
+PASSES = ("fwd", "bwd")                    # kernel passes
+TABLES = ("fwd", "bwd", "bwd_extras")      # tile tables per family; see kernel_pass
+
+
+def kernel_pass(table):
+    """The kernel pass a tile table serves: 'bwd_extras' holds backward tiles."""
+    return table.split("_")[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +87,7 @@ class Tile:
 
     def smem_bytes(self, pass_):
         row = (self.headdim + 8) * 2
-        if pass_ == "fwd":
+        if kernel_pass(pass_) == "fwd":
             return (self.block_m + 2 * self.block_n * self.stages) * row
         return (2 * self.block_n * row + self.stages * (2 * self.block_m * row + 8 * self.block_m)
                 + 2 * self.block_m * (self.block_n + 8) * 2)
@@ -103,7 +117,7 @@ def forced_family():
 
 
 def tile_for(pass_, headdim, compute_capability, smem_limit, family=None):
-    """The tile for `pass_` ('fwd' or 'bwd') at a caller's head dim on a device.
+    """The tile for `pass_` (a table: 'fwd', 'bwd' or 'bwd_extras') at a caller's head dim on a device.
 
     The family's entry is used when its shared memory fits `smem_limit` (the device's opt-in
     maximum per block); otherwise the smaller sm86 entry."""
@@ -116,7 +130,12 @@ def tile_for(pass_, headdim, compute_capability, smem_limit, family=None):
     raise RuntimeError(f"no {pass_} tile for head dim {headdim} fits {smem_limit} bytes of shared memory")
 
 
-def all_tiles():
-    """Every distinct (pass, tile) of every table: what the compile checks build."""
-    return sorted({(pass_, Tile(hd, *cfg)) for table in TILES.values() for pass_ in PASSES
-                   for hd, cfg in table[pass_].items()}, key=lambda pt: (pt[0], dataclasses.astuple(pt[1])))
+def all_tiles(families=tuple(TILES)):
+    """Every distinct (table, tile) of these families: what the compile checks build."""
+    return sorted({(table, Tile(hd, *cfg)) for family in families for table in TABLES
+                   for hd, cfg in TILES[family][table].items()}, key=lambda pt: (pt[0], dataclasses.astuple(pt[1])))
+
+
+# The architectures each family's tiles are compiled and checked for: sm_90 builds every table
+# (CUPYFLASH_TILES lets an H100 run the others), sm_80 the tables of the A100 and RTX/L40 parts.
+COMPILE_CHECKS = {"90": tuple(TILES), "80": ("sm80", "sm86")}

@@ -23,8 +23,9 @@ class Kernel:
     pass_: str                               # 'fwd', 'bwd', 'bwd_dot' or 'bwd_convert_dq'
     dtype: str                               # 'float16' or 'bfloat16'
     tile: Optional[_config.Tile] = None      # fwd and bwd only
-    causal: bool = False
+    local: bool = False                      # causal or sliding window: each row sees a bounded key range
     even_k: bool = False                     # caller's head dim == tile head dim: no column bounds
+    extras: bool = False                     # softcap, ALiBi, attn_bias, dropout, deterministic dq
 
     @property
     def name(self):
@@ -32,7 +33,7 @@ class Kernel:
         if self.tile is not None:
             t = self.tile
             name += f"_hd{t.headdim}_m{t.block_m}_n{t.block_n}_w{t.warps}_s{t.stages}"
-            name += "_causal" * self.causal + "_evenk" * self.even_k
+            name += "_local" * self.local + "_evenk" * self.even_k + "_extras" * self.extras
         return name
 
     @property
@@ -52,7 +53,8 @@ class Kernel:
         else:
             t = self.tile
             args = f"{t.headdim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}"
-            call = f"flash_{self.pass_}<{args}, {bf16}, {_bool(self.causal)}, {_bool(self.even_k)}>(p);"
+            flags = ", ".join(_bool(f) for f in (self.local, self.even_k, self.extras))
+            call = f"flash_{self.pass_}<{args}, {bf16}, {flags}>(p);"
             traits = "FwdTile" if self.pass_ == "fwd" else "BwdTile"
             check = (f"static_assert({traits}<{args}>::kSmemBytes == {self.smem_bytes}, "
                      f"\"shared memory size differs from cupyflash/_config.py\");\n")
@@ -66,10 +68,17 @@ def _bool(flag):
     return "true" if flag else "false"
 
 
-def all_kernels():
-    """Every kernel variant of every tile table: what `check` and the CI compile tests build."""
+def all_kernels(families=tuple(_config.TILES)):
+    """Every kernel variant of these families' tile tables."""
     kernels = [Kernel(pass_, dtype) for pass_ in ("bwd_dot", "bwd_convert_dq") for dtype in DTYPES]
-    for (pass_, tile), dtype, causal, even_k in itertools.product(
-            _config.all_tiles(), DTYPES, (False, True), (False, True)):
-        kernels.append(Kernel(pass_, dtype, tile, causal, even_k))
+    extras_of_table = {"fwd": (False, True), "bwd": (False,), "bwd_extras": (True,)}
+    for (table, tile), dtype, local, even_k in itertools.product(
+            _config.all_tiles(families), DTYPES, (False, True), (False, True)):
+        for extras in extras_of_table[table]:
+            kernels.append(Kernel(_config.kernel_pass(table), dtype, tile, local, even_k, extras))
     return kernels
+
+
+def compile_jobs():
+    """(arch, kernel) of every variant `check --compile` and the CI compile tests build (_config.COMPILE_CHECKS)."""
+    return [(arch, kernel) for arch, families in _config.COMPILE_CHECKS.items() for kernel in all_kernels(families)]

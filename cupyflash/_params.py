@@ -16,11 +16,14 @@ _C_TYPES = {
     "const void*": numpy.uint64,
     "void*": numpy.uint64,
     "float*": numpy.uint64,
+    "const float*": numpy.uint64,
+    "const int*": numpy.uint64,
+    "int*": numpy.uint64,
     "long long": numpy.int64,
     "int": numpy.int32,
     "float": numpy.float32,
 }
-_FIELD = re.compile(r"^\s*(const void\*|void\*|float\*|long long|int|float)\s+(\w+);")
+_FIELD = re.compile(r"^\s*(const void\*|void\*|const float\*|float\*|const int\*|int\*|long long|int|float)\s+(\w+);")
 
 
 @functools.cache

@@ -210,6 +210,140 @@ def run_memory(seqlens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072), nh
     return results
 
 
+# ---------------------------------------------------------------------------------------- options
+# One row per attention option at head dim 128, bf16, 16384 tokens (16 heads), beside the plain
+# kernel and beside a peer that has the option. Times are per call (ms); "vs plain" divides by the
+# plain non-causal kernel's time at the same seqlen (the window row's 35% bound is on that ratio).
+
+OPTION_WINDOW = 4096
+
+
+def _option_calls(seqlen, headdim, nheads, batch):
+    """{option: (cupyflash fwd kwargs, bwd kwargs, peer name or None, peer maker or None)}."""
+    import torch
+    bias = torch.randn(batch, nheads, seqlen, seqlen, device="cuda", dtype=torch.bfloat16)
+    slopes = torch.rand(nheads, device="cuda", dtype=torch.float32) * 0.1
+    seed = dict(seed=1234)
+    window = dict(causal=True, window_size=(OPTION_WINDOW, 0))
+    return {
+        "plain": (dict(), dict(), "SDPA flash (FA2)", dict(backend="FLASH_ATTENTION")),
+        "causal": (dict(causal=True), dict(causal=True), "SDPA flash (FA2)", dict(backend="FLASH_ATTENTION", causal=True)),
+        f"sliding window {OPTION_WINDOW} (causal)": (window, window, "JAX cuDNN", dict(jax_window=(OPTION_WINDOW, 0))),
+        "softcap 30": (dict(softcap=30.0), dict(softcap=30.0), None, None),
+        "alibi": (dict(alibi_slopes=slopes), dict(alibi_slopes=slopes), None, None),
+        "attn_bias (b, h, s, s) bf16": (dict(attn_bias=bias), dict(attn_bias=bias, return_dbias=True),
+                                        "SDPA mem-efficient", dict(backend="EFFICIENT_ATTENTION", mask=bias)),
+        "dropout 0.1": (dict(dropout_p=0.1, **seed), dict(dropout_p=0.1, **seed),
+                        "SDPA flash (FA2)", dict(backend="FLASH_ATTENTION", dropout_p=0.1)),
+        "deterministic bwd": (dict(), dict(deterministic=True), None, None),
+        "varlen (equal lengths)": (dict(varlen=True), dict(varlen=True), None, None),
+    }
+
+
+def _cupyflash_option(q, k, v, dout, fwd_kwargs, bwd_kwargs):
+    from . import flash_attn_backward, flash_attn_func, flash_attn_varlen_backward, flash_attn_varlen_func
+    if fwd_kwargs.get("varlen"):
+        import torch
+        batch, seqlen = q.shape[:2]
+        cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device="cuda", dtype=torch.int32)
+        packed = [x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v, dout)]
+        out, lse = flash_attn_varlen_func(*packed[:3], cu, cu, seqlen, seqlen, return_lse=True)
+        return {"fwd": lambda: flash_attn_varlen_func(*packed[:3], cu, cu, seqlen, seqlen),
+                "bwd": lambda: flash_attn_varlen_backward(packed[3], *packed[:3], out, lse, cu, cu, seqlen, seqlen)}
+    out, lse = flash_attn_func(q, k, v, return_lse=True, **fwd_kwargs)
+    return {"fwd": lambda: flash_attn_func(q, k, v, **fwd_kwargs),
+            "bwd": lambda: flash_attn_backward(dout, q, k, v, out, lse, **bwd_kwargs)}
+
+
+def _peer_option(q, k, v, dout, spec):
+    """fwd / bwd callables of a peer with an option, with their sync (None: torch's stream)."""
+    if "jax_window" in spec:
+        import jax
+        import jax.dlpack
+        qj, kj, vj, doj = (jax.dlpack.from_dlpack(x.contiguous()) for x in (q, k, v, dout))
+
+        def attention(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=spec["jax_window"],
+                                                implementation="cudnn")
+        forward = jax.jit(attention)
+        both = jax.jit(lambda q, k, v, do: jax.vjp(attention, q, k, v)[1](do))
+        sync = jax.block_until_ready
+        return {"fwd": (lambda: forward(qj, kj, vj), sync), "fwd+bwd": (lambda: both(qj, kj, vj, doj), sync)}
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    mask = spec.get("mask")
+    if mask is not None:
+        mask = mask.detach().requires_grad_()
+
+    def forward():
+        with sdpa_kernel(getattr(SDPBackend, spec["backend"])):
+            return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=spec.get("causal", False),
+                                                  dropout_p=spec.get("dropout_p", 0.0))
+    out = forward()
+    inputs = (qt, kt, vt) + ((mask,) if mask is not None else ())
+    dot = dout.transpose(1, 2)
+    return {"fwd": (forward, None),
+            "bwd": (lambda: torch.autograd.grad(out, inputs, dot, retain_graph=True), None)}
+
+
+def run_options(seqlens=(4096, 16384), headdim=128, report=print):
+    """[(option, seqlen, pass, cupyflash ms, peer name, peer ms)] at bf16, 16 heads, 16384 tokens."""
+    import torch
+    results = []
+    nheads = 16
+    for seqlen in seqlens:
+        batch = TOKENS // seqlen
+        q, k, v, dout = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)
+                         for _ in range(4))
+        for option, (fwd_kwargs, bwd_kwargs, peer, spec) in _option_calls(seqlen, headdim, nheads, batch).items():
+            times = {}
+            try:
+                for pass_, fn in _cupyflash_option(q, k, v, dout, fwd_kwargs, bwd_kwargs).items():
+                    times["cupyflash", pass_] = time_ms(fn)
+            except Exception as error:
+                report(f"  cupyflash failed at {option} s{seqlen}: {type(error).__name__}: {str(error)[:160]}")
+            if peer is not None:
+                try:
+                    calls = _peer_option(q, k, v, dout, spec)
+                    for pass_, (fn, sync) in calls.items():
+                        times[peer, pass_] = time_ms(fn, sync=sync)
+                    if "bwd" not in calls:
+                        times[peer, "bwd"] = times[peer, "fwd+bwd"] - times[peer, "fwd"]
+                except Exception as error:
+                    report(f"  {peer} failed at {option} s{seqlen}: {type(error).__name__}: {str(error)[:160]}")
+            for pass_ in ("fwd", "bwd"):
+                results.append((option, seqlen, pass_, times.get(("cupyflash", pass_), math.nan), peer or "",
+                                times.get((peer, pass_), math.nan)))
+            torch.cuda.empty_cache()
+            report(f"options s{seqlen} {option}: " + ", ".join(f"{p} {times.get(('cupyflash', p), math.nan):.3f} ms"
+                                                              for p in ("fwd", "bwd")))
+    return results
+
+
+def write_options(results, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "options.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["option", "seqlen", "pass", "cupyflash_ms", "peer", "peer_ms"])
+        writer.writerows([o, s, p, f"{ms:.4f}", peer, f"{pms:.4f}"] for o, s, p, ms, peer, pms in results)
+    plain = {(s, p): ms for o, s, p, ms, _, _ in results if o == "plain"}
+    lines = [f"bf16, head dim 128, 16 heads, {TOKENS} tokens; ms per call (median); 'vs plain' = time / the plain "
+             f"non-causal kernel's time at that seqlen.", "",
+             "| option | seqlen | pass | cupyflash ms | vs plain | peer | peer ms | cupyflash speed-up over peer |",
+             "|---|---|---|---|---|---|---|---|"]
+    for option, seqlen, pass_, ms, peer, peer_ms in results:
+        ratio = ms / plain.get((seqlen, pass_), math.nan)
+        lines.append(f"| {option} | {seqlen} | {pass_} | {ms:.3f} | {ratio:.2f} | {peer} | "
+                     f"{'' if math.isnan(peer_ms) else f'{peer_ms:.3f}'} | "
+                     f"{'' if math.isnan(peer_ms) else f'{peer_ms / ms:.2f}x'} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "options.md"), "w") as f:
+        f.write(text)
+    return text
+
+
 # ----------------------------------------------------------------------------------------- output
 
 def _fmt(x):

@@ -19,58 +19,188 @@ GPU_DTYPES = ("float16", "bfloat16")
 NUMPY_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+_OPTIONS_DOC = """
+    Options (flash_attn's names and meaning; each default means off, and all combine):
+      window_size   (left, right): query i sees keys [i + seqlen_k - seqlen_q - left,
+                    i + seqlen_k - seqlen_q + right]; -1 leaves a side unbounded. Blocks outside the
+                    window are skipped, not computed.
+      softcap       > 0: scores become softcap * tanh(scores / softcap)
+      alibi_slopes  float32 (nheads,) or (batch, nheads): head h adds -slope * |i + seqlen_k - seqlen_q - j|
+      attn_bias     an additive bias broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k),
+                    float32 or q's dtype (not for varlen)
+      dropout_p     probability of dropping an attention probability, in [0, 1); needs `seed`
+      seed          an int in [0, 2**64): the Philox key of the dropout mask. The backward must get
+                    the same seed, and regenerates the mask instead of storing it.
+    Order, as in the reference: s = q k^T * scale, then softcap, then + ALiBi + attn_bias, then the mask.
+"""
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, attn_bias=None, dropout_p=0.0, seed=None, return_lse=False):
     """Exact attention softmax(q k^T * softmax_scale) v, without materialising the score matrix.
 
+    q is (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim).
     Returns out, shaped like q, or (out, lse) when return_lse is true; lse is
     (batch, nheads, seqlen_q) float32, the natural-log sum of exp(scores) per query row. A row that
-    sees no key (causal with seqlen_q > seqlen_k) gets out = 0 and lse = -inf.
+    sees no key (causal with seqlen_q > seqlen_k, or a window past every key) gets out = 0 and lse = -inf.
     Causal masking is aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
     """
-    inputs = (q, k, v)
-    key = _plan_key("fwd", inputs, softmax_scale, causal)
-    plan = _plans.get(key)
-    result = plan.run(inputs) if plan is not None else None
-    if result is None:
-        caller = _caller_of(q=q, k=k, v=v)
-        shape = _check_qkv(q, k, v, caller)
-        scale = _check_scale(softmax_scale, shape.headdim)
-        causal = _check_flag("causal", causal)
-        if caller.kind == "numpy":
-            out, lse = reference.attention_forward(q, k, v, scale, causal)
-            result = out.astype(q.dtype), lse.astype(numpy.float32)
-        else:
-            inputs, copied = _launchable(caller, dict(q=q, k=k, v=v))
-            plan = _forward_plan(caller, shape, scale, causal, *inputs)
-            _remember(key, plan, copied)
-            result = plan.run(inputs)
+    options = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+                   dropout_p=dropout_p, seed=seed)
+    result = _call("fwd", dict(q=q, k=k, v=v), softmax_scale, causal, options)
     return result if return_lse else result[0]
 
 
-def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False):
-    """Gradients (dq, dk, dv) of flash_attn_func, shaped like q, k, v.
+def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, *, window_size=(-1, -1),
+                        softcap=0.0, alibi_slopes=None, attn_bias=None, dropout_p=0.0, seed=None,
+                        deterministic=False, return_dbias=False):
+    """Gradients (dq, dk, dv) of flash_attn_func, shaped like q, k, v; the options must be the forward's.
 
     dout is the gradient of out; out and lse are what the forward returned (return_lse=True).
+    deterministic=True adds dq in a fixed order, so repeated calls give bitwise identical results
+    (the default adds with float32 atomics, in whatever order the hardware runs). return_dbias=True
+    also returns the gradient of attn_bias, in attn_bias's shape and dtype (None without attn_bias).
     """
-    inputs = (dout, q, k, v, out, lse)
-    key = _plan_key("bwd", inputs, softmax_scale, causal)
+    options = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, attn_bias=attn_bias,
+                   dropout_p=dropout_p, seed=seed, deterministic=deterministic, return_dbias=return_dbias)
+    return _call("bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse), softmax_scale, causal, options)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                           causal=False, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                           seed=None, return_lse=False):
+    """flash_attn_func over a batch of sequences of different lengths, packed without padding.
+
+    q is (total_q, nheads, headdim) and k, v (total_k, nheads_k, headdim); sequence b is rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v
+    (int32 arrays of length batch + 1 on q's device; empty sequences are allowed). max_seqlen_* are
+    the longest lengths (ints). lse is (nheads, total_q). Masks and ALiBi are per sequence.
+    The cu_seqlens are checked on the host, which waits for them to be computed.
+    """
+    options = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                   seed=seed)
+    varlen = _Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    result = _call("fwd", dict(q=q, k=k, v=v), softmax_scale, causal, options, varlen)
+    return result if return_lse else result[0]
+
+
+def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale=None, causal=False, *, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, dropout_p=0.0, seed=None, deterministic=False):
+    """Gradients (dq, dk, dv) of flash_attn_varlen_func, packed like q, k, v."""
+    options = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                   seed=seed, deterministic=deterministic)
+    varlen = _Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _call("bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse), softmax_scale, causal, options, varlen)
+
+
+for _function in (flash_attn_func, flash_attn_backward, flash_attn_varlen_func, flash_attn_varlen_backward):
+    _function.__doc__ += _OPTIONS_DOC
+
+
+# Packed forms: views into one array, no copies (JAX has no views; there indexing copies).
+
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, **options):
+    """flash_attn_func with q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]; qkv is (batch, seqlen, 3, nheads, headdim)."""
+    _check_packed("qkv", qkv, 5, 3)
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], softmax_scale, causal, **options)
+
+
+def flash_attn_kvpacked_func(q, kv, softmax_scale=None, causal=False, **options):
+    """flash_attn_func with k, v = kv[:, :, 0], kv[:, :, 1]; kv is (batch, seqlen_k, 2, nheads_k, headdim)."""
+    _check_packed("kv", kv, 5, 2)
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], softmax_scale, causal, **options)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, softmax_scale=None, causal=False, **options):
+    """flash_attn_varlen_func with q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]; qkv is (total, 3, nheads, headdim)."""
+    _check_packed("qkv", qkv, 4, 3)
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  softmax_scale, causal, **options)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    softmax_scale=None, causal=False, **options):
+    """flash_attn_varlen_func with k, v = kv[:, 0], kv[:, 1]; kv is (total_k, 2, nheads_k, headdim)."""
+    _check_packed("kv", kv, 4, 2)
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  softmax_scale, causal, **options)
+
+
+def _check_packed(name, array, ndim, count):
+    shape = tuple(getattr(array, "shape", ()))
+    if len(shape) != ndim or shape[ndim - 3] != count:
+        where = "(batch, seqlen, " if ndim == 5 else "(total, "
+        raise ValueError(f"{name} must be {ndim}-D {where}{count}, nheads, headdim), got shape {shape}")
+
+
+class _Varlen:
+    """The packing arguments of a varlen call."""
+
+    def __init__(self, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        self.cu_seqlens_q, self.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
+        self.max_seqlen_q, self.max_seqlen_k = max_seqlen_q, max_seqlen_k
+        self.batch = None  # filled in by _check_varlen
+
+
+def _call(pass_, arrays, softmax_scale, causal, options, varlen=None):
+    """One public call: the cached plan of its signature if there is one, else checks and a new plan."""
+    if varlen is not None:
+        arrays = dict(arrays, cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k)
+    for name in ("alibi_slopes", "attn_bias"):
+        if options.get(name) is not None:
+            arrays[name] = options[name]
+    key = _plan_key(pass_, arrays, softmax_scale, causal, options, varlen)
     plan = _plans.get(key)
-    result = plan.run(inputs) if plan is not None else None
-    if result is None:
-        caller = _caller_of(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-        shape = _check_qkv(q, k, v, caller)
-        for name, array in (("dout", dout), ("out", out)):
-            _check_like_q(name, array, q, caller)
-        _check_lse(lse, shape)
-        scale = _check_scale(softmax_scale, shape.headdim)
-        causal = _check_flag("causal", causal)
-        if caller.kind == "numpy":
-            grads = reference.attention_backward(dout, q, k, v, scale, causal)
-            return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
-        inputs, copied = _launchable(caller, dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse))
-        plan = _backward_plan(caller, shape, scale, causal, *inputs)
-        _remember(key, plan, copied)
-        result = plan.run(inputs)
+    if plan is not None and varlen is not None:
+        _check_varlen(varlen, arrays, plan.caller)  # their values change from call to call
+    result = plan.run(arrays, options.get("seed")) if plan is not None else None
+    if result is not None:
+        return result
+    caller = _caller_of(**arrays)
+    if varlen is not None:
+        _check_varlen(varlen, arrays, caller)
+    shape = _check_qkv(arrays["q"], arrays["k"], arrays["v"], caller, varlen)
+    if pass_ == "bwd":
+        for name in ("dout", "out"):
+            _check_like_q(name, arrays[name], arrays["q"], caller)
+        _check_lse(arrays["lse"], shape)
+    scale = _check_scale(softmax_scale, shape.headdim)
+    causal = _check_flag("causal", causal)
+    opts = _check_options(pass_, shape, caller, causal, options, arrays)
+    if caller.kind == "numpy":
+        return _reference(pass_, arrays, scale, causal, opts, varlen)
+    inputs, copied = _launchable(caller, arrays)
+    plan = (_forward_plan if pass_ == "fwd" else _backward_plan)(caller, shape, scale, opts, inputs, varlen)
+    _remember(key, plan, copied)
+    return plan.run(inputs, opts.seed)
+
+
+def _reference(pass_, arrays, scale, causal, opts, varlen):
+    """The NumPy path: the float64 reference, results in the inputs' dtype (lse float32)."""
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    common = dict(window_size=opts.window_size, softcap=opts.softcap, alibi_slopes=opts.alibi_slopes,
+                  dropout_p=opts.dropout_p, seed=opts.seed)
+    if varlen is None:
+        common["attn_bias"] = opts.attn_bias
+    if pass_ == "fwd":
+        if varlen is None:
+            out, lse = reference.attention_forward(q, k, v, scale, causal, **common)
+        else:
+            out, lse = reference.attention_forward_varlen(q, k, v, arrays["cu_seqlens_q"], arrays["cu_seqlens_k"],
+                                                          scale, causal, **common)
+        return out.astype(q.dtype), lse.astype(numpy.float32)
+    dout = arrays["dout"]
+    if varlen is None:
+        grads = reference.attention_backward(dout, q, k, v, scale, causal, return_dbias=opts.return_dbias,
+                                             **common)
+    else:
+        grads = reference.attention_backward_varlen(dout, q, k, v, arrays["cu_seqlens_q"], arrays["cu_seqlens_k"],
+                                                    scale, causal, **common)
+    result = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+    if opts.return_dbias:
+        dbias = grads[3]
+        result += (None if dbias is None else dbias.astype(opts.attn_bias.dtype),)
     return result
 
 
@@ -78,9 +208,20 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
 # Argument checks: every one names the argument and what it received, before any launch.
 
 class _Shape:
-    def __init__(self, q, k):
-        self.batch, self.seqlen_q, self.nheads, self.headdim = q.shape
-        self.seqlen_k, self.nheads_k = k.shape[1], k.shape[2]
+    """Sizes of a call; for varlen, batch counts the sequences and seqlen_* are max_seqlen_*."""
+
+    def __init__(self, q, k, varlen=None):
+        self.nheads, self.headdim = q.shape[-2:]
+        self.nheads_k = k.shape[-2]
+        self.varlen = varlen is not None
+        if varlen is None:
+            self.batch, self.seqlen_q, self.seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+            self.stats = (self.batch, self.nheads, self.seqlen_q)  # lse's shape
+        else:
+            self.total_q, self.total_k = q.shape[0], k.shape[0]
+            self.batch = varlen.batch
+            self.seqlen_q, self.seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
+            self.stats = (self.nheads, self.total_q)
 
 
 def _caller_of(**arrays):
@@ -110,11 +251,13 @@ def _caller_of(**arrays):
     return _arrays.Caller(kind, devices[first])
 
 
-def _check_qkv(q, k, v, caller):
+def _check_qkv(q, k, v, caller, varlen=None):
+    ndim = 3 if varlen is not None else 4
+    layout = "(total, nheads, headdim)" if varlen is not None else "(batch, seqlen, nheads, headdim)"
     for name, array in (("q", q), ("k", k), ("v", v)):
-        if len(array.shape) != 4:
-            raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, headdim), got shape {tuple(array.shape)}")
-        if 0 in tuple(array.shape):
+        if len(array.shape) != ndim:
+            raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(array.shape)}")
+        if 0 in tuple(array.shape)[ndim - 2:] or (varlen is None and 0 in tuple(array.shape)):
             raise ValueError(f"{name} has an empty dimension: shape {tuple(array.shape)}")
     allowed = NUMPY_DTYPES if caller.kind == "numpy" else GPU_DTYPES
     dtype = _arrays.dtype_name(q)
@@ -123,13 +266,13 @@ def _check_qkv(q, k, v, caller):
     for name, array in (("k", k), ("v", v)):
         if _arrays.dtype_name(array) != dtype:
             raise TypeError(f"{name} has dtype {_arrays.dtype_name(array)} but q has dtype {dtype}")
-    shape = _Shape(q, k)
+    shape = _Shape(q, k, varlen)
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if k.shape[0] != shape.batch:
+    if varlen is None and k.shape[0] != shape.batch:
         raise ValueError(f"k has batch {k.shape[0]} but q has batch {shape.batch}")
-    if k.shape[3] != shape.headdim:
-        raise ValueError(f"k has head dim {k.shape[3]} but q has head dim {shape.headdim}")
+    if k.shape[-1] != shape.headdim:
+        raise ValueError(f"k has head dim {k.shape[-1]} but q has head dim {shape.headdim}")
     if shape.nheads % shape.nheads_k:
         raise ValueError(f"q's nheads ({shape.nheads}) must be a multiple of k's nheads ({shape.nheads_k})")
     if shape.headdim % 8 or shape.headdim > _config.MAX_HEADDIM:
@@ -154,9 +297,10 @@ def _check_like_q(name, array, q, caller):
 
 
 def _check_lse(lse, shape):
-    expected = (shape.batch, shape.nheads, shape.seqlen_q)
+    expected = shape.stats
     if tuple(lse.shape) != expected:
-        raise ValueError(f"lse must have shape (batch, nheads, seqlen_q) = {expected}, got {tuple(lse.shape)}")
+        names = "(nheads, total_q)" if shape.varlen else "(batch, nheads, seqlen_q)"
+        raise ValueError(f"lse must have shape {names} = {expected}, got {tuple(lse.shape)}")
     if _arrays.dtype_name(lse) != "float32":
         raise TypeError(f"lse must have dtype float32, got {_arrays.dtype_name(lse)}")
 
@@ -194,6 +338,94 @@ def _check_flag(name, value):
     return bool(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The checked options of a call."""
+    window_size: tuple       # (left, right), causal folded in as right = 0; -1 is unbounded
+    softcap: float
+    alibi_slopes: object     # array or None
+    attn_bias: object        # array or None
+    dropout_p: float
+    seed: object             # int, or None without dropout
+    deterministic: bool
+    return_dbias: bool
+
+    @property
+    def local(self):
+        """Whether rows see a bounded key range (the LOCAL kernels)."""
+        return self.window_size != (-1, -1)
+
+    def extras(self, pass_):
+        """Whether the pass needs the EXTRAS kernels (cuda_src/score.cuh)."""
+        return bool(self.softcap or self.alibi_slopes is not None or self.attn_bias is not None
+                    or self.dropout_p or (pass_ == "bwd" and self.deterministic))
+
+
+def _check_options(pass_, shape, caller, causal, options, arrays):
+    window = reference.window_bounds(causal, options.get("window_size", (-1, -1)))
+    softcap = options.get("softcap", 0.0)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, numpy.number)) \
+            or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap!r}")
+    dropout_p = options.get("dropout_p", 0.0)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, numpy.number)) \
+            or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    seed = options.get("seed")
+    if dropout_p:
+        if isinstance(seed, bool) or not isinstance(seed, (int, numpy.integer)) or not 0 <= seed < 2 ** 64:
+            raise ValueError(f"seed must be an int in [0, 2**64) when dropout_p > 0 (the backward needs the "
+                             f"same seed), got {seed!r}")
+        seed = int(seed)
+    else:
+        seed = None
+    deterministic = _check_flag("deterministic", options.get("deterministic", False))
+    return_dbias = _check_flag("return_dbias", options.get("return_dbias", False))
+    alibi = arrays.get("alibi_slopes")
+    if alibi is not None:
+        if _arrays.dtype_name(alibi) != "float32":
+            raise TypeError(f"alibi_slopes must have dtype float32, got {_arrays.dtype_name(alibi)}")
+        if tuple(alibi.shape) not in ((shape.nheads,), (shape.batch, shape.nheads)):
+            raise ValueError(f"alibi_slopes must have shape (nheads,) = ({shape.nheads},) or (batch, nheads) = "
+                             f"({shape.batch}, {shape.nheads}), got {tuple(alibi.shape)}")
+    bias = arrays.get("attn_bias")
+    if bias is not None:
+        allowed = ("float32", _arrays.dtype_name(arrays["q"]))
+        if caller.kind == "numpy":
+            allowed = NUMPY_DTYPES
+        if _arrays.dtype_name(bias) not in allowed:
+            raise TypeError(f"attn_bias must have dtype {' or '.join(sorted(set(allowed)))}, "
+                            f"got {_arrays.dtype_name(bias)}")
+        full = (shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k)
+        bias_shape = tuple(bias.shape)
+        if not 2 <= len(bias_shape) <= 4 or bias_shape[-2:] != full[2:] or any(
+                size not in (1, want) for size, want in zip(bias_shape[-4:-2][::-1], full[1::-1])):
+            raise ValueError(f"attn_bias must broadcast from (batch or 1, nheads or 1, seqlen_q, seqlen_k) = "
+                             f"{full}, got shape {bias_shape}")
+    return _Options(window, float(softcap), alibi, bias, float(dropout_p), seed, deterministic, return_dbias)
+
+
+def _check_varlen(varlen, arrays, caller):
+    """cu_seqlens on the host: int32, non-decreasing from 0 to the packed totals, max_seqlen at least
+    every length."""
+    lengths = {}
+    for side in ("q", "k"):
+        cu = arrays[f"cu_seqlens_{side}"]
+        if len(getattr(arrays[side], "shape", ())) != 3:
+            raise ValueError(f"{side} must be 3-D (total, nheads, headdim) for varlen, got shape "
+                             f"{tuple(getattr(arrays[side], 'shape', ()))}")
+        if caller.kind != "numpy" and _arrays.dtype_name(cu) != "int32":
+            raise TypeError(f"cu_seqlens_{side} must have dtype int32, got {_arrays.dtype_name(cu)}")
+        host = _arrays.to_host(cu, caller)
+        reference.check_cu_seqlens(f"cu_seqlens_{side}", host, None, arrays[side].shape[0])
+        reference.check_max_seqlen(f"max_seqlen_{side}", getattr(varlen, f"max_seqlen_{side}"), host)
+        lengths[side] = host
+    if len(lengths["q"]) != len(lengths["k"]):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{len(lengths['q'])} and {len(lengths['k'])}")
+    varlen.batch = len(lengths["q"]) - 1
+
+
 # --------------------------------------------------------------------------------------------
 # GPU path. Everything about a launch except the data pointers (kernels, grids, the parameter
 # block's sizes and strides) follows from the arrays' kinds, shapes, strides, dtypes and device
@@ -218,17 +450,41 @@ _plans = {}
 _MAX_PLANS = 4096  # shapes seen by one process; past this the cache starts afresh
 
 
-def _plan_key(pass_, arrays, softmax_scale, causal):
-    """The cache key of a call, or None for arrays that are not torch tensors or CuPy arrays.
-    Option types are part of it, so that a call with causal=1 still meets the bool check, and so
-    is a forced tile table, which picks other kernels for the same arrays."""
-    key = [pass_, type(softmax_scale), softmax_scale, type(causal), causal, os.environ.get("CUPYFLASH_TILES")]
-    for array in arrays:
+_UNBOUNDED = 1 << 30   # a window side with no bound, as cuda_src/mask.cuh expects
+_TILE_INPUTS = ("q", "k", "v", "out", "dout")  # 16-bit tensors read by 16-byte cp.async
+
+
+def _hashable(value):
+    """value as part of a cache key (lists become tuples); TypeError if it cannot be one."""
+    if isinstance(value, list):
+        return ("list",) + tuple(_hashable(v) for v in value)
+    hash(value)
+    return value
+
+
+def _plan_key(pass_, arrays, softmax_scale, causal, options, varlen):
+    """The cache key of a call, or None when some argument cannot be part of one (arrays that are
+    not torch tensors or CuPy arrays, unhashable options). Option types are part of it, so that
+    a call with causal=1 still meets the bool check, and so is a forced tile table, which picks
+    other kernels for the same arrays. The dropout seed's value is not: plans patch it per call."""
+    try:
+        key = [pass_, os.environ.get("CUPYFLASH_TILES"), type(softmax_scale), _hashable(softmax_scale),
+               type(causal), causal]
+        for name, value in options.items():
+            if name not in ("alibi_slopes", "attn_bias", "seed"):
+                key += (name, type(value), _hashable(value))
+        key.append(type(options.get("seed")))
+        if varlen is not None:
+            key += (type(varlen.max_seqlen_q), _hashable(varlen.max_seqlen_q), type(varlen.max_seqlen_k),
+                    _hashable(varlen.max_seqlen_k))
+    except TypeError:
+        return None
+    for name, array in arrays.items():
         kind = _arrays.kind_of_type(type(array))
         if kind == "torch":
-            key += (array.shape, array.stride(), array.dtype, array.device)
+            key += (name, array.shape, array.stride(), array.dtype, array.device)
         elif kind == "cupy":
-            key += (array.shape, array.strides, array.dtype, array.device.id)
+            key += (name, array.shape, array.strides, array.dtype, array.device.id)
         else:
             return None
         key.append(type(array))
@@ -244,19 +500,28 @@ def _remember(key, plan, copied):
     _plans[key] = plan
 
 
+def _alignment(name, array):
+    """The byte alignment the kernels need of an input's address."""
+    return 16 if name in _TILE_INPUTS else array.element_size() if hasattr(array, "element_size") else array.itemsize
+
+
 def _launchable(caller, arrays):
     """(inputs as the plan takes them, whether any was copied). Views the kernels cannot read
-    (rows not 16-byte aligned, or an lse that is not contiguous) are copied once, which keeps
-    them correct."""
-    result, copied = [], False
+    (16-bit tensors whose rows are not 16-byte aligned; row statistics and cu_seqlens that are not
+    contiguous; alibi_slopes or attn_bias not contiguous in their last dimension) are copied once,
+    which keeps them correct."""
+    result, copied = {}, False
     for name, array in arrays.items():
         array = caller.launchable(array)
         strides = _element_strides(array)
-        if name == "lse":
-            ok = strides == _contiguous_strides(array.shape)
-        else:
+        aligned = caller.data_pointer(array) % _alignment(name, array) == 0
+        if name in _TILE_INPUTS:
             _check_last_dim_contiguous(name, array)  # JAX and other producers show their strides only now
-            ok = caller.data_pointer(array) % 16 == 0 and all(s * 2 % 16 == 0 for s in strides[:-1])
+            ok = aligned and all(s * 2 % 16 == 0 for s in strides[:-1])
+        elif name in ("lse", "cu_seqlens_q", "cu_seqlens_k"):
+            ok = aligned and strides == _contiguous_strides(array.shape)
+        else:  # alibi_slopes, attn_bias
+            ok = aligned and (array.shape[-1] == 1 or strides[-1] == 1)
         if not ok:
             copied = True
             if caller.kind == "torch":
@@ -264,8 +529,8 @@ def _launchable(caller, arrays):
                 array = array.clone(memory_format=torch.contiguous_format)  # a fresh allocation is aligned
             else:
                 array = array.copy()
-        result.append(array)
-    return tuple(result), copied
+        result[name] = array
+    return result, copied
 
 
 def _contiguous_strides(shape):
@@ -282,84 +547,160 @@ class _Launch:
     grid: tuple
 
 
+@dataclasses.dataclass(frozen=True)
+class _Output:
+    name: str           # its FlashParams field
+    shape: tuple
+    dtype: str
+    zeroed: bool = False
+
+
 class _Plan:
     """The launches of one call signature, with the parameter block ready but for its pointers.
 
-    `run(inputs)` allocates the outputs, writes the inputs' and outputs' addresses into the
-    block and launches every kernel on the caller's stream; it returns the outputs that are
-    results, or None when an input's address is not aligned as the kernels need (then the
-    caller's slow path copies it)."""
+    `run(arrays, seed)` allocates the outputs, writes the inputs' and outputs' addresses (and the
+    dropout seed) into the block, launches every kernel on the caller's stream and returns
+    `finish(outputs)`; it returns None when an input's address is not aligned as the kernels need
+    (then the caller's slow path copies it)."""
 
-    def __init__(self, caller, params, inputs, outputs, results, launches):
+    def __init__(self, caller, params, inputs, outputs, launches, finish):
         self.caller = caller
-        self.outputs = outputs      # [(name, shape, dtype)], allocated on every call
-        self.results = results      # indices into outputs of what the call returns
+        self.inputs = [(name, _alignment(name, array)) for name, array in inputs.items()]
+        self.outputs = outputs
+        self.finish = finish
         self.kernels = [l.kernel for l in launches]
         with caller.device():  # a kernel's CUfunction belongs to the device current when it is loaded
             self.launches = [(load(l.kernel, caller.device()).kernel.ptr, l.grid, l.kernel.threads,
-                              l.kernel.smem_bytes) for l in launches]  # (CUfunction, grid, threads, smem)
+                              l.kernel.smem_bytes) for l in launches if 0 not in l.grid]
         self.words = params.view(numpy.uint64)
-        self.slots = numpy.array([params.dtype.fields[name][1] // 8 for name in (*inputs, *(o[0] for o in outputs))])
-        self.alignments = [4 if name == "lse" else 16 for name in inputs]  # what the kernels' loads need
+        slot = lambda name: params.dtype.fields[name][1] // 8  # noqa: E731
+        self.slots = numpy.array([slot(name) for name, _ in self.inputs] + [slot(o.name) for o in outputs])
+        self.seed_slot = slot("dropout_seed") if params["dropout_scale"][0] != 0 else None
         self.argv = numpy.array([self.words.ctypes.data], numpy.uint64)  # the kernels' one argument
         self.argv_address = self.argv.ctypes.data
         self.lock = threading.Lock()
 
-    def run(self, inputs):
+    def run(self, arrays, seed):
         import cupy
         caller = self.caller
-        pointers = [caller.data_pointer(a) for a in inputs]
-        if any(pointer % alignment for pointer, alignment in zip(pointers, self.alignments)):
-            return None
+        pointers = []
+        for name, alignment in self.inputs:
+            pointer = caller.data_pointer(arrays[name])
+            if pointer % alignment:
+                return None
+            pointers.append(pointer)
+        if self.seed_slot is not None and not (isinstance(seed, (int, numpy.integer)) and 0 <= seed < 2 ** 64):
+            return None  # the slow path names the bad seed
         with caller.device():
-            outputs = [caller.empty(shape, dtype) for _, shape, dtype in self.outputs]
-            pointers += [caller.data_pointer(a) for a in outputs]
+            outputs = {o.name: (caller.zeros if o.zeroed else caller.empty)(o.shape, o.dtype) for o in self.outputs}
+            pointers += [caller.data_pointer(a) for a in outputs.values()]
             stream = caller.stream_pointer()
             with self.lock:  # the launch copies the parameter block, so it is free again after it
                 self.words[self.slots] = pointers
+                if self.seed_slot is not None:
+                    self.words[self.seed_slot] = int(seed)
                 for function, grid, threads, smem_bytes in self.launches:
                     cupy.cuda.driver.launchKernel(function, *grid, threads, 1, 1, smem_bytes, stream,
                                                   self.argv_address, 0)
-        return tuple(caller.give_back(outputs[i]) for i in self.results)
+            return tuple(None if a is None else caller.give_back(a) for a in self.finish(outputs))
 
 
-def _param_block(shape, tile, scale, strides):
+def _tensor_strides(strides, varlen):
+    """(batch, row, head) of a q/k/v-like tensor's element strides; packed varlen tensors have no batch stride."""
+    return (0, *strides[:2]) if varlen is not None else strides[:3]
+
+
+def _param_block(shape, tile, scale, strides, opts, inputs, semaphore_blocks=0):
     """The FlashParams block without pointers; `strides` maps each (batch, seqlen, heads, headdim)
-    tensor of the call (q, k, v, out, dout, dq, dk, dv) to its element strides."""
+    tensor of the call (q, k, v, out, dout, dq, dk, dv) to its (batch, row, head) element strides."""
+    left, right = (_UNBOUNDED if side < 0 else side for side in opts.window_size)
+    stats_strides = (0, shape.total_q) if shape.varlen else (shape.nheads * shape.seqlen_q, shape.seqlen_q)
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
                   seqlen_k=shape.seqlen_k, headdim=shape.headdim, headdim_padded=tile.headdim,
-                  softmax_scale=scale, scale_log2=scale * math.log2(math.e))
-    for name, (batch, row, head, _) in strides.items():
+                  softmax_scale=scale, scale_log2=scale * math.log2(math.e),
+                  stats_batch_stride=stats_strides[0], stats_head_stride=stats_strides[1],
+                  window_left=left, window_right=right, softcap=opts.softcap,
+                  dq_semaphore_blocks=semaphore_blocks)
+    for name, (batch, row, head) in strides.items():
         fields.update({f"{name}_batch_stride": batch, f"{name}_row_stride": row, f"{name}_head_stride": head})
+    if opts.alibi_slopes is not None:
+        alibi = inputs["alibi_slopes"]
+        fields["alibi_batch_stride"] = _element_strides(alibi)[0] if len(alibi.shape) == 2 else 0
+    if opts.attn_bias is not None:
+        bias = inputs["attn_bias"]
+        fields["bias_is_float32"] = int(_arrays.dtype_name(bias) == "float32")
+        fields.update(zip(("bias_batch_stride", "bias_head_stride", "bias_row_stride"),
+                          _broadcast_strides(bias.shape, _element_strides(bias))[:3]))
+    if opts.dropout_p:
+        fields["dropout_keep_below"] = reference.dropout_keep_threshold(opts.dropout_p)
+        fields["dropout_scale"] = 1.0 / (1.0 - opts.dropout_p)
     return _params.make_params(**fields)
 
 
-def _forward_plan(caller, shape, scale, causal, q, k, v):
+def _broadcast_strides(shape, strides):
+    """Strides of a bias of 2 to 4 dims seen as 4-D, with 0 along every broadcast (size-1) dimension."""
+    pad = 4 - len(shape)
+    return tuple(0 if size == 1 else stride for size, stride in zip((1,) * pad + tuple(shape), (0,) * pad + tuple(strides)))
+
+
+def _forward_plan(caller, shape, scale, opts, inputs, varlen):
     tile = _tile("fwd", shape.headdim, caller.device_id)
+    q = inputs["q"]
     dtype = _arrays.dtype_name(q)
-    stats = (shape.batch, shape.nheads, shape.seqlen_q)
-    strides = dict(q=_element_strides(q), k=_element_strides(k), v=_element_strides(v),
-                   out=_contiguous_strides(q.shape))
-    kernel = _kernels.Kernel("fwd", dtype, tile, causal, shape.headdim == tile.headdim)
+    strides = {name: _tensor_strides(_element_strides(inputs[name]), varlen) for name in ("q", "k", "v")}
+    strides["out"] = _tensor_strides(_contiguous_strides(q.shape), varlen)
+    kernel = _kernels.Kernel("fwd", dtype, tile, opts.local, shape.headdim == tile.headdim, opts.extras("fwd"))
     grid = (-(-shape.seqlen_q // tile.block_m), shape.nheads, shape.batch)
-    return _Plan(caller, _param_block(shape, tile, scale, strides), ("q", "k", "v"),
-                 [("out", tuple(q.shape), dtype), ("lse", stats, "float32")], (0, 1), [_Launch(kernel, grid)])
+    outputs = [_Output("out", tuple(q.shape), dtype), _Output("lse", shape.stats, "float32")]
+    return _Plan(caller, _param_block(shape, tile, scale, strides, opts, inputs), inputs, outputs,
+                 [_Launch(kernel, grid)], lambda o: (o["out"], o["lse"]))
 
 
-def _backward_plan(caller, shape, scale, causal, dout, q, k, v, out, lse):
-    tile = _tile("bwd", shape.headdim, caller.device_id)
+def _backward_plan(caller, shape, scale, opts, inputs, varlen):
+    extras = opts.extras("bwd")
+    tile = _tile("bwd_extras" if extras else "bwd", shape.headdim, caller.device_id)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
     dtype = _arrays.dtype_name(q)
-    stats = (shape.batch, shape.nheads, shape.seqlen_q)
-    strides = dict(dout=_element_strides(dout), q=_element_strides(q), k=_element_strides(k),
-                   v=_element_strides(v), out=_element_strides(out), dq=_contiguous_strides(q.shape),
-                   dk=_contiguous_strides(k.shape), dv=_contiguous_strides(v.shape))
-    outputs = [("dq", tuple(q.shape), dtype), ("dk", tuple(k.shape), dtype), ("dv", tuple(v.shape), dtype),
-               ("dout_dot_out", stats, "float32"), ("lse_log2", stats, "float32"),
-               ("dq_accum", (*stats, tile.headdim), "float32")]  # zeroed by bwd_dot
+    strides = {name: _tensor_strides(_element_strides(inputs[name]), varlen) for name in ("dout", "q", "k", "v", "out")}
+    strides.update({name: _tensor_strides(_contiguous_strides(like.shape), varlen)
+                    for name, like in (("dq", q), ("dk", k), ("dv", v))})
+    outputs = [_Output("dq", tuple(q.shape), dtype), _Output("dk", tuple(k.shape), dtype),
+               _Output("dv", tuple(v.shape), dtype), _Output("dout_dot_out", shape.stats, "float32"),
+               _Output("lse_log2", shape.stats, "float32"),
+               _Output("dq_accum", (*shape.stats, tile.headdim), "float32")]  # zeroed by bwd_dot
+    semaphore_blocks = 0
+    if opts.deterministic:
+        semaphore_blocks = -(-shape.seqlen_q // tile.block_m)
+        outputs.append(_Output("dq_semaphore", (shape.batch * shape.nheads * semaphore_blocks,), "int32", True))
+    finish = lambda o: (o["dq"], o["dk"], o["dv"])  # noqa: E731
+    params = _param_block(shape, tile, scale, strides, opts, inputs, semaphore_blocks)
+    if opts.return_dbias:
+        finish = _add_dbias(caller, params, outputs, opts, shape, inputs["attn_bias"])
     row_grid = (-(-shape.seqlen_q // _kernels.ROWS_PER_ROW_KERNEL_BLOCK), shape.nheads, shape.batch)
     launches = [_Launch(_kernels.Kernel("bwd_dot", dtype), row_grid),
-                _Launch(_kernels.Kernel("bwd", dtype, tile, causal, shape.headdim == tile.headdim),
+                _Launch(_kernels.Kernel("bwd", dtype, tile, opts.local, shape.headdim == tile.headdim, extras),
                         (-(-shape.seqlen_k // tile.block_n), shape.nheads_k, shape.batch)),
                 _Launch(_kernels.Kernel("bwd_convert_dq", dtype), row_grid)]
-    return _Plan(caller, _param_block(shape, tile, scale, strides), ("dout", "q", "k", "v", "out", "lse"),
-                 outputs, (0, 1, 2), launches)
+    return _Plan(caller, params, inputs, outputs, launches, finish)
+
+
+def _add_dbias(caller, params, outputs, opts, shape, bias):
+    """Adds the dbias accumulator to a backward plan; returns its finish: (dq, dk, dv, dbias).
+
+    The kernel adds dS into a zeroed float32 array by atomics, with stride 0 along the bias's
+    broadcast dimensions. Without atomics colliding that is exact and deterministic; where a
+    deterministic backward would have them collide (a broadcast bias), it writes the full
+    (batch, nheads, seqlen_q, seqlen_k) instead and sums it in a fixed order afterwards."""
+    if bias is None:
+        return lambda o: (o["dq"], o["dk"], o["dv"], None)
+    full = (shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k)
+    bias4 = (1,) * (4 - len(bias.shape)) + tuple(bias.shape)
+    accum_shape = full if opts.deterministic and bias4 != full else bias4
+    accum_strides = _broadcast_strides(accum_shape, _contiguous_strides(accum_shape))
+    params["dbias_batch_stride"], params["dbias_head_stride"], params["dbias_row_stride"] = accum_strides[:3]
+    outputs.append(_Output("dbias_accum", accum_shape, "float32", True))
+    axes = tuple(axis for axis in range(4) if accum_shape[axis] != bias4[axis])
+    bias_dtype, bias_shape = _arrays.dtype_name(bias), tuple(bias.shape)
+    return lambda o: (o["dq"], o["dk"], o["dv"],
+                      caller.reduce(o["dbias_accum"], axes, bias_shape, bias_dtype))
+

@@ -18,11 +18,11 @@ from cupyflash import _compile, _config, _kernels, _params, _sources
 def test_each_device_gets_its_family_table(cc, smem_kib, family, monkeypatch):
     monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
     assert _config.family_of(cc) == family
-    for pass_ in _config.PASSES:
+    for table in _config.TABLES:
         for hd in _config.HEADDIMS:
-            tile = _config.tile_for(pass_, hd, cc, smem_kib * 1024)
-            assert tile == _config.Tile(hd, *_config.TILES[family][pass_][hd])
-            assert tile.smem_bytes(pass_) <= smem_kib * 1024
+            tile = _config.tile_for(table, hd, cc, smem_kib * 1024)
+            assert tile == _config.Tile(hd, *_config.TILES[family][table][hd])
+            assert tile.smem_bytes(table) <= smem_kib * 1024
 
 
 def test_a_newer_gpu_with_less_shared_memory_falls_back_to_smaller_tiles(monkeypatch):
@@ -39,11 +39,11 @@ def test_older_gpus_are_refused():
 
 def test_every_tile_fits_its_family():
     for family, table in _config.TILES.items():
-        for pass_ in _config.PASSES:
-            assert sorted(table[pass_]) == list(_config.HEADDIMS)
-            for hd, cfg in table[pass_].items():
+        for name in _config.TABLES:
+            assert sorted(table[name]) == list(_config.HEADDIMS)
+            for hd, cfg in table[name].items():
                 tile = _config.Tile(hd, *cfg)
-                assert tile.smem_bytes(pass_) <= _config.FAMILY_SMEM_LIMIT[family], (family, pass_, tile)
+                assert tile.smem_bytes(name) <= _config.FAMILY_SMEM_LIMIT[family], (family, name, tile)
 
 
 def test_override_forces_a_table_and_rejects_unknown_names(monkeypatch):
@@ -68,7 +68,7 @@ def test_params_dtype_follows_the_header():
     block = _params.make_params(seqlen_q=113, softmax_scale=0.125)
     assert block.shape == (1,) and block["seqlen_q"][0] == 113 and block["softmax_scale"][0] == numpy.float32(0.125)
     with pytest.raises(KeyError, match="unknown FlashParams fields"):
-        _params.make_params(window_left=3)
+        _params.make_params(window_size=3)
 
 
 def test_params_parser_refuses_what_it_cannot_map():
@@ -103,12 +103,11 @@ def test_editing_a_header_changes_the_compiled_binary(tmp_path, monkeypatch):
 def resource_reports(tmp_path_factory):
     import os
     os.environ["CUPYFLASH_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))  # compile afresh
-    results = _compile.compile_all(_kernels.all_kernels(), ("80", "90"))
+    results = _compile.compile_all(_kernels.compile_jobs())
     return {(arch, kernel.name): report for arch, kernel, report in results}
 
 
-@pytest.mark.parametrize("arch", ["80", "90"])
-@pytest.mark.parametrize("kernel", _kernels.all_kernels(), ids=lambda k: k.name)
+@pytest.mark.parametrize("arch, kernel", _kernels.compile_jobs(), ids=lambda x: x if isinstance(x, str) else x.name)
 def test_kernel_compiles_without_spills(resource_reports, arch, kernel):
     report = resource_reports[(arch, kernel.name)]
     assert report.clean, f"sm_{arch} {kernel.name}: {report}"
@@ -134,7 +133,7 @@ def test_cubin_resources_agree_with_ptxas(tile, tmp_path, monkeypatch):
         pytest.skip("this NVRTC returned no ptxas report in its log to compare with")
     registers, stack_frame, spill_stores, _ = reported
     assert _compile.cubin_resources(cubin_path.read_bytes()) == (registers, stack_frame)
-    if tile == (128, 64, 4):
+    if tile == (128, 64, 4, 1):
         assert stack_frame > 0 and spill_stores > 0
     report = _compile.resource_report(cubin_path.read_bytes(), "")
     assert report.spills == (0 if stack_frame == 0 else None)

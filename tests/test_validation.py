@@ -108,3 +108,81 @@ def test_mixed_kinds_are_refused():
     k = v = numpy.zeros((1, 8, 2, 64), numpy.float16)
     with pytest.raises(TypeError, match=r"k is a numpy array but q is a dlpack array"):
         flash_attn_func(q, k, v)
+
+
+# The options and varlen arguments (NumPy path: the same checks as on the GPU).
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(window_size=(-2, 0)), ValueError, r"window_size entries must be >= -1 .* got \(-2, 0\)"),
+    (dict(window_size=(3, -5)), ValueError, r"window_size entries must be >= -1"),
+    (dict(window_size=5), ValueError, r"window_size must be a pair"),
+    (dict(softcap=-1.0), ValueError, r"softcap must be a finite number >= 0 .* got -1.0"),
+    (dict(softcap=float("inf")), ValueError, r"softcap must be"),
+    (dict(alibi_slopes=numpy.ones(3, numpy.float32)), ValueError, r"alibi_slopes must have shape \(nheads,\) = \(4,\) "
+                                                                   r"or \(batch, nheads\) = \(2, 4\), got \(3,\)"),
+    (dict(alibi_slopes=numpy.ones(4, numpy.float64)), TypeError, r"alibi_slopes must have dtype float32, got float64"),
+    (dict(dropout_p=1.0, seed=1), ValueError, r"dropout_p must be a number in \[0, 1\), got 1.0"),
+    (dict(dropout_p=-0.1, seed=1), ValueError, r"dropout_p must be"),
+    (dict(dropout_p=0.1), ValueError, r"seed must be an int in \[0, 2\*\*64\) .* got None"),
+    (dict(dropout_p=0.1, seed=-3), ValueError, r"seed must be .* got -3"),
+    (dict(attn_bias=numpy.ones((2, 4, 17, 22), numpy.float32)), ValueError,
+     r"attn_bias must broadcast from .* = \(2, 4, 17, 23\), got shape \(2, 4, 17, 22\)"),
+    (dict(attn_bias=numpy.ones((3, 1, 17, 23), numpy.float32)), ValueError, r"attn_bias must broadcast"),
+    (dict(attn_bias=numpy.ones((23,), numpy.float32)), ValueError, r"attn_bias must broadcast"),
+    (dict(attn_bias=numpy.ones((17, 23), numpy.int32)), TypeError, r"attn_bias must have dtype"),
+])
+def test_bad_options(options, error, message):
+    with pytest.raises(error, match=message):
+        flash_attn_func(*_qkv(), **options)
+
+
+def test_backward_checks_deterministic_and_return_dbias():
+    q, k, v = _qkv()
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    with pytest.raises(TypeError, match=r"deterministic must be a bool, got 'yes'"):
+        flash_attn_backward(out, q, k, v, out, lse, deterministic="yes")
+    with pytest.raises(TypeError, match=r"return_dbias must be a bool"):
+        flash_attn_backward(out, q, k, v, out, lse, return_dbias=1)
+
+
+def _packed(total_q=30, total_k=40):
+    rng = numpy.random.default_rng(1)
+    return (rng.standard_normal((total_q, 4, 64)).astype(numpy.float16),
+            rng.standard_normal((total_k, 2, 64)).astype(numpy.float16),
+            rng.standard_normal((total_k, 2, 64)).astype(numpy.float16))
+
+
+@pytest.mark.parametrize("cu_q, cu_k, max_q, max_k, error, message", [
+    ([0, 10, 30], [0, 25, 40], 20, 25, None, None),
+    (numpy.array([0, 10, 30], numpy.int64), [0, 25, 40], 20, 25, TypeError, r"cu_seqlens_q .*int32"),
+    ([0, 20, 10, 30], [0, 5, 25, 40], 20, 25, ValueError, r"cu_seqlens_q"),              # decreasing
+    ([0, 10, 31], [0, 25, 40], 21, 25, ValueError, r"cu_seqlens_q"),                     # past the total
+    ([0, 10, 30], [0, 25, 39], 20, 25, ValueError, r"cu_seqlens_k"),                     # short of the total
+    ([1, 10, 30], [0, 25, 40], 20, 25, ValueError, r"cu_seqlens_q"),                     # not from 0
+    ([0, 10, 30], [0, 40], 20, 40, ValueError, r"same length"),
+    ([0, 10, 30], [0, 25, 40], 19, 25, ValueError, r"max_seqlen_q"),
+    ([0, 10, 30], [0, 25, 40], 20, 24, ValueError, r"max_seqlen_k"),
+    ([0, 10, 30], [0, 25, 40], 20.0, 25, ValueError, r"max_seqlen_q"),
+])
+def test_varlen_arguments(cu_q, cu_k, max_q, max_k, error, message):
+    from cupyflash import flash_attn_varlen_func
+    q, k, v = _packed()
+    cu_q, cu_k = (numpy.asarray(c, numpy.int32) if isinstance(c, list) else c for c in (cu_q, cu_k))
+    if error is None:
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+        assert out.shape == q.shape and numpy.isfinite(out.astype(numpy.float32)).all()
+    else:
+        with pytest.raises(error, match=message):
+            flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)
+
+
+def test_varlen_layout_errors():
+    from cupyflash import flash_attn_varlen_func
+    q, k, v = _packed()
+    cu_q, cu_k = numpy.asarray([0, 10, 30], numpy.int32), numpy.asarray([0, 25, 40], numpy.int32)
+    with pytest.raises(ValueError, match=r"q must be 3-D \(total, nheads, headdim\)"):
+        flash_attn_varlen_func(q[None], k, v, cu_q, cu_k, 20, 25)
+    with pytest.raises(ValueError, match=r"lse must have shape \(nheads, total_q\) = \(4, 30\)"):
+        from cupyflash import flash_attn_varlen_backward
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 25)
+        flash_attn_varlen_backward(out, q, k, v, out, numpy.zeros((2, 4, 15), numpy.float32), cu_q, cu_k, 20, 25)

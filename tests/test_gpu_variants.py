@@ -1,0 +1,157 @@
+"""The attention options on the GPU (window, softcap, ALiBi, attn_bias, dropout, deterministic,
+varlen), alone and in pairs with each other, causal and GQA, against the float64 reference
+(cupyflash/_check.py states the tolerance rule); plus the structural checks of dropout and
+determinism."""
+
+import itertools
+import zlib
+
+import numpy
+import pytest
+
+from cupyflash import _check, reference
+from cupyflash._check import Case
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_allocations")]
+
+OPTIONS = {
+    "window": dict(window=(37, 11)),
+    "softcap": dict(softcap=1.5),
+    "alibi": dict(alibi=True),
+    "bias": dict(bias="full"),
+    "dropout": dict(dropout_p=0.17),
+    "deterministic": dict(deterministic=True),
+}
+
+
+def _seed(case):
+    return zlib.crc32(str(case).encode())
+
+
+def _assert_ok(case):
+    result = _check.run_gpu_case(case, _seed(case))
+    assert result.ok, f"{result.case}: {result.describe()}"
+
+
+# Each option alone, with and without causal and GQA, in both dtypes, at odd lengths and head dims.
+SINGLE = [Case(sq, sk, d, dtype, causal, nheads=4, nheads_k=hk, **fields)
+          for (name, fields), causal, (dtype, sq, sk, d, hk) in itertools.product(
+              OPTIONS.items(), (False, True),
+              [("float16", 113, 200, 96, 4), ("bfloat16", 200, 113, 64, 2), ("bfloat16", 17, 1000, 128, 1)])]
+# Every pair of options, alternating dtype, causal and GQA.
+PAIRS = [Case(113 + 8 * i, 150, 72 if i % 2 else 128, ("float16", "bfloat16")[i % 2], bool(i // 2 % 2),
+              nheads=4, nheads_k=(4, 2, 1)[i % 3], **a, **b)
+         for i, (a, b) in enumerate((OPTIONS[x], OPTIONS[y]) for x, y in itertools.combinations(OPTIONS, 2))]
+# Windows at their edges; bias shapes that broadcast (and a bias in q's dtype: 'heads').
+EDGES = [Case(113, 113, 64, "bfloat16", False, window=(0, 0)),
+         Case(200, 113, 64, "float16", False, window=(-1, 0)),     # the same mask as causal
+         Case(113, 200, 64, "float16", True, window=(5, -1)),      # causal with a left window
+         Case(113, 113, 64, "bfloat16", False, window=(500, 500)),  # wider than the sequence
+         Case(300, 300, 256, "bfloat16", True, window=(64, 0)),
+         Case(113, 150, 64, "bfloat16", True, bias="heads", nheads=4, nheads_k=2),
+         Case(113, 150, 160, "float16", False, bias="keys", batch=3),
+         Case(113, 150, 64, "bfloat16", True, bias="keys", deterministic=True),
+         Case(1, 1, 64, "float16", False, softcap=0.5, alibi=True, bias="full", dropout_p=0.5),
+         Case(257, 1000, 256, "bfloat16", True, softcap=3.0, alibi=True, dropout_p=0.1, window=(100, 20))]
+# Varlen, with empty sequences on either side, alone and with each option but attn_bias.
+VARLEN = [Case.packed(lq, lk, d, dtype, causal, nheads=4, nheads_k=hk, **fields)
+          for (lq, lk), (dtype, d, hk), causal, fields in itertools.product(
+              [((0, 1, 17, 113, 5), (3, 0, 17, 200, 5)), ((1000, 17), (113, 1000))],
+              [("bfloat16", 64, 2), ("float16", 128, 4)], (False, True),
+              [{}] + [f for name, f in OPTIONS.items() if name != "bias"])]
+
+
+@pytest.mark.parametrize("case", SINGLE + PAIRS + EDGES + VARLEN, ids=str)
+def test_options_forward_backward(case):
+    _assert_ok(case)
+
+
+def test_packed_forms_take_views():
+    """qkvpacked / kvpacked (and their varlen forms) agree with the separate call on the same views."""
+    import cupy
+    import cupyflash
+    rng = numpy.random.default_rng(4)
+    qkv = cupy.asarray(rng.standard_normal((2, 77, 3, 4, 64)), dtype=cupy.float16)
+    expected = cupyflash.flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True, window_size=(9, 0))
+    got = cupyflash.flash_attn_qkvpacked_func(qkv, causal=True, window_size=(9, 0))
+    assert bool(cupy.all(got == expected))
+    got = cupyflash.flash_attn_kvpacked_func(qkv[:, :, 0], qkv[:, :, 1:], causal=True, window_size=(9, 0))
+    assert bool(cupy.all(got == expected))
+    packed = qkv.reshape(2 * 77, 3, 4, 64)
+    cu = cupy.asarray([0, 77, 154], dtype=cupy.int32)
+    got = cupyflash.flash_attn_varlen_qkvpacked_func(packed, cu, 77, causal=True, window_size=(9, 0))
+    assert bool(cupy.all(got.reshape(expected.shape) == expected))
+    got = cupyflash.flash_attn_varlen_kvpacked_func(packed[:, 0], packed[:, 1:], cu, cu, 77, 77, causal=True,
+                                                    window_size=(9, 0))
+    assert bool(cupy.all(got.reshape(expected.shape) == expected))
+
+
+def _dropout_probe(dropout_p, seed, batch=2, nheads=3, seqlen=64, headdim=64):
+    """The keep masks the forward and the backward used, read off their outputs: with q = 0 every
+    probability is 1 / seqlen_k, so with v = the identity out[i, j] = M[i, j] / (1 - p) / seqlen_k,
+    and with dout = the identity dv[j, i] = the same."""
+    import cupy
+    from cupyflash import flash_attn_backward, flash_attn_func
+    eye = cupy.broadcast_to(cupy.eye(seqlen, headdim, dtype=cupy.float16)[None, :, None], (batch, seqlen, nheads, headdim))
+    q = cupy.zeros((batch, seqlen, nheads, headdim), cupy.float16)
+    k = cupy.asarray(numpy.random.default_rng(1).standard_normal(q.shape), dtype=cupy.float16)
+    v = cupy.ascontiguousarray(eye)
+    out, lse = flash_attn_func(q, k, v, dropout_p=dropout_p, seed=seed, return_lse=True)
+    _, _, dv = flash_attn_backward(cupy.ascontiguousarray(eye), q, k, v, out, lse, dropout_p=dropout_p, seed=seed)
+    forward = cupy.asnumpy(out.transpose(0, 2, 1, 3) > 0)         # (batch, heads, i, j)
+    backward = cupy.asnumpy(dv.transpose(0, 2, 3, 1) > 0)         # dv[b, j, h, i] -> (b, h, i, j)
+    expected_value = 1 / (1 - dropout_p) / seqlen
+    kept = cupy.asnumpy(out.transpose(0, 2, 1, 3))[forward]
+    assert numpy.allclose(kept, expected_value, rtol=2e-3)
+    return forward, backward
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
+def test_dropout_mask_is_the_references_and_the_same_in_both_passes(dropout_p):
+    seed = 0x123456789ABCDEF
+    forward, backward = _dropout_probe(dropout_p, seed)
+    assert numpy.array_equal(forward, backward)
+    assert numpy.array_equal(forward, reference.dropout_keep_mask(seed, dropout_p, *forward.shape))
+    n = forward.size
+    kept = forward.sum()
+    sigma = (n * dropout_p * (1 - dropout_p)) ** 0.5
+    assert abs(kept - n * (1 - dropout_p)) < 5 * sigma, (kept, n)
+    other, _ = _dropout_probe(dropout_p, seed + 1)
+    assert not numpy.array_equal(forward, other)
+    again, _ = _dropout_probe(dropout_p, seed)
+    assert numpy.array_equal(forward, again)
+
+
+def test_deterministic_backward_is_bitwise_reproducible():
+    import cupy
+    from cupyflash import flash_attn_backward, flash_attn_func
+    for causal, hk, bias in ((False, 4, None), (True, 1, "keys")):
+        case = Case(1000, 1000, 64, "bfloat16", causal, batch=2, nheads=4, nheads_k=hk, bias=bias or "")
+        arrays = _check.to_cupy_inputs(case, _check.random_inputs(case, 8))
+        q, k, v, dout = (arrays[n] for n in ("q", "k", "v", "dout"))
+        options = dict(attn_bias=arrays["attn_bias"], return_dbias=True) if bias else {}
+        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, attn_bias=options.get("attn_bias"))
+        runs = [[cupy.asnumpy(g).view(numpy.uint16 if g.dtype.itemsize == 2 else numpy.uint32)
+                 for g in flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, **options)]
+                for _ in range(6)]
+        for run in runs[1:]:
+            for got, first in zip(run, runs[0]):
+                assert numpy.array_equal(got, first)
+
+
+def test_bad_varlen_and_option_arguments_on_the_gpu():
+    import cupy
+    from cupyflash import flash_attn_func, flash_attn_varlen_func
+    q = cupy.asarray(numpy.random.default_rng(2).standard_normal((30, 2, 64)), dtype=cupy.float16)
+    good = cupy.asarray([0, 10, 30], dtype=cupy.int32)
+    with pytest.raises(TypeError, match="cu_seqlens_q must have dtype int32, got int64"):
+        flash_attn_varlen_func(q, q, q, good.astype(cupy.int64), good, 20, 20)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        flash_attn_varlen_func(q, q, q, good, cupy.asarray([0, 20, 10], dtype=cupy.int32), 20, 20)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        flash_attn_varlen_func(q, q, q, good, good, 19, 20)
+    q4 = q.reshape(1, 30, 2, 64)
+    with pytest.raises(TypeError, match="alibi_slopes must have dtype float32"):
+        flash_attn_func(q4, q4, q4, alibi_slopes=cupy.ones(2, cupy.float16))
+    with pytest.raises(ValueError, match="attn_bias must broadcast"):
+        flash_attn_func(q4, q4, q4, attn_bias=cupy.ones((1, 3, 30, 30), cupy.float32))

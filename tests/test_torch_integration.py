@@ -19,7 +19,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import cupyflash.torch as cft  # noqa: E402
-from cupyflash import reference  # noqa: E402
+from cupyflash import _check, reference  # noqa: E402
+from cupyflash._check import Case  # noqa: E402
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 DEVICES = ["cpu", CUDA]
@@ -161,7 +162,8 @@ def test_packed_inputs_match_separate_ones():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
-    """Schema, fake (meta) implementations, autograd registration and AOT dispatch, on both ops."""
+    """Schema, fake (meta) implementations, autograd registration and AOT dispatch, on both ops, with the
+    options off (the defaults: the ops' first signature) and on."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     for shape in [(2, 17, 29, 4, 2, 16, True), (1, 33, 20, 2, 2, 32, False)]:
         q, k, v, dout = _inputs(shape, dtype, device, seed=6)
@@ -174,16 +176,73 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.cupyflash.flash_attn_backward.default, (*plain, 0.25, causal))
 
 
+def _option_args(shape, dtype, device, seed):
+    """The forward op's option arguments after q, k, v, with every option on: (softmax_scale, causal,
+    window_left, window_right, softcap, alibi_slopes, attn_bias, dropout_p, seed, deterministic)."""
+    b, sq, sk, h, *_ = shape
+    gen = torch.Generator().manual_seed(seed)
+    alibi = torch.rand(b, h, generator=gen).mul(0.5).to(device)
+    bias = torch.randn(h, sq, sk, generator=gen, dtype=torch.float64).to(dtype).to(device).requires_grad_()
+    return (0.25, shape[-1], 7, 3, 1.5, alibi, bias, 0.3, torch.tensor(2 ** 40 + 12345), True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_with_options(device):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    ops = torch.ops.cupyflash
+    for shape in [(2, 17, 29, 4, 2, 16, True), (1, 33, 20, 2, 2, 32, False)]:
+        q, k, v, dout = _inputs(shape, dtype, device, seed=6)
+        options = _option_args(shape, dtype, device, seed=6)
+        args = [x.requires_grad_() for x in (q, k, v)]
+        torch.library.opcheck(ops.flash_attn_forward.default, (*args, *options))
+        out, lse = ops.flash_attn_forward(*args, *options)
+        plain = [x.detach() for x in (dout, q, k, v, out, lse)]
+        plain_options = [x.detach() if isinstance(x, torch.Tensor) else x for x in options]
+        for return_dbias in (False, True):
+            torch.library.opcheck(ops.flash_attn_backward.default, (*plain, *plain_options, return_dbias))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_varlen(device):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    ops = torch.ops.cupyflash
+    q, k, v, dout, cu_q, cu_k = _varlen_inputs(LENGTHS, 4, 2, 16, dtype, device, seed=6)
+    lengths = (max(LENGTHS[0]), max(LENGTHS[1]))
+    alibi = torch.rand(4).to(device)
+    for options in [(0.25, True), (0.25, False, 3, 2, 1.5, alibi, 0.3, torch.tensor(99), True)]:
+        args = [x.requires_grad_() for x in (q, k, v)]
+        torch.library.opcheck(ops.flash_attn_varlen_forward.default, (*args, cu_q, cu_k, *lengths, *options))
+        out, lse = ops.flash_attn_varlen_forward(*args, cu_q, cu_k, *lengths, *options)
+        assert lse.shape == (4, sum(LENGTHS[0])) and lse.dtype == torch.float32
+        plain = [x.detach() for x in (dout, q, k, v, out, lse)]
+        torch.library.opcheck(ops.flash_attn_varlen_backward.default, (*plain, cu_q, cu_k, *lengths, *options))
+
+
 def test_fake_tensors_give_shapes_dtypes_and_strides():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         q = torch.empty(2, 40, 3, 8, 64, dtype=torch.bfloat16)[:, :, 0]  # a strided view, like packed qkv
         k = v = torch.empty(2, 50, 4, 64, dtype=torch.bfloat16)
         out, lse = torch.ops.cupyflash.flash_attn_forward(q, k, v, 0.125, True)
-        dq, dk, dv = torch.ops.cupyflash.flash_attn_backward(out, q, k, v, out, lse, 0.125, True)
+        dq, dk, dv, no_dbias = torch.ops.cupyflash.flash_attn_backward(out, q, k, v, out, lse, 0.125, True)
+        bias = torch.empty(1, 8, 40, 50, dtype=torch.float32)
+        *_, dbias = torch.ops.cupyflash.flash_attn_backward(out, q, k, v, out, lse, 0.125, True, attn_bias=bias,
+                                                            return_dbias=True)
+        packed_q, packed_kv = torch.empty(70, 8, 64, dtype=torch.float16), torch.empty(90, 2, 2, 64, dtype=torch.float16)
+        cu = torch.empty(4, dtype=torch.int32)
+        varlen_out, varlen_lse = torch.ops.cupyflash.flash_attn_varlen_forward(
+            packed_q, packed_kv[:, 0], packed_kv[:, 1], cu, cu, 30, 40, 0.125, False)
+        varlen_grads = torch.ops.cupyflash.flash_attn_varlen_backward(
+            varlen_out, packed_q, packed_kv[:, 0], packed_kv[:, 1], varlen_out, varlen_lse, cu, cu, 30, 40, 0.125, False)
     assert out.shape == (2, 40, 8, 64) and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert lse.shape == (2, 8, 40) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert [g.shape for g in (dq, dk, dv)] == [(2, 40, 8, 64), (2, 50, 4, 64), (2, 50, 4, 64)]
+    assert no_dbias.shape == (0,)
+    assert dbias.shape == bias.shape and dbias.dtype == torch.float32 and dbias.is_contiguous()
+    assert varlen_out.shape == (70, 8, 64) and varlen_out.dtype == torch.float16 and varlen_out.is_contiguous()
+    assert varlen_lse.shape == (8, 70) and varlen_lse.dtype == torch.float32
+    assert [g.shape for g in varlen_grads] == [(70, 8, 64), (90, 2, 64), (90, 2, 64)]
+    assert all(g.is_contiguous() for g in varlen_grads)
 
 
 def _attention_loss(q, k, v):
@@ -215,42 +274,539 @@ def test_torch_compile_fullgraph(device, backend):
 
 
 # --------------------------------------------------------------------------------------------
-# The drop-in's options
+# The drop-in's options: window_size, softcap, alibi_slopes, attn_bias (cupyflash's own), dropout_p and
+# deterministic, and the varlen functions. On the CPU the ops run the float64 NumPy reference, so the
+# comparisons with it check the plumbing (which option reaches which argument, which seed the
+# backward gets, which gradient autograd hands back, the packing); gradcheck and SDPA check the
+# mathematics independently of the reference where they can express the options.
 
-@pytest.mark.parametrize("name,value", [("dropout_p", 0.1), ("window_size", (8, 0)), ("window_size", [-1, 4]),
-                                        ("softcap", 30.0), ("alibi_slopes", "tensor"), ("deterministic", True)])
-def test_unsupported_options_raise(name, value):
+# Option specs; strings stand for tensors that _make_options builds for the call's shape.
+OPTIONS = {
+    "window": dict(window_size=(3, 1)),
+    "window-left-only": dict(window_size=[2, -1]),
+    "softcap": dict(softcap=1.5),
+    "alibi": dict(alibi_slopes="(nheads,)"),
+    "alibi-per-batch": dict(alibi_slopes="(batch, nheads)"),
+    "bias-full": dict(attn_bias="full"),
+    "bias-heads": dict(attn_bias="heads"),
+    "bias-keys-float32": dict(attn_bias="keys-float32"),
+    "dropout": dict(dropout_p=0.3),
+    "deterministic": dict(deterministic=True),
+    "all": dict(window_size=(4, 2), softcap=2.0, alibi_slopes="(batch, nheads)", attn_bias="full", dropout_p=0.25,
+                deterministic=True),
+}
+VARLEN_OPTIONS = {name: spec for name, spec in OPTIONS.items() if "bias" not in name}  # no attn_bias for varlen
+VARLEN_OPTIONS["all"] = {name: value for name, value in OPTIONS["all"].items() if name != "attn_bias"}
+OPTION_SHAPES = [(2, 9, 11, 4, 2, 16, False), (2, 9, 11, 4, 2, 16, True),
+                 (1, 11, 7, 2, 1, 8, True)]  # rows that see no key
+# Per-sequence lengths (q, k) of the varlen tests: an empty query side, and with causal rows that see no key.
+LENGTHS = ((3, 0, 6, 1), (4, 2, 5, 1))
+
+
+def _make_options(spec, shape, dtype, device, seed):
+    """The keyword options of a drop-in call: alibi_slopes float32 in [0.05, 0.55); attn_bias of the named
+    shape in `dtype` ('keys-float32': float32), requiring grad."""
+    batch, seqlen_q, seqlen_k, nheads = shape[:4]
+    gen = torch.Generator().manual_seed(seed)
+    options = dict(spec)
+    if "alibi_slopes" in options:
+        size = (nheads,) if options["alibi_slopes"] == "(nheads,)" else (batch, nheads)
+        options["alibi_slopes"] = (torch.rand(size, generator=gen) * 0.5 + 0.05).to(device)
+    if "attn_bias" in options:
+        kind = options["attn_bias"]
+        size = {"full": (batch, nheads, seqlen_q, seqlen_k), "heads": (nheads, seqlen_q, seqlen_k),
+                "keys-float32": (seqlen_q, seqlen_k)}[kind]
+        bias = torch.randn(size, generator=gen, dtype=torch.float64).to(torch.float32 if "float32" in kind else dtype)
+        options["attn_bias"] = bias.to(device).requires_grad_()
+    return options
+
+
+def _numpy(x):
+    return None if x is None else x.detach().cpu().double().numpy()
+
+
+def _reference_options(options, seed):
+    """The reference's keyword options for a drop-in call's options and the seed it drew."""
+    result = dict(window_size=tuple(options.get("window_size", (-1, -1))), softcap=options.get("softcap", 0.0),
+                  alibi_slopes=_numpy(options.get("alibi_slopes")), dropout_p=options.get("dropout_p", 0.0), seed=seed)
+    if options.get("attn_bias") is not None:
+        result["attn_bias"] = _numpy(options["attn_bias"])
+    return result
+
+
+def _dropin(call, q, k, v, dout, options, torch_seed=0):
+    """[out, lse, dq, dk, dv, dbias] of `call(q, k, v, return_attn_probs=True, **options)` after
+    torch.manual_seed(torch_seed) (dbias None without attn_bias), and the dropout seed the call drew
+    (None without dropout): after the same torch.manual_seed, draw_dropout_seed() gives it."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    bias = options.get("attn_bias")
+    torch.manual_seed(torch_seed)
+    seed = int(cft.draw_dropout_seed()) if options.get("dropout_p") else None
+    torch.manual_seed(torch_seed)
+    out, lse, probs = call(*leaves, return_attn_probs=True, **options)
+    assert probs is None and out.requires_grad and not lse.requires_grad and lse.dtype == torch.float32
+    grads = torch.autograd.grad(out, leaves + ([] if bias is None else [bias]), dout)
+    return [out.detach(), lse, *grads, *([None] if bias is None else [])], seed
+
+
+def _reference(q, k, v, dout, softmax_scale, causal, options, seed):
+    """[out, lse, dq, dk, dv, dbias] of the float64 reference."""
+    args = [_numpy(x) for x in (q, k, v)]
+    opts = _reference_options(options, seed)
+    out, lse = reference.attention_forward(*args, softmax_scale, causal, **opts)
+    return [out, lse, *reference.attention_backward(_numpy(dout), *args, softmax_scale, causal, return_dbias=True,
+                                                     **opts)]
+
+
+RESULT_NAMES = ("out", "lse", "dq", "dk", "dv", "dbias")
+
+
+def _assert_matches(got, ref, names=RESULT_NAMES):
+    """Each result within a few units of its dtype's roundoff of the float64 one, relative to the largest
+    magnitude; -inf (lse of rows that see no key) exactly where the reference has it."""
+    for name, x, r in zip(names, got, ref):
+        if r is None:
+            assert x is None, name
+            continue
+        r = torch.as_tensor(numpy.asarray(r, dtype=numpy.float64))
+        x = x.detach().cpu()
+        assert x.shape == r.shape, f"{name}: shape {tuple(x.shape)}, expected {tuple(r.shape)}"
+        assert torch.equal(torch.isneginf(x.double()), torch.isneginf(r)), name
+        finite = torch.isfinite(r)
+        error = (x.double() - r)[finite].abs().max().item() if finite.any() else 0.0
+        bound = 4 * torch.finfo(x.dtype).eps * (1 + r[finite].abs().max().item() if finite.any() else 1)
+        assert error <= bound, f"{name}: error {error:.3g} > {bound:.3g}"
+
+
+def _causal_call(function, softmax_scale, causal):
+    return lambda *args, **kwargs: function(*args, softmax_scale=softmax_scale, causal=causal, **kwargs)
+
+
+@pytest.mark.parametrize("shape", OPTION_SHAPES, ids=_ids)
+@pytest.mark.parametrize("name", OPTIONS)
+def test_cpu_options_match_reference(name, shape):
+    q, k, v, dout = _inputs(shape, torch.float64, "cpu", seed=20)
+    causal = shape[-1]
+    options = _make_options(OPTIONS[name], shape, torch.float64, "cpu", seed=21)
+    got, seed = _dropin(_causal_call(cft.flash_attn_func, 0.3, causal), q, k, v, dout, options, torch_seed=22)
+    assert (seed is None) == (not options.get("dropout_p"))
+    _assert_matches(got, _reference(q, k, v, dout, 0.3, causal, options, seed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_low_precision_with_options(dtype):
+    """Tensors of other dtypes with every option: the float64 result rounded once to the dtype (dbias to
+    attn_bias's dtype, here q's)."""
+    shape = OPTION_SHAPES[1]
+    q, k, v, dout = _inputs(shape, dtype, "cpu", seed=23)
+    options = _make_options(OPTIONS["all"], shape, dtype, "cpu", seed=24)
+    got, seed = _dropin(_causal_call(cft.flash_attn_func, None, True), q, k, v, dout, options)
+    assert all(x.dtype == dtype for x in got[:1] + got[2:])
+    _assert_matches(got, _reference(q, k, v, dout, None, True, options, seed))
+
+
+def sdpa_masked(q, k, v, softmax_scale, mask):
+    """SDPA's math backend in flash_attn's layout, kv heads repeated, with an additive float mask."""
+    h = q.shape[2]
+    k, v = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=mask, scale=softmax_scale).transpose(1, 2)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", [(-1, -1), (3, 1), (0, 4)], ids=str)
+def test_cpu_window_alibi_bias_match_sdpa(window, causal):
+    """Window and causal masks, ALiBi and attn_bias as one SDPA attn_mask (float64), which also gives
+    attn_bias's gradient; every row sees a key (SDPA would give NaN otherwise)."""
+    shape = (2, 9, 12, 4, 2, 16, causal)
+    b, sq, sk, h = shape[:4]
+    q, k, v, dout = _inputs(shape, torch.float64, "cpu", seed=25)
+    options = _make_options(dict(window_size=window, alibi_slopes="(batch, nheads)", attn_bias="heads"), shape,
+                            torch.float64, "cpu", seed=26)
+    got, _ = _dropin(_causal_call(cft.flash_attn_func, 0.3, causal), q, k, v, dout, options)
+
+    visible = torch.from_numpy(reference.visible(sq, sk, causal, window_size=window))
+    distance = (torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)).abs()
+    alibi = -options["alibi_slopes"].double()[:, :, None, None] * distance
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, options["attn_bias"])]
+    out = sdpa_masked(*leaves[:3], 0.3, (leaves[3] + alibi).masked_fill(~visible, -math.inf))
+    ref = [out, *torch.autograd.grad(out, leaves, dout)]
+    for name, x, r in zip(("out", "dq", "dk", "dv", "dbias"), got[:1] + got[2:], ref):
+        assert x.shape == r.shape, name
+        assert _max_error(x, r) <= 1e-12 * (1 + r.abs().max().item()), name
+
+
+def test_cpu_gradcheck_with_every_option():
+    """torch.autograd.gradcheck through the forward op at a fixed seed: the backward op is the derivative
+    of the forward, dropout mask, softcap, ALiBi, window and attn_bias's gradient included."""
+    shape = (1, 5, 6, 2, 1, 8, True)
+    q, k, v, _ = _inputs(shape, torch.float64, "cpu", seed=27)
+    scale, causal, left, right, softcap, alibi, bias, dropout_p, seed, deterministic = _option_args(
+        (1, 5, 6, 2, 1, 8, False), torch.float64, "cpu", seed=28)
+    left, right = 3, 2  # a window that cuts into the rows
+
+    def attention(q, k, v, bias):
+        return torch.ops.cupyflash.flash_attn_forward(q, k, v, scale, causal, left, right, softcap, alibi, bias,
+                                                      dropout_p, seed, deterministic)[0]
+
+    assert torch.autograd.gradcheck(attention, [x.requires_grad_() for x in (q, k, v)] + [bias])
+
+
+def test_cpu_dropout_follows_torch_manual_seed():
+    shape = (1, 9, 11, 2, 2, 16, True)
+    q, k, v, dout = _inputs(shape, torch.float64, "cpu", seed=29)
+    call = _causal_call(cft.flash_attn_func, None, True)
+    (first, seed_first), (again, seed_again), (other, seed_other) = (
+        _dropin(call, q, k, v, dout, dict(dropout_p=0.4), torch_seed=s) for s in (1, 1, 2))
+    plain, _ = _dropin(call, q, k, v, dout, {}, torch_seed=1)
+    assert seed_first == seed_again != seed_other
+    for name, x, y, z, p in zip(RESULT_NAMES, first, again, other, plain):
+        if name == "dbias":
+            continue
+        assert torch.equal(x, y), name
+        if name == "lse":  # the log-sum-exp of the scores, before dropout
+            assert torch.equal(x, z) and torch.equal(x, p)
+        else:
+            assert not torch.equal(x, z) and not torch.equal(x, p), name
+    # Without dropout no seed is drawn: torch's generator is left as it was.
+    torch.manual_seed(3)
+    cft.flash_attn_func(q, k, v, causal=True)
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(4))
+
+
+def test_bad_options_are_refused_with_their_names():
     q, k, v, _ = _inputs((1, 8, 8, 2, 2, 16, False), torch.float32, "cpu", seed=8)
-    if value == "tensor":
-        value = torch.ones(2)
-    with pytest.raises(NotImplementedError, match=f"{name}=") as error:
-        cft.flash_attn_func(q, k, v, **{name: value})
-    assert repr(value) in str(error.value)
-    with pytest.raises(NotImplementedError, match=f"{name}="):
-        cft.flash_attn_qkvpacked_func(torch.stack([q, k, v], dim=2), **{name: value})
+    cases = [(TypeError, "alibi_slopes must be a torch.Tensor", dict(alibi_slopes=[0.5, 0.25])),
+             (TypeError, "alibi_slopes must have dtype float32", dict(alibi_slopes=torch.ones(2, dtype=torch.float64))),
+             (ValueError, "alibi_slopes must have shape", dict(alibi_slopes=torch.ones(3))),
+             (TypeError, "attn_bias must be a torch.Tensor", dict(attn_bias=numpy.zeros((8, 8)))),
+             (ValueError, "attn_bias must broadcast", dict(attn_bias=torch.zeros(3, 8, 8))),
+             (ValueError, "window_size", dict(window_size=(8,))),
+             (ValueError, "window_size", dict(window_size=(-2, 0))),
+             (ValueError, "softcap", dict(softcap=-1.0)),
+             (TypeError, "softcap must be a number", dict(softcap="1")),
+             (ValueError, "dropout_p", dict(dropout_p=1.0)),
+             (TypeError, "deterministic must be a bool", dict(deterministic=1))]
+    for error, match, options in cases:
+        with pytest.raises(error, match=match):
+            cft.flash_attn_func(q, k, v, **options)
 
 
 def test_options_at_their_defaults_are_accepted():
     q, k, v, _ = _inputs((1, 8, 8, 2, 2, 16, False), torch.float64, "cpu", seed=9)
     plain = cft.flash_attn_func(q, k, v)
-    spelled = cft.flash_attn_func(q, k, v, 0.0, None, False, [-1, -1], 0.0, None, False, False)
+    spelled = cft.flash_attn_func(q, k, v, 0.0, None, False, [-1, -1], 0.0, None, False, False, attn_bias=None)
     assert torch.equal(plain, spelled)
 
 
-def test_varlen_is_not_faked():
-    from cupyflash.torch import flash_attn_varlen_func
-    with pytest.raises(NotImplementedError, match="variable-length"):
-        flash_attn_varlen_func(None, None, None, None, None, 8, 8)
+# Varlen
+
+def _varlen_inputs(lengths, nheads, nheads_k, headdim, dtype, device, seed):
+    """q, k, v, dout packed (total, heads, headdim) and the int32 cu_seqlens of per-sequence (q, k) lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    total_q, total_k = sum(lengths[0]), sum(lengths[1])
+    sizes = [(total_q, nheads, headdim), (total_k, nheads_k, headdim), (total_k, nheads_k, headdim),
+             (total_q, nheads, headdim)]
+    tensors = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).to(device) for s in sizes]
+    cu = [torch.tensor(numpy.cumsum((0,) + tuple(side)), dtype=torch.int32, device=device) for side in lengths]
+    return (*tensors, *cu)
 
 
-def test_drop_in_signature_matches_flash_attn():
-    """The parameters of flash_attn 2.x's flash_attn_func, in order, with its defaults."""
+def _varlen_call(cu_q, cu_k, lengths, softmax_scale, causal):
+    max_q, max_k = max(lengths[0]), max(lengths[1])
+    return lambda q, k, v, **options: cft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                                                 softmax_scale=softmax_scale, causal=causal, **options)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", VARLEN_OPTIONS)
+def test_cpu_varlen_matches_reference(name, causal):
+    q, k, v, dout, cu_q, cu_k = _varlen_inputs(LENGTHS, 4, 2, 16, torch.float64, "cpu", seed=30)
+    shape = (len(LENGTHS[0]), max(LENGTHS[0]), max(LENGTHS[1]), 4)
+    options = _make_options(VARLEN_OPTIONS[name], shape, torch.float64, "cpu", seed=31)
+    got, seed = _dropin(_varlen_call(cu_q, cu_k, LENGTHS, 0.3, causal), q, k, v, dout, options)
+    args = [_numpy(x) for x in (q, k, v)]
+    opts = _reference_options(options, seed)
+    ref_out, ref_lse = reference.attention_forward_varlen(*args, cu_q.numpy(), cu_k.numpy(), 0.3, causal, **opts)
+    ref_grads = reference.attention_backward_varlen(_numpy(dout), *args, cu_q.numpy(), cu_k.numpy(), 0.3, causal,
+                                                    **opts)
+    assert got[1].shape == (4, sum(LENGTHS[0]))  # lse is (nheads, total_q)
+    _assert_matches(got, [ref_out, ref_lse, *ref_grads, None])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cpu_varlen_is_dense_attention_per_sequence(causal):
+    """Each sequence of a varlen call is a batch-1 flash_attn_func call on its rows (ALiBi slopes of its
+    batch row, masks aligned to its own corner); rows of sequences without keys get zeros."""
+    q, k, v, dout, cu_q, cu_k = _varlen_inputs(LENGTHS, 4, 2, 16, torch.float64, "cpu", seed=32)
+    options = _make_options(dict(window_size=(2, 1), softcap=1.5, alibi_slopes="(batch, nheads)"),
+                            (len(LENGTHS[0]), 0, 0, 4), torch.float64, "cpu", seed=33)
+    got, _ = _dropin(_varlen_call(cu_q, cu_k, LENGTHS, None, causal), q, k, v, dout, options)
+    expected = [torch.zeros_like(got[0]), torch.full_like(got[1], -math.inf), *(torch.zeros_like(g) for g in got[2:5])]
+    for b in range(len(LENGTHS[0])):
+        rows_q, rows_k = slice(*cu_q[b:b + 2].tolist()), slice(*cu_k[b:b + 2].tolist())
+        if rows_q.start == rows_q.stop or rows_k.start == rows_k.stop:
+            continue
+        dense_options = dict(options, alibi_slopes=options["alibi_slopes"][b:b + 1])
+        dense, _ = _dropin(_causal_call(cft.flash_attn_func, None, causal), q[None, rows_q], k[None, rows_k],
+                           v[None, rows_k], dout[None, rows_q], dense_options)
+        expected[0][rows_q], expected[1][:, rows_q] = dense[0][0], dense[1][0]
+        expected[2][rows_q], expected[3][rows_k], expected[4][rows_k] = (g[0] for g in dense[2:5])
+    for name, x, r in zip(RESULT_NAMES, got, expected):
+        assert torch.equal(torch.isneginf(x), torch.isneginf(r)), name
+        finite = torch.isfinite(r)
+        assert _max_error(x[finite], r[finite]) <= 1e-12 * (1 + r[finite].abs().max().item()), name
+
+
+def test_cpu_varlen_packed_forms_match_separate_ones():
+    lengths = ((3, 6, 1), (3, 6, 1))
+    q, k, v, dout, cu, _ = _varlen_inputs(lengths, 4, 4, 16, torch.float64, "cpu", seed=34)
+    options = dict(window_size=(2, 0), softcap=1.5, dropout_p=0.2)
+    ref, _ = _dropin(_varlen_call(cu, cu, lengths, None, True), q, k, v, dout, options, torch_seed=5)
+
+    qkv = torch.stack([q, k, v], dim=1).requires_grad_()
+    torch.manual_seed(5)
+    out = cft.flash_attn_varlen_qkvpacked_func(qkv, cu, 6, causal=True, **options)
+    (out * dout).sum().backward()
+    for x, r in zip([out, *qkv.grad.unbind(1)], ref[:1] + ref[2:5]):
+        assert torch.equal(x, r)
+
+    kv = torch.stack([k, v], dim=1).requires_grad_()
+    qq = q.clone().requires_grad_()
+    torch.manual_seed(5)
+    out = cft.flash_attn_varlen_kvpacked_func(qq, kv, cu, cu, 6, 6, causal=True, **options)
+    (out * dout).sum().backward()
+    for x, r in zip([out, qq.grad, *kv.grad.unbind(1)], ref[:1] + ref[2:5]):
+        assert torch.equal(x, r)
+
+
+def test_cpu_varlen_gradcheck():
+    q, k, v, _, cu_q, cu_k = _varlen_inputs(((2, 0, 4), (3, 2, 3)), 2, 1, 8, torch.float64, "cpu", seed=35)
+    alibi = torch.tensor([0.3, 0.1])
+
+    def attention(q, k, v):
+        return torch.ops.cupyflash.flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 4, 3, 0.5, True, 2, 0, 1.5, alibi,
+                                                             0.3, torch.tensor(77), False)[0]
+
+    assert torch.autograd.gradcheck(attention, [x.requires_grad_() for x in (q, k, v)])
+
+
+def test_varlen_refusals():
+    q, k, v, _, cu_q, cu_k = _varlen_inputs(LENGTHS, 2, 2, 16, torch.float32, "cpu", seed=36)
+    max_q, max_k = max(LENGTHS[0]), max(LENGTHS[1])
+    with pytest.raises(NotImplementedError, match="block_table"):
+        cft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, block_table=torch.zeros(4, 1, dtype=torch.int32))
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an int32"):
+        cft.flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k, max_q, max_k)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be an int32 torch.Tensor"):
+        cft.flash_attn_varlen_func(q, k, v, cu_q, cu_k.tolist(), max_q, max_k)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        cft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q - 1, max_k)
+    with pytest.raises(ValueError, match="qkv must be 4-D"):
+        cft.flash_attn_varlen_qkvpacked_func(q, cu_q, max_q)
+
+
+FLASH_ATTN_OPTIONS = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+                      ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False)]
+
+
+@pytest.mark.parametrize("function,leading,extra", [
+    ("flash_attn_func", ["q", "k", "v"], [("attn_bias", None)]),
+    ("flash_attn_qkvpacked_func", ["qkv"], [("attn_bias", None)]),
+    ("flash_attn_kvpacked_func", ["q", "kv"], [("attn_bias", None)]),
+    ("flash_attn_varlen_func", ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"],
+     [("block_table", None)]),
+    ("flash_attn_varlen_qkvpacked_func", ["qkv", "cu_seqlens", "max_seqlen"], []),
+    ("flash_attn_varlen_kvpacked_func", ["q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"], []),
+])
+def test_drop_in_signatures_match_flash_attn(function, leading, extra):
+    """The parameters of flash_attn 2.x's functions, in order, with its defaults; cupyflash's attn_bias
+    comes after them and only by keyword."""
     import inspect
-    expected = [("q", inspect.Parameter.empty), ("k", inspect.Parameter.empty), ("v", inspect.Parameter.empty),
-                ("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
-                ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False)]
-    got = [(p.name, p.default) for p in inspect.signature(cft.flash_attn_func).parameters.values()]
-    assert got == expected
+    parameters = list(inspect.signature(getattr(cft, function)).parameters.values())
+    expected = [(name, inspect.Parameter.empty) for name in leading] + FLASH_ATTN_OPTIONS + extra
+    assert [(p.name, p.default) for p in parameters] == expected
+    for p in parameters:
+        assert (p.kind == p.KEYWORD_ONLY) == (p.name == "attn_bias"), p.name
+
+
+# torch.compile with the options
+
+def _options_loss(q, k, v, alibi_slopes, attn_bias, dropout_p):
+    out = cft.flash_attn_func(q, k, v, dropout_p, causal=True, window_size=(5, 2), softcap=2.0,
+                              alibi_slopes=alibi_slopes, deterministic=True, attn_bias=attn_bias)
+    return out.float().square().sum()
+
+
+def _varlen_loss(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    out = cft.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, 6, 5, causal=True, window_size=(3, 1),
+                                     alibi_slopes=alibi_slopes)
+    return out.float().square().sum()
+
+
+def _compiled_and_eager(loss, device, backend, differentiable, args, torch_seed=1):
+    """loss's value and the gradients of args[differentiable], eager and compiled with fullgraph=True,
+    each after torch.manual_seed(torch_seed)."""
+    results = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend=backend)):
+        inputs = [x.detach().clone().requires_grad_() if i in differentiable else x for i, x in enumerate(args)]
+        torch.manual_seed(torch_seed)
+        value = fn(*inputs)
+        results.append([value, *torch.autograd.grad(value, [inputs[i] for i in differentiable])])
+    return results
+
+
+@pytest.mark.parametrize("device,backend,dropout_p", [
+    ("cpu", "aot_eager", 0.0), ("cpu", "aot_eager", 0.3), ("cpu", "inductor", 0.0),
+    pytest.param("cuda", "inductor", 0.0, marks=pytest.mark.gpu)])
+def test_torch_compile_fullgraph_with_options(device, backend, dropout_p):
+    """Every option under torch.compile, without a graph break, gives eager's loss and gradients (attn_bias's
+    too). With dropout, aot_eager runs the seed's torch.randint as eager does (inductor draws it with
+    its own generator: a different seed, see the next test)."""
+    torch._dynamo.reset()
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    shape = (2, 17, 29, 4, 2, 16, True)
+    q, k, v, _ = _inputs(shape, dtype, device, seed=37)
+    alibi, bias = _option_args(shape, dtype, device, seed=38)[5:7]
+    explanation = torch._dynamo.explain(_options_loss)(q, k, v, alibi, bias, dropout_p)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    eager, compiled = _compiled_and_eager(_options_loss, device, backend, (0, 1, 2, 4),
+                                          (q, k, v, alibi, bias, dropout_p))
+    for x, y in zip(compiled, eager):
+        torch.testing.assert_close(x, y)
+
+
+def test_torch_compile_dropout_with_inductor_follows_manual_seed():
+    torch._dynamo.reset()
+    shape = (2, 17, 29, 4, 2, 16, True)
+    q, k, v, _ = _inputs(shape, torch.float32, "cpu", seed=39)
+    compiled = torch.compile(_options_loss, fullgraph=True, backend="inductor")
+    losses = []
+    for torch_seed, dropout_p in ((1, 0.3), (1, 0.3), (2, 0.3), (1, 0.0)):
+        torch.manual_seed(torch_seed)
+        losses.append(compiled(q, k, v, None, None, dropout_p))
+    assert torch.equal(losses[0], losses[1])
+    assert not torch.equal(losses[0], losses[2]) and not torch.equal(losses[0], losses[3])
+
+
+@pytest.mark.parametrize("device,backend", [("cpu", "aot_eager"), pytest.param("cuda", "inductor", marks=pytest.mark.gpu)])
+def test_torch_compile_fullgraph_varlen(device, backend):
+    torch._dynamo.reset()
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, _, cu_q, cu_k = _varlen_inputs(LENGTHS, 4, 2, 16, dtype, device, seed=40)
+    alibi = torch.rand(4).to(device)
+    explanation = torch._dynamo.explain(_varlen_loss)(q, k, v, cu_q, cu_k, alibi)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    eager, compiled = _compiled_and_eager(_varlen_loss, device, backend, (0, 1, 2), (q, k, v, cu_q, cu_k, alibi))
+    for x, y in zip(compiled, eager):
+        torch.testing.assert_close(x, y)
+
+
+# --------------------------------------------------------------------------------------------
+# The options and varlen on CUDA tensors, under the project's rule (cupyflash/_check.py).
+
+GPU_OPTION_CASES = [
+    Case(113, 200, 96, "float16", False, nheads=4, nheads_k=4, window=(37, 11)),
+    Case(200, 113, 64, "bfloat16", True, nheads=4, nheads_k=2, softcap=1.5),
+    Case(113, 200, 64, "bfloat16", True, nheads=4, nheads_k=1, alibi=True),
+    Case(113, 150, 64, "bfloat16", False, bias="full"),
+    Case(113, 150, 64, "float16", True, nheads=4, nheads_k=2, bias="heads"),
+    Case(113, 150, 128, "bfloat16", False, batch=3, bias="keys", deterministic=True),
+    Case(113, 200, 64, "float16", True, nheads=4, nheads_k=2, dropout_p=0.17),
+    Case(200, 113, 128, "bfloat16", False, deterministic=True),
+    Case(257, 300, 128, "bfloat16", True, window=(100, 20), softcap=3.0, alibi=True, bias="full", dropout_p=0.1,
+         deterministic=True),
+    Case.packed((0, 1, 17, 113, 5), (3, 0, 17, 200, 5), 64, "bfloat16", True, nheads=4, nheads_k=2),
+    Case.packed((0, 1, 17, 113, 5), (3, 0, 17, 200, 5), 64, "float16", False, nheads=4, nheads_k=2, window=(20, 5),
+                alibi=True, dropout_p=0.2),
+    Case.packed((1000, 17), (113, 1000), 128, "bfloat16", True, nheads=4, nheads_k=4, softcap=1.5,
+                deterministic=True),
+]
+
+
+def _run_gpu_case(case, seed, torch_seed=0):
+    """cupyflash.torch's drop-in on CUDA tensors for `case` (autograd for the gradients, attn_bias's
+    included), compared with the reference by _check.compare at the dropout seed the call drew."""
+    inputs = _check.random_inputs(case, seed)
+    dtype = getattr(torch, case.dtype)
+    q, k, v, dout = (torch.from_numpy(inputs[n]).to("cuda", dtype) for n in ("q", "k", "v", "dout"))
+    options = dict(softmax_scale=case.headdim ** -0.5, causal=case.causal, window_size=case.window,
+                   softcap=case.softcap, dropout_p=case.dropout_p, deterministic=case.deterministic)
+    if case.alibi:
+        options["alibi_slopes"] = torch.from_numpy(inputs["alibi_slopes"]).cuda()
+    if case.bias:  # 'heads' biases hold values of case.dtype and go in it; the others in float32
+        bias_dtype = dtype if case.bias == "heads" else torch.float32
+        options["attn_bias"] = torch.from_numpy(inputs["attn_bias"]).to("cuda", bias_dtype).requires_grad_()
+    if case.varlen:
+        cu_q, cu_k = (torch.from_numpy(c).cuda() for c in case.cu_seqlens())
+        call = lambda q, k, v, **kw: cft.flash_attn_varlen_func(  # noqa: E731
+            q, k, v, cu_q, cu_k, case.seqlen_q, case.seqlen_k, **kw)
+    else:
+        call = cft.flash_attn_func
+    got, drawn = _dropin(call, q, k, v, dout, options, torch_seed)
+    if case.dropout_p:
+        inputs["seed"] = drawn
+    assert all(x.device == q.device for x in got if x is not None)
+    assert got[0].dtype == dtype and all(g.dtype == x.dtype for g, x in zip(got[2:5], (q, k, v)))
+    if case.bias:
+        assert got[5].dtype == options["attn_bias"].dtype and got[5].shape == options["attn_bias"].shape
+
+    def host(x):
+        return x.detach().float().cpu().numpy().astype(numpy.float64)
+
+    grads = [host(g) for g in got[2:] if g is not None]
+    return _check.compare(case, inputs, host(got[0]), host(got[1]), grads), got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_OPTION_CASES, ids=str)
+def test_gpu_options_match_reference(case):
+    result, _ = _run_gpu_case(case, seed=41)
+    assert result.ok, f"{case}: {result.describe()}"
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_follows_torch_manual_seed():
+    case = Case(113, 200, 64, "bfloat16", True, nheads=4, nheads_k=2, dropout_p=0.2)
+    (_, first), (_, again), (_, other) = (_run_gpu_case(case, seed=42, torch_seed=s) for s in (1, 1, 2))
+    for name, x, y, z in zip(RESULT_NAMES[:5], first, again, other):
+        assert torch.equal(x, y), name  # the dropout mask and the deterministic parts are repeatable...
+        assert torch.equal(x, z) if name == "lse" else not torch.equal(x, z), name  # ...and the seed matters
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [Case(300, 300, 128, "bfloat16", True, nheads=8, nheads_k=2, deterministic=True,
+                                       alibi=True, bias="keys"),
+                                  Case.packed((300, 17, 200), (300, 500, 17), 64, "float16", False, nheads=4,
+                                              nheads_k=1, deterministic=True)], ids=str)
+def test_gpu_deterministic_backward_is_bitwise_repeatable(case):
+    runs = [_run_gpu_case(case, seed=43)[1] for _ in range(3)]
+    for name, *values in zip(RESULT_NAMES, *runs):
+        if values[0] is not None:
+            assert all(torch.equal(values[0], x) for x in values[1:]), name
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_packed_forms_take_views():
+    """qkvpacked and kvpacked varlen calls equal the separate call on the same views, bit for bit."""
+    lengths = ((77, 3, 150), (77, 3, 150))
+    q, k, v, dout, cu, _ = _varlen_inputs(lengths, 4, 4, 64, torch.bfloat16, "cuda", seed=44)
+    qkv = torch.stack([q, k, v], dim=1)
+    options = dict(causal=True, window_size=(9, 0), softcap=2.0, dropout_p=0.1)
+    separate, _ = _dropin(_varlen_call(cu, cu, lengths, None, True), qkv[:, 0], qkv[:, 1], qkv[:, 2], dout, options)
+    for packed_call in (lambda qkv: cft.flash_attn_varlen_qkvpacked_func(qkv, cu, 150, **options),
+                        lambda qkv: cft.flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu, cu, 150, 150,
+                                                                        **options)):
+        leaf = qkv.detach().clone().requires_grad_()
+        torch.manual_seed(0)
+        out = packed_call(leaf)
+        (grad,) = torch.autograd.grad(out, leaf, dout)
+        assert torch.equal(out, separate[0])
+        for i in range(3):
+            assert torch.equal(grad[:, i], separate[2 + i])
 
 
 # --------------------------------------------------------------------------------------------

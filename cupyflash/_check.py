@@ -222,7 +222,7 @@ def run_gpu_case(case, seed, wrap=None, unwrap=None, backward=True):
     inputs = random_inputs(case, seed)
     arrays = {name: wrap(a) for name, a in to_cupy_inputs(case, inputs).items()}
     scale = case.headdim ** -0.5
-    options = options_of(case, arrays)
+    options = options_of(case, dict(arrays, seed=inputs.get("seed")))
     q, k, v, dout = (arrays[n] for n in ("q", "k", "v", "dout"))
     if case.varlen:
         cu = [wrap(cupy.asarray(c)) for c in case.cu_seqlens()]

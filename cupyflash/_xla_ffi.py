@@ -107,7 +107,8 @@ _Handler = ctypes.CFUNCTYPE(c_void_p, ctypes.POINTER(CallFrame))
 @functools.cache
 def _dtypes():
     import ml_dtypes
-    return {10: numpy.dtype(numpy.float16), 11: numpy.dtype(numpy.float32),
+    return {4: numpy.dtype(numpy.int32), 8: numpy.dtype(numpy.uint32),  # cu_seqlens, dropout seeds
+            10: numpy.dtype(numpy.float16), 11: numpy.dtype(numpy.float32),
             12: numpy.dtype(numpy.float64), 16: numpy.dtype(ml_dtypes.bfloat16)}
 
 

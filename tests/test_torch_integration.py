@@ -795,11 +795,11 @@ def test_gpu_varlen_packed_forms_take_views():
     lengths = ((77, 3, 150), (77, 3, 150))
     q, k, v, dout, cu, _ = _varlen_inputs(lengths, 4, 4, 64, torch.bfloat16, "cuda", seed=44)
     qkv = torch.stack([q, k, v], dim=1)
-    options = dict(causal=True, window_size=(9, 0), softcap=2.0, dropout_p=0.1)
+    options = dict(window_size=(9, 0), softcap=2.0, dropout_p=0.1)
     separate, _ = _dropin(_varlen_call(cu, cu, lengths, None, True), qkv[:, 0], qkv[:, 1], qkv[:, 2], dout, options)
-    for packed_call in (lambda qkv: cft.flash_attn_varlen_qkvpacked_func(qkv, cu, 150, **options),
+    for packed_call in (lambda qkv: cft.flash_attn_varlen_qkvpacked_func(qkv, cu, 150, causal=True, **options),
                         lambda qkv: cft.flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu, cu, 150, 150,
-                                                                        **options)):
+                                                                        causal=True, **options)):
         leaf = qkv.detach().clone().requires_grad_()
         torch.manual_seed(0)
         out = packed_call(leaf)

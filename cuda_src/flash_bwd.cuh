@@ -64,7 +64,7 @@ template <bool BF16, bool LOCAL, int MT, int NT>
 __device__ __forceinline__ void extras_probabilities(float (&s)[MT][NT][4], float (&dp)[MT][NT][4], const FlashParams& p,
                                                      const Sequence& seq, int batch, int head, int row0, int col0,
                                                      bool masked, const float* lse, const float* dot) {
-    const ScoreOptions options(p, seq, batch, head);
+    const ScoreOptions options(p, batch, head);
     float* dbias = p.dbias_accum == nullptr ? nullptr
                    : p.dbias_accum + batch * p.dbias_batch_stride + head * p.dbias_head_stride;
 #pragma unroll

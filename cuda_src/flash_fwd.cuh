@@ -69,7 +69,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                                                                 seq.seqlen_k - key0, p.headdim);
         cp_async_commit();
     }
-    const ScoreOptions options(p, seq, batch, head);  // EXTRAS only; dead code otherwise
+    const ScoreOptions options(p, batch, head);  // EXTRAS only; dead code otherwise
 
     for (int n_block = blocks.end - 1; n_block >= blocks.first; --n_block) {
         const int key0 = n_block * BLOCK_N;
@@ -83,14 +83,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         zero(s);
         warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k, 0);
 
-        if constexpr (EXTRAS) {
-            for_each_element<MT, NT>([&](int mt, int nt, int e) {
-                const int row = row0 + warp_row0 + fragment_row(mt, e), col = key0 + fragment_col(nt, e);
-                float slope;
-                s[mt][nt][e] = options.apply<BF16>(s[mt][nt][e], seq, row, col,
-                                                   row < seq.seqlen_q && col < seq.seqlen_k, slope);
-            });
-        }
+        if constexpr (EXTRAS) options.apply<BF16>(s, seq, row0 + warp_row0, key0);
         if (block_needs_mask<LOCAL>(p, seq, row0, key0, BLOCK_M, BLOCK_N)) {
             for_each_element<MT, NT>([&](int mt, int nt, int e) {
                 if (!is_visible<LOCAL>(p, seq, row0 + warp_row0 + fragment_row(mt, e), key0 + fragment_col(nt, e)))

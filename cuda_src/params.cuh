@@ -78,7 +78,9 @@ struct FlashParams {
     int window_right;
 
     // The options of the EXTRAS kernels (score.cuh), each off when zero / null.
-    float softcap;                  // scores become softcap * tanh(scores / softcap)
+    float softcap_inner;            // softcap: raw scores s become softcap_outer * tanh(s * softcap_inner),
+    float softcap_outer;            //   inner = scale / softcap (0: off), outer = softcap / scale
+    float inv_softmax_scale;        // 1 / softmax_scale: the kernels keep scores in raw units (q . k)
     const float* alibi_slopes;      // head h of batch b adds -slope * |i + seqlen_k - seqlen_q - j|
     long long alibi_batch_stride;   // 0 for slopes shaped (nheads,)
     const void* attn_bias;          // additive bias; the batch and head strides are 0 where it broadcasts

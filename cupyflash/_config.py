@@ -33,8 +33,9 @@ MAX_HEADDIM = HEADDIMS[-1]
 #     hd128: 64x128/8w/s2 273/247  | 64x128/8w/s1 257/239 (spills 8 bytes), 64x64/8w/s2 180/172
 #     hd256: 64x64/8w/s1 193/185   | 64x64/8w/s2 198/185 (spills 44 bytes; 216 KiB)
 # bwd_extras is the backward with the options of cuda_src/score.cuh (softcap, ALiBi, attn_bias, dropout,
-# deterministic dQ): those need registers, and the plain tiles spill 8-128 bytes with them, so it
-# takes smaller tiles. (The forward's options fit its plain tiles.)
+# deterministic dQ): those need registers, and from hd96 up the plain tiles spill 16-88 bytes with
+# them (hd128 64x128/8w/s2: 84-88), so it takes smaller tiles there. (The forward's options fit its
+# plain tiles.)
 # The other head dims follow their neighbours where that compiles without spills (bwd hd224
 # 64x64/8w spills 12 bytes in some variants, so it keeps 64x32). sm80 has sm90's tiles where they
 # fit 163 KiB and compile without spills for sm_80, smaller ones elsewhere (not yet timed on an
@@ -45,7 +46,7 @@ TILES = {
                 160: (64, 64, 4, 1), 192: (64, 64, 4, 1), 224: (64, 64, 4, 1), 256: (64, 64, 4, 1)},
         "bwd": {32: (64, 128, 8, 2), 64: (64, 128, 8, 2), 96: (64, 128, 8, 2), 128: (64, 128, 8, 2),
                 160: (64, 64, 8, 2), 192: (64, 64, 8, 2), 224: (64, 32, 8, 2), 256: (64, 64, 8, 1)},
-        "bwd_extras": {32: (64, 64, 8, 2), 64: (64, 64, 8, 2), 96: (64, 64, 8, 2), 128: (64, 64, 8, 2),
+        "bwd_extras": {32: (64, 128, 8, 2), 64: (64, 128, 8, 2), 96: (64, 64, 8, 2), 128: (64, 64, 8, 2),
                        160: (64, 64, 8, 1), 192: (64, 64, 8, 1), 224: (64, 32, 8, 2), 256: (64, 32, 8, 1)},
     },
     "sm86": {

@@ -619,10 +619,12 @@ def _param_block(shape, tile, scale, strides, opts, inputs, semaphore_blocks=0):
                   seqlen_k=shape.seqlen_k, headdim=shape.headdim, headdim_padded=tile.headdim,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e),
                   stats_batch_stride=stats_strides[0], stats_head_stride=stats_strides[1],
-                  window_left=left, window_right=right, softcap=opts.softcap,
+                  window_left=left, window_right=right, inv_softmax_scale=1.0 / scale,
                   dq_semaphore_blocks=semaphore_blocks)
     for name, (batch, row, head) in strides.items():
         fields.update({f"{name}_batch_stride": batch, f"{name}_row_stride": row, f"{name}_head_stride": head})
+    if opts.softcap:
+        fields["softcap_inner"], fields["softcap_outer"] = scale / opts.softcap, opts.softcap / scale
     if opts.alibi_slopes is not None:
         alibi = inputs["alibi_slopes"]
         fields["alibi_batch_stride"] = _element_strides(alibi)[0] if len(alibi.shape) == 2 else 0

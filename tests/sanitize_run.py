@@ -17,7 +17,14 @@ from cupyflash._check import Case
 CASES = [Case(113, 113, 72, "float16", True, batch=1),
          Case(17, 300, 40, "bfloat16", False, batch=1, nheads=4, nheads_k=1),
          Case(300, 17, 256, "bfloat16", True, batch=1),
-         Case(65, 129, 128, "float16", True, batch=1, nheads=2, nheads_k=1)]
+         Case(65, 129, 128, "float16", True, batch=1, nheads=2, nheads_k=1),
+         # the options: window (LOCAL kernels), every EXTRAS option with dbias, deterministic, varlen
+         Case(113, 150, 64, "bfloat16", False, batch=1, nheads=2, window=(20, 7)),
+         Case(70, 90, 96, "float16", True, batch=2, nheads=2, nheads_k=1, softcap=2.0, alibi=True, bias="full",
+              dropout_p=0.2),
+         Case(70, 90, 64, "bfloat16", True, batch=1, nheads=2, bias="keys", deterministic=True),
+         Case.packed((0, 37, 5), (9, 0, 70), 128, "float16", True, nheads=2, nheads_k=1, window=(11, -1),
+                     dropout_p=0.1, deterministic=True)]
 
 def plant_out_of_bounds_write():
     buffer = cupy.zeros(1000, dtype=cupy.float32)

@@ -10,9 +10,9 @@ import cupyflash
 from cupyflash import _config, interface
 
 CANDIDATES = {  # (block_m, block_n, warps, stages)
-    ("bwd", 64): [(64, 128, 8, 2), (64, 128, 8, 1), (128, 128, 8, 2)],
-    ("bwd", 128): [(64, 128, 8, 2), (64, 128, 8, 1), (64, 64, 8, 2)],  # s1 spills 8 bytes: timed, not shipped
-    ("bwd", 256): [(64, 64, 8, 1), (64, 64, 8, 2)],                    # s2 spills 44 bytes: timed, not shipped
+    ("fwd", 64): [(128, 64, 4, 1), (128, 32, 4, 1)],
+    ("fwd", 96): [(64, 64, 4, 1), (128, 32, 4, 1)],
+    ("fwd", 256): [(64, 64, 4, 1), (64, 32, 4, 1)],
 }
 
 

@@ -134,18 +134,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         // Dropout acts on the probabilities after the softmax: the sums above keep every element,
         // P V only the kept ones (scaled by 1 / (1 - dropout_p) at the end).
         if constexpr (EXTRAS) {
-            if (p.dropout_scale != 0.f) {
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        const uint32 keep = dropout_keep_bits(p, batch, head, row0 + warp_row0 + fragment_row(mt, 0),
-                                                              key0 + fragment_col(nt, 0));
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            if (!(keep >> e & 1)) s[mt][nt][e] = 0.f;
-                    }
-            }
+            if (p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
         }
 
         uint32 p_frag[BLOCK_N / 16][MT][4];

@@ -13,14 +13,16 @@ struct FlashParams {
     const void* k;
     const void* v;
     void* out;
-    float* lse;            // (batch, nheads, seqlen_q), natural log; -inf for a row that sees no key
+    // Row statistics, laid out as the stats strides below say ((batch, nheads, seqlen_q), or
+    // (nheads, total_q) for varlen); dq_accum has headdim_padded floats per row.
+    float* lse;            // natural log; -inf for a row that sees no key
     const void* dout;
     void* dq;
     void* dk;
     void* dv;
-    float* dq_accum;       // (batch, nheads, seqlen_q, headdim_padded), fp32, zeroed before the backward
-    float* dout_dot_out;   // (batch, nheads, seqlen_q): D = rowsum(dout * out), fp32
-    float* lse_log2;       // (batch, nheads, seqlen_q): lse * log2(e), +inf for a row that sees no key
+    float* dq_accum;       // fp32, zeroed by flash_bwd_dot
+    float* dout_dot_out;   // D = rowsum(dout * out), fp32
+    float* lse_log2;       // lse * log2(e), +inf for a row that sees no key
 
     // Strides in elements. The last dimension (headdim) is always contiguous.
     long long q_batch_stride;

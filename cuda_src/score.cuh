@@ -107,3 +107,19 @@ __device__ __forceinline__ uint32 dropout_keep_bits(const FlashParams& p, int ba
     const uint32 below = static_cast<uint32>(p.dropout_keep_below);  // at most 2^32 - 1
     return (r.x < below) | (r.y < below) << 1 | (r.z < below) << 2 | (r.w < below) << 3;
 }
+
+// Dropout on a warp's probabilities (tile at row0, col0): dropped elements become 0. The caller
+// scales the kept ones by 1 / (1 - dropout_p).
+template <int MT, int NT>
+__device__ __forceinline__ void apply_dropout(float (&s)[MT][NT][4], const FlashParams& p, int batch, int head,
+                                              int row0, int col0) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const uint32 keep = dropout_keep_bits(p, batch, head, row0 + fragment_row(mt, 0), col0 + fragment_col(nt, 0));
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (!(keep >> e & 1)) s[mt][nt][e] = 0.f;
+        }
+}

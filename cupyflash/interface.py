@@ -167,7 +167,7 @@ def _call(pass_, arrays, softmax_scale, causal, options, varlen=None):
         _check_lse(arrays["lse"], shape)
     scale = _check_scale(softmax_scale, shape.headdim)
     causal = _check_flag("causal", causal)
-    opts = _check_options(pass_, shape, caller, causal, options, arrays)
+    opts = _check_options(shape, caller, causal, options, arrays)
     if caller.kind == "numpy":
         return _reference(pass_, arrays, scale, causal, opts, varlen)
     inputs, copied = _launchable(caller, arrays)
@@ -361,24 +361,14 @@ class _Options:
                     or self.dropout_p or (pass_ == "bwd" and self.deterministic))
 
 
-def _check_options(pass_, shape, caller, causal, options, arrays):
+def _check_options(shape, caller, causal, options, arrays):
     window = reference.window_bounds(causal, options.get("window_size", (-1, -1)))
     softcap = options.get("softcap", 0.0)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float, numpy.number)) \
             or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap!r}")
-    dropout_p = options.get("dropout_p", 0.0)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, numpy.number)) \
-            or not 0 <= dropout_p < 1:
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    seed = options.get("seed")
-    if dropout_p:
-        if isinstance(seed, bool) or not isinstance(seed, (int, numpy.integer)) or not 0 <= seed < 2 ** 64:
-            raise ValueError(f"seed must be an int in [0, 2**64) when dropout_p > 0 (the backward needs the "
-                             f"same seed), got {seed!r}")
-        seed = int(seed)
-    else:
-        seed = None
+    dropout_p = reference.check_dropout_p(options.get("dropout_p", 0.0))
+    seed = reference.check_seed(options.get("seed"), dropout_p) if dropout_p else None  # the Philox key
     deterministic = _check_flag("deterministic", options.get("deterministic", False))
     return_dbias = _check_flag("return_dbias", options.get("return_dbias", False))
     alibi = arrays.get("alibi_slopes")

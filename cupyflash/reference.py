@@ -248,7 +248,7 @@ def philox4x32_10(counter, key):
     return np.stack(np.broadcast_arrays(c0, c1, c2, c3)).astype(np.uint32)
 
 
-def _check_dropout_p(dropout_p):
+def check_dropout_p(dropout_p):
     """dropout_p as a float in [0, 1); ValueError otherwise (a bool is not a probability)."""
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise ValueError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
@@ -258,7 +258,7 @@ def _check_dropout_p(dropout_p):
     return p
 
 
-def _check_seed(seed, dropout_p):
+def check_seed(seed, dropout_p):
     """seed as a Python int in [0, 2**64); ValueError otherwise."""
     if seed is None:
         raise ValueError(f"seed is required when dropout_p > 0 (dropout_p={dropout_p!r}): "
@@ -274,7 +274,7 @@ def dropout_keep_threshold(dropout_p):
     min(int((1 - dropout_p) * 2**32), 2**32 - 1), (1 - dropout_p) in float64 and int()
     truncating, so the kernel can compute the same 32-bit integer from the same double.
     """
-    p = _check_dropout_p(dropout_p)
+    p = check_dropout_p(dropout_p)
     # 2**32 itself does not fit in a 32-bit word: p = 0 keeps words up to 2**32 - 2 only,
     # which is why dropout_p = 0 means "no dropout" rather than this rule.
     return min(int((1.0 - p) * 2**32), 2**32 - 1)
@@ -307,7 +307,7 @@ def dropout_keep_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k):
     attention functions apply no dropout at all.
     """
     threshold = dropout_keep_threshold(dropout_p)
-    seed = _check_seed(seed, dropout_p)
+    seed = check_seed(seed, dropout_p)
     for name, size in (("batch", batch), ("nheads", nheads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {size!r}")
@@ -329,10 +329,10 @@ class _Dropout(NamedTuple):
 
 def _check_dropout(dropout_p, seed):
     """_Dropout for the call, or None when dropout_p is 0 (then seed is ignored)."""
-    p = _check_dropout_p(dropout_p)
+    p = check_dropout_p(dropout_p)
     if p == 0:
         return None
-    return _Dropout(_check_seed(seed, dropout_p), dropout_keep_threshold(p), 1.0 / (1.0 - p), 0)
+    return _Dropout(check_seed(seed, dropout_p), dropout_keep_threshold(p), 1.0 / (1.0 - p), 0)
 
 
 def _dropped(x, keep, rescale):

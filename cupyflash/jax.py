@@ -211,7 +211,7 @@ def _prepare(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
         if value is not None:
             arrays[name] = operands[name] = _array(name, value)
     window = reference.window_bounds(False, window_size)  # causal is its own attribute
-    opts = interface._check_options("bwd", shape, caller, causal, dict(
+    opts = interface._check_options(shape, caller, causal, dict(
         window_size=window, softcap=softcap, dropout_p=dropout_p, seed=0, deterministic=deterministic), arrays)
     if opts.dropout_p:
         operands["seed"] = _seed_operand(dropout_seed)

@@ -56,11 +56,11 @@ def info():
     rows = []
     for hd in _config.HEADDIMS:
         row = [hd]
-        for pass_ in _config.PASSES:
-            t = _config.tile_for(pass_, hd, cc, smem_limit)
-            row.append(f"{t.block_m}x{t.block_n}, {t.warps} warps, {t.smem_bytes(pass_) // 1024} KiB")
+        for table in _config.TABLES:
+            t = _config.tile_for(table, hd, cc, smem_limit)
+            row.append(f"{t.block_m}x{t.block_n}, {t.warps} warps, {t.stages} stage(s), {t.smem_bytes(table) // 1024} KiB")
         rows.append(row)
-    print(_table(["head dim", "fwd tile", "bwd tile"], rows))
+    print(_table(["head dim", "fwd tile", "bwd tile", "bwd tile with options"], rows))
     return 0
 
 

@@ -98,21 +98,28 @@ def _check_gpu():
 
 
 def _check_numpy():
-    """The NumPy path of the public API against the tiled reference (to 1e-12)."""
+    """The NumPy path of the public API against the tiled reference (to 1e-12), plain and with options."""
     from .interface import flash_attn_backward, flash_attn_func
     cases = [Case(sq, sk, d, "float16", causal, nheads=4, nheads_k=hk)
              for (sq, sk), d, causal, hk in itertools.product([(1, 17), (113, 70), (70, 113)], (40, 128),
                                                              (False, True), (4, 1))]
+    options = [dict(window=(9, 3)), dict(softcap=1.5), dict(alibi=True), dict(bias="heads"), dict(dropout_p=0.2),
+               dict(window=(20, -1), softcap=2.0, alibi=True, bias="full", dropout_p=0.1)]
+    cases += [Case(70, 113, 40, "float16", True, nheads=4, nheads_k=2, **o) for o in options]
     failures = 0
     start = time.time()
     for i, case in enumerate(cases):
         _progress(i, len(cases), str(case), start)
-        inputs = {n: x.astype(numpy.float64) for n, x in _check.random_inputs(case, i).items()}
+        inputs = _check.random_inputs(case, i)
+        inputs.update({n: inputs[n].astype(numpy.float64) for n in ("q", "k", "v", "dout")})
         q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
-        out, lse = flash_attn_func(q, k, v, causal=case.causal, return_lse=True)
-        grads = flash_attn_backward(dout, q, k, v, out, lse, causal=case.causal)
-        tiled_out, tiled_lse = reference.attention_forward_tiled(q, k, v, causal=case.causal, block_m=32, block_n=32)
-        tiled_grads = reference.attention_backward_tiled(dout, q, k, v, tiled_out, tiled_lse, causal=case.causal)
+        kwargs = _check.options_of(case, inputs)
+        out, lse = flash_attn_func(q, k, v, causal=case.causal, return_lse=True, **kwargs)
+        grads = flash_attn_backward(dout, q, k, v, out, lse, causal=case.causal, **kwargs)
+        tiled_out, tiled_lse = reference.attention_forward_tiled(q, k, v, causal=case.causal, block_m=32, block_n=32,
+                                                                 **kwargs)
+        tiled_grads = reference.attention_backward_tiled(dout, q, k, v, tiled_out, tiled_lse, causal=case.causal,
+                                                         **kwargs)
         for got, want in zip((out, *grads), (tiled_out, *tiled_grads)):
             if not numpy.allclose(got, want, rtol=1e-12, atol=1e-12):
                 failures += 1

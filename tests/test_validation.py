@@ -186,3 +186,10 @@ def test_varlen_layout_errors():
         from cupyflash import flash_attn_varlen_backward
         out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 25)
         flash_attn_varlen_backward(out, q, k, v, out, numpy.zeros((2, 4, 15), numpy.float32), cu_q, cu_k, 20, 25)
+
+
+def test_check_command_numpy_path():
+    """`python -m cupyflash check` without a GPU: the public NumPy path, plain and with every option,
+    equals the tiled reference."""
+    from cupyflash import __main__
+    assert __main__._check_numpy() == 0

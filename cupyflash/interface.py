@@ -140,7 +140,11 @@ class _Varlen:
     def __init__(self, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         self.cu_seqlens_q, self.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
         self.max_seqlen_q, self.max_seqlen_k = max_seqlen_q, max_seqlen_k
-        self.batch = None  # filled in by _check_varlen
+
+    @property
+    def batch(self):
+        """The number of sequences (cu_seqlens_q must have been checked to be 1-D)."""
+        return self.cu_seqlens_q.shape[0] - 1
 
 
 def _call(pass_, arrays, softmax_scale, causal, options, varlen=None):
@@ -413,7 +417,6 @@ def _check_varlen(varlen, arrays, caller):
     if len(lengths["q"]) != len(lengths["k"]):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{len(lengths['q'])} and {len(lengths['k'])}")
-    varlen.batch = len(lengths["q"]) - 1
 
 
 # --------------------------------------------------------------------------------------------

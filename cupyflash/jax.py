@@ -245,9 +245,7 @@ def _check_packing(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     for side, value in (("q", max_seqlen_q), ("k", max_seqlen_k)):
         if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Integral) or value < 0:
             raise ValueError(f"max_seqlen_{side} must be a static int >= 0 (the longest sequence), got {value!r}")
-    packing = interface._Varlen(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
-    packing.batch = cu_seqlens_q.shape[0] - 1
-    return packing
+    return interface._Varlen(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
 
 
 def _seed_operand(seed):

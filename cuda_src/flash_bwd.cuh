@@ -42,6 +42,14 @@ struct WarpGrid {
     __device__ static int col0() { return (threadIdx.x / 32) / kWarpsM * (8 * NT); }
 };
 
+// dq_accum holds dQ in fp32 blocks of 8 rows x 8 columns, 64 consecutive floats each (row-major
+// inside, and the blocks row-major): the 8 x 8 piece of an accumulator fragment that one warp-wide
+// reduction adds is 256 contiguous bytes (in row-major rows it would touch 8 cache lines), and a
+// row's 8-column chunk is 8 contiguous floats for the row kernels. `row` counts from a multiple of 8.
+__device__ __forceinline__ long long dq_accum_index(long long row, int col, int width) {
+    return (row & ~7LL) * width + (col & ~7) * 8 + (row & 7) * 8 + (col & 7);
+}
+
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES>
 struct BwdTile {
     static constexpr int kThreads = WARPS * 32;
@@ -189,13 +197,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
             for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
                 s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -s_lse(stage)[GS::row0() + fragment_row(mt, e)]));
             });
-            if (masked) {
-                for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
-                    if (!is_visible<LOCAL>(p, seq, row0 + GS::row0() + fragment_row(mt, e),
-                                           key0 + GS::col0() + fragment_col(nt, e)))
-                        s[mt][nt][e] = 0.f;
-                });
-            }
+            if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + GS::row0(), key0 + GS::col0(), 0.f);
             // dS = P * (dP - D)
             for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
                 dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - s_dot(stage)[GS::row0() + fragment_row(mt, e)]);
@@ -219,7 +221,11 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         float dq[GQ::MT][GQ::NT][4];
         zero(dq);
         warp_gemm<BF16, GQ::MT, GQ::NT, BLOCK_N, BLOCK_N, true, HEADDIM, false>(dq, s_ds, GQ::row0(), s_k, GQ::col0());
-        float* dq_accum = p.dq_accum + (seq.stats_row0(p, batch, head) + row0) * p.headdim_padded;
+        // Each reduction adds an 8 x 8 piece of the fragment: 256 contiguous bytes of dq_accum, at a
+        // constant offset from the lane's first element (dq_accum rows are HEADDIM == headdim_padded wide).
+        float* dq_lane = p.dq_accum + dq_accum_index(seq.dq_accum_row0(p, batch, head) + row0 + GQ::row0()
+                                                     + fragment_row(0, 0), GQ::col0() + fragment_col(0, 0), HEADDIM);
+        const bool all_rows = row0 + BLOCK_M <= seq.seqlen_q;
         // Deterministic: the key blocks of a query block add their dQ in key-block order, each
         // waiting for its predecessor's count (those CTAs started earlier, so they cannot be waiting on us).
         int* semaphore = nullptr;
@@ -236,14 +242,14 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
 #pragma unroll
         for (int mt = 0; mt < GQ::MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < GQ::NT; ++nt)
+            for (int half = 0; half < 2; ++half) {
+                if (all_rows || row0 + GQ::row0() + fragment_row(mt, 2 * half) < seq.seqlen_q) {
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int r = GQ::row0() + fragment_row(mt, 2 * half);
-                    if (row0 + r < seq.seqlen_q)
-                        atomic_add_pair(dq_accum + r * p.headdim_padded + GQ::col0() + fragment_col(nt, 0),
-                                        dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
+                    for (int nt = 0; nt < GQ::NT; ++nt)
+                        atomic_add_pair(dq_lane + (16 * mt + 8 * half) * HEADDIM + 64 * nt, dq[mt][nt][2 * half],
+                                        dq[mt][nt][2 * half + 1]);
                 }
+            }
         if (EXTRAS && semaphore != nullptr) {
             __syncthreads();  // every thread's adds are issued before the next key block's turn
             if (threadIdx.x == 0) add_release(semaphore, 1);
@@ -300,9 +306,11 @@ __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
         const float lse = p.lse[stats_row];
         p.lse_log2[stats_row] = lse == -CUPYFLASH_INF ? CUPYFLASH_INF : lse * CUPYFLASH_LOG2E;
     }
-    float* accum = p.dq_accum + stats_row * p.headdim_padded;
-    for (int col = 4 * lane; col < p.headdim_padded; col += 4 * 32)
-        *reinterpret_cast<float4*>(accum + col) = make_float4(0.f, 0.f, 0.f, 0.f);
+    const long long accum_row = seq.dq_accum_row0(p, batch, head) + row;
+    for (int col = 8 * lane; col < p.headdim_padded; col += 8 * 32) {
+        float4* chunk = reinterpret_cast<float4*>(p.dq_accum + dq_accum_index(accum_row, col, p.headdim_padded));
+        chunk[0] = chunk[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
 }
 
 template <bool BF16>
@@ -311,12 +319,12 @@ __device__ __forceinline__ void flash_bwd_convert_dq(const FlashParams& p) {
     const int head = blockIdx.y, batch = blockIdx.z;
     const Sequence seq(p, batch);
     if (row >= seq.seqlen_q) return;
-    const float* accum = p.dq_accum + (seq.stats_row0(p, batch, head) + row) * p.headdim_padded;
+    const long long accum_row = seq.dq_accum_row0(p, batch, head) + row;
     uint16* dq = static_cast<uint16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride
                  + (seq.first_row_q + row) * p.dq_row_stride;
     for (int col = 8 * lane; col < p.headdim; col += 8 * 32) {
-        const float4 lo = *reinterpret_cast<const float4*>(accum + col);
-        const float4 hi = *reinterpret_cast<const float4*>(accum + col + 4);
+        const float4* chunk = reinterpret_cast<const float4*>(p.dq_accum + dq_accum_index(accum_row, col, p.headdim_padded));
+        const float4 lo = chunk[0], hi = chunk[1];
         const float c = p.softmax_scale;
         *reinterpret_cast<uint4*>(dq + col) =
             make_uint4(pack_pair<BF16>(lo.x * c, lo.y * c), pack_pair<BF16>(lo.z * c, lo.w * c),

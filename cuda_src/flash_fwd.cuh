@@ -71,12 +71,21 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     }
     const ScoreOptions options(p, batch, head);  // EXTRAS only; dead code otherwise
 
-    for (int n_block = blocks.end - 1; n_block >= blocks.first; --n_block) {
+    auto needs_mask = [&](int n_block) {
+        return block_needs_mask<LOCAL>(p, seq, row0, n_block * BLOCK_N, BLOCK_M, BLOCK_N);
+    };
+    // One key block. Only the masked blocks at the end of the range (the sequence's last, those
+    // on the diagonal) mask per element (kAll) or can be partial; past them no block needs a mask
+    // (kNone), except, with a window, those that cross its left edge (kPerBlock checks each block).
+    enum Masking { kAll, kNone, kPerBlock };
+    auto attend = [&](int n_block, auto masking) {
+        constexpr Masking MASKING = decltype(masking)::value;
+        const bool masked = MASKING == kAll || (MASKING == kPerBlock && needs_mask(n_block));
         const int key0 = n_block * BLOCK_N;
         cp_async_wait<0>();
         __syncthreads();  // K(n) has landed; every warp is done with V(n+1)
-        copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_v, v + key0 * p.v_row_stride, p.v_row_stride,
-                                                                seq.seqlen_k - key0, p.headdim);
+        copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K, MASKING == kAll>(
+            s_v, v + key0 * p.v_row_stride, p.v_row_stride, seq.seqlen_k - key0, p.headdim);
         cp_async_commit();
 
         float s[MT][NT][4];
@@ -84,20 +93,14 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k, 0);
 
         if constexpr (EXTRAS) options.apply<BF16>(s, seq, row0 + warp_row0, key0);
-        if (block_needs_mask<LOCAL>(p, seq, row0, key0, BLOCK_M, BLOCK_N)) {
-            for_each_element<MT, NT>([&](int mt, int nt, int e) {
-                if (!is_visible<LOCAL>(p, seq, row0 + warp_row0 + fragment_row(mt, e), key0 + fragment_col(nt, e)))
-                    s[mt][nt][e] = -CUPYFLASH_INF;
-            });
-        }
+        if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
 
         cp_async_wait<0>();
         __syncthreads();  // V(n) has landed; every warp is done with K(n)
         if (n_block > blocks.first) {
             const int next_key0 = key0 - BLOCK_N;
-            copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k, k + next_key0 * p.k_row_stride,
-                                                                    p.k_row_stride, seq.seqlen_k - next_key0,
-                                                                    p.headdim);
+            copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K, false>(s_k, k + next_key0 * p.k_row_stride,
+                                                                           p.k_row_stride, BLOCK_N, p.headdim);
             cp_async_commit();
         }
 
@@ -148,7 +151,10 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 p_frag[kk][mt][3] = pack_pair<BF16>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
         warp_gemm_a_in_registers<BF16, MT, DT, BLOCK_N, HEADDIM, false>(acc_o, p_frag, s_v, 0);
-    }
+    };
+    int n_block = blocks.end - 1;
+    for (; n_block >= blocks.first && needs_mask(n_block); --n_block) attend(n_block, Constant<kAll>());
+    for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<LOCAL ? kPerBlock : kNone>());
 
     // Finish: each row's sum is spread over the 4 threads of its quad. A row that saw no key
     // gets out = 0 and lse = -inf (the log of an empty sum).

@@ -14,7 +14,7 @@ struct FlashParams {
     const void* v;
     void* out;
     // Row statistics, laid out as the stats strides below say ((batch, nheads, seqlen_q), or
-    // (nheads, total_q) for varlen); dq_accum has headdim_padded floats per row.
+    // (nheads, total_q) for varlen); dq_accum has headdim_padded floats per row, its own rows.
     float* lse;            // natural log; -inf for a row that sees no key
     const void* dout;
     void* dq;
@@ -63,11 +63,15 @@ struct FlashParams {
     float softmax_scale;
     float scale_log2;
 
-    // Row statistics (lse, lse_log2, dout_dot_out, and dq_accum's rows) of (batch, head, row) sit
-    // at batch * stats_batch_stride + head * stats_head_stride + first_row + row, first_row being
+    // Row statistics (lse, lse_log2, dout_dot_out) of (batch, head, row) sit at
+    // batch * stats_batch_stride + head * stats_head_stride + first_row + row, first_row being
     // the sequence's first packed row (0 unless varlen).
     long long stats_batch_stride;
     long long stats_head_stride;
+    // dq_accum's rows are the same with every sequence starting at a multiple of 8 rows
+    // (Sequence::dq_accum_row0; its layout is dq_accum_index in flash_bwd.cuh).
+    long long dq_accum_batch_stride;
+    long long dq_accum_head_stride;
 
     // Variable-length batches: when set, sequence b is rows [cu[b], cu[b + 1]) of the packed
     // tensors (whose batch strides are then 0), and seqlen_q / seqlen_k above are the maxima.

@@ -37,20 +37,22 @@ struct CopyLayout {
 
 // Copies rows [0, ROWS) x columns [0, COLS) of a global matrix (row stride `row_stride`
 // elements, columns contiguous) into a padded smem tile with cp.async.
-// Rows >= row_limit and columns >= col_limit are zero-filled and never read.
-template <int ROWS, int COLS, int THREADS, bool CHECK_COLS>
+// Rows >= row_limit and columns >= col_limit are zero-filled and never read. Without CHECK_ROWS
+// the caller guarantees row_limit >= ROWS. The source advances by a constant stride, so a step
+// costs one 64-bit add.
+template <int ROWS, int COLS, int THREADS, bool CHECK_COLS, bool CHECK_ROWS = true>
 __device__ __forceinline__ void copy_tile_async(uint16* smem, const uint16* gmem, long long row_stride,
                                                 int row_limit, int col_limit) {
     typedef CopyLayout<ROWS, COLS, THREADS> L;
     const uint16* src = gmem + L::row() * row_stride + L::col();
+    const long long step_stride = L::kRowsPerStep * row_stride;
     const uint32 dst = smem_address(smem + L::row() * Padded<COLS>::kStride + L::col());
     const bool col_ok = !CHECK_COLS || L::col() < col_limit;
 #pragma unroll
-    for (int step = 0; step < L::kSteps; ++step) {
+    for (int step = 0; step < L::kSteps; ++step, src += step_stride) {
         if (L::active(step)) {
-            const bool valid = col_ok && L::row() + step * L::kRowsPerStep < row_limit;
-            cp_async_16(dst + 2 * step * L::kRowsPerStep * Padded<COLS>::kStride,
-                        valid ? src + step * L::kRowsPerStep * row_stride : gmem, valid);
+            const bool valid = col_ok && (!CHECK_ROWS || L::row() + step * L::kRowsPerStep < row_limit);
+            cp_async_16(dst + 2 * step * L::kRowsPerStep * Padded<COLS>::kStride, valid ? src : gmem, valid);
         }
     }
 }
@@ -90,6 +92,13 @@ __device__ __forceinline__ void store_fragment(uint16* smem, const float (&acc)[
                     pack_pair<BF16>(acc[mt][nt][2 * half] * scale, acc[mt][nt][2 * half + 1] * scale);
             }
 }
+
+// A compile-time value passed as an argument, for generic lambdas: f(Constant<a>()) and
+// f(Constant<b>()) are two instantiations, each with `decltype(arg)::value` a constant.
+template <auto V>
+struct Constant {
+    static constexpr auto value = V;
+};
 
 // Calls f(mt, nt, e) for every element of an accumulator fragment [MT][NT][4], fully unrolled, so
 // after inlining mt, nt and e are constants and every fragment index is a register, not memory.

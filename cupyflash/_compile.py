@@ -18,7 +18,9 @@ import struct
 import threading
 from typing import Optional
 
-_OPTIONS = ("-std=c++17", "--ptxas-options=-v")
+# -default-device: every function is device code, which the kernels' generic lambdas need (NVRTC
+# would otherwise take them for host functions).
+_OPTIONS = ("-std=c++17", "-default-device", "--ptxas-options=-v")
 _load_lock = threading.Lock()
 
 

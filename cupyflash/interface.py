@@ -608,10 +608,13 @@ def _param_block(shape, tile, scale, strides, opts, inputs, semaphore_blocks=0):
     tensor of the call (q, k, v, out, dout, dq, dk, dv) to its (batch, row, head) element strides."""
     left, right = (_UNBOUNDED if side < 0 else side for side in opts.window_size)
     stats_strides = (0, shape.total_q) if shape.varlen else (shape.nheads * shape.seqlen_q, shape.seqlen_q)
+    dq_accum_rows = _dq_accum_rows(shape)
+    dq_accum_strides = (0, dq_accum_rows) if shape.varlen else (shape.nheads * dq_accum_rows, dq_accum_rows)
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
                   seqlen_k=shape.seqlen_k, headdim=shape.headdim, headdim_padded=tile.headdim,
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e),
                   stats_batch_stride=stats_strides[0], stats_head_stride=stats_strides[1],
+                  dq_accum_batch_stride=dq_accum_strides[0], dq_accum_head_stride=dq_accum_strides[1],
                   window_left=left, window_right=right, inv_softmax_scale=1.0 / scale,
                   dq_semaphore_blocks=semaphore_blocks)
     for name, (batch, row, head) in strides.items():
@@ -630,6 +633,13 @@ def _param_block(shape, tile, scale, strides, opts, inputs, semaphore_blocks=0):
         fields["dropout_keep_below"] = reference.dropout_keep_threshold(opts.dropout_p)
         fields["dropout_scale"] = 1.0 / (1.0 - opts.dropout_p)
     return _params.make_params(**fields)
+
+
+def _dq_accum_rows(shape):
+    """dq_accum's rows per head (per batch entry and head without varlen): every sequence starts at a
+    multiple of 8 (Sequence::dq_accum_row0 in cuda_src/mask.cuh), the padding and the gaps included."""
+    round8 = lambda n: -(-n // 8) * 8  # noqa: E731
+    return round8(shape.total_q) + 8 * (shape.batch + 1) if shape.varlen else round8(shape.seqlen_q)
 
 
 def _broadcast_strides(shape, strides):
@@ -662,7 +672,7 @@ def _backward_plan(caller, shape, scale, opts, inputs, varlen):
     outputs = [_Output("dq", tuple(q.shape), dtype), _Output("dk", tuple(k.shape), dtype),
                _Output("dv", tuple(v.shape), dtype), _Output("dout_dot_out", shape.stats, "float32"),
                _Output("lse_log2", shape.stats, "float32"),
-               _Output("dq_accum", (*shape.stats, tile.headdim), "float32")]  # zeroed by bwd_dot
+               _Output("dq_accum", (*shape.stats[:-1], _dq_accum_rows(shape), tile.headdim), "float32")]  # zeroed by bwd_dot
     semaphore_blocks = 0
     if opts.deterministic:
         semaphore_blocks = -(-shape.seqlen_q // tile.block_m)

@@ -197,7 +197,13 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
             for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
                 s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -s_lse(stage)[GS::row0() + fragment_row(mt, e)]));
             });
-            if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + GS::row0(), key0 + GS::col0(), 0.f);
+            if (masked) {
+                for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
+                    if (!is_visible<LOCAL>(p, seq, row0 + GS::row0() + fragment_row(mt, e),
+                                           key0 + GS::col0() + fragment_col(nt, e)))
+                        s[mt][nt][e] = 0.f;
+                });
+            }
             // dS = P * (dP - D)
             for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
                 dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - s_dot(stage)[GS::row0() + fragment_row(mt, e)]);
@@ -218,11 +224,10 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
             cp_async_commit();
         }
 
-        float dq[GQ::MT][GQ::NT][4];
-        zero(dq);
-        warp_gemm<BF16, GQ::MT, GQ::NT, BLOCK_N, BLOCK_N, true, HEADDIM, false>(dq, s_ds, GQ::row0(), s_k, GQ::col0());
-        // Each reduction adds an 8 x 8 piece of the fragment: 256 contiguous bytes of dq_accum, at a
-        // constant offset from the lane's first element (dq_accum rows are HEADDIM == headdim_padded wide).
+        // dQ += dS K, added to dq_accum by reductions. Each reduction adds an 8 x 8 piece of the
+        // fragment: 256 contiguous bytes of dq_accum, at a constant offset from the lane's first
+        // element (dq_accum rows are HEADDIM == headdim_padded wide). Wide warp tiles are done in two
+        // column halves, so only half of dQ's fragment is live at once.
         float* dq_lane = p.dq_accum + dq_accum_index(seq.dq_accum_row0(p, batch, head) + row0 + GQ::row0()
                                                      + fragment_row(0, 0), GQ::col0() + fragment_col(0, 0), HEADDIM);
         const bool all_rows = row0 + BLOCK_M <= seq.seqlen_q;
@@ -239,17 +244,25 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
                 __syncthreads();
             }
         }
+        constexpr int kChunkNT = GQ::NT > 4 && GQ::NT % 2 == 0 ? GQ::NT / 2 : GQ::NT;
 #pragma unroll
-        for (int mt = 0; mt < GQ::MT; ++mt)
+        for (int chunk = 0; chunk < GQ::NT / kChunkNT; ++chunk) {
+            float dq[GQ::MT][kChunkNT][4];
+            zero(dq);
+            warp_gemm<BF16, GQ::MT, kChunkNT, BLOCK_N, BLOCK_N, true, HEADDIM, false>(dq, s_ds, GQ::row0(), s_k,
+                                                                                      GQ::col0() + 8 * kChunkNT * chunk);
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                if (all_rows || row0 + GQ::row0() + fragment_row(mt, 2 * half) < seq.seqlen_q) {
+            for (int mt = 0; mt < GQ::MT; ++mt)
 #pragma unroll
-                    for (int nt = 0; nt < GQ::NT; ++nt)
-                        atomic_add_pair(dq_lane + (16 * mt + 8 * half) * HEADDIM + 64 * nt, dq[mt][nt][2 * half],
-                                        dq[mt][nt][2 * half + 1]);
+                for (int half = 0; half < 2; ++half) {
+                    if (all_rows || row0 + GQ::row0() + fragment_row(mt, 2 * half) < seq.seqlen_q) {
+#pragma unroll
+                        for (int nt = 0; nt < kChunkNT; ++nt)
+                            atomic_add_pair(dq_lane + (16 * mt + 8 * half) * HEADDIM + 64 * (kChunkNT * chunk + nt),
+                                            dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
+                    }
                 }
-            }
+        }
         if (EXTRAS && semaphore != nullptr) {
             __syncthreads();  // every thread's adds are issued before the next key block's turn
             if (threadIdx.x == 0) add_release(semaphore, 1);

@@ -74,9 +74,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     auto needs_mask = [&](int n_block) {
         return block_needs_mask<LOCAL>(p, seq, row0, n_block * BLOCK_N, BLOCK_M, BLOCK_N);
     };
-    // One key block. Only the masked blocks at the end of the range (the sequence's last, those
-    // on the diagonal) mask per element (kAll) or can be partial; past them no block needs a mask
-    // (kNone), except, with a window, those that cross its left edge (kPerBlock checks each block).
+    // One key block, masked per element always (kAll), never (kNone), or where needs_mask says
+    // (kPerBlock). Only a block that may be masked can be partial, so only then is V's copy bounded.
     enum Masking { kAll, kNone, kPerBlock };
     auto attend = [&](int n_block, auto masking) {
         constexpr Masking MASKING = decltype(masking)::value;
@@ -84,7 +83,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         const int key0 = n_block * BLOCK_N;
         cp_async_wait<0>();
         __syncthreads();  // K(n) has landed; every warp is done with V(n+1)
-        copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K, MASKING == kAll>(
+        copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K, MASKING != kNone>(
             s_v, v + key0 * p.v_row_stride, p.v_row_stride, seq.seqlen_k - key0, p.headdim);
         cp_async_commit();
 
@@ -106,6 +105,10 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
         // Online softmax in base 2: p = 2^(s * scale_log2 - max * scale_log2), one FFMA per element.
         // A row with nothing visible yet keeps max = -inf; its offset is 0 so every p is 0, not NaN.
+        // O is rescaled only when some row of the warp has a new maximum: after the first blocks
+        // that is rare, and it saves a multiply per O element.
+        float offset[MT][2], correction[MT][2];
+        bool max_changed = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -116,23 +119,29 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                     new_max = fmaxf(new_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
                 new_max = fmaxf(new_max, __shfl_xor_sync(0xffffffffu, new_max, 1));
                 new_max = fmaxf(new_max, __shfl_xor_sync(0xffffffffu, new_max, 2));
-                const float offset = new_max == -CUPYFLASH_INF ? 0.f : new_max * p.scale_log2;
-                const float correction = fast_exp2(row_max[mt][half] * p.scale_log2 - offset);
+                offset[mt][half] = new_max == -CUPYFLASH_INF ? 0.f : new_max * p.scale_log2;
+                correction[mt][half] = fast_exp2(row_max[mt][half] * p.scale_log2 - offset[mt][half]);
+                max_changed |= new_max != row_max[mt][half];
                 row_max[mt][half] = new_max;
-                row_sum[mt][half] *= correction;
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    acc_o[mt][dt][2 * half] *= correction;
-                    acc_o[mt][dt][2 * half + 1] *= correction;
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int e = 2 * half; e < 2 * half + 2; ++e) {
-                        s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -offset));
-                        row_sum[mt][half] += s[mt][nt][e];
-                    }
+                row_sum[mt][half] *= correction[mt][half];
             }
+        if (__any_sync(0xffffffffu, max_changed)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= correction[mt][e / 2];
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -offset[mt][e / 2]));
+                    row_sum[mt][e / 2] += s[mt][nt][e];
+                }
 
         // Dropout acts on the probabilities after the softmax: the sums above keep every element,
         // P V only the kept ones (scaled by 1 / (1 - dropout_p) at the end).
@@ -152,9 +161,14 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             }
         warp_gemm_a_in_registers<BF16, MT, DT, BLOCK_N, HEADDIM, false>(acc_o, p_frag, s_v, 0);
     };
+    // The masked blocks at the end of the range (the sequence's last, those on the diagonal) run
+    // first, in their own loop, so that the main loop has no mask; with a window, blocks crossing
+    // its left edge are masked again (kPerBlock). The options' kernels keep one loop: a second
+    // copy of their longer body costs more registers than the mask-free loop saves.
     int n_block = blocks.end - 1;
-    for (; n_block >= blocks.first && needs_mask(n_block); --n_block) attend(n_block, Constant<kAll>());
-    for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<LOCAL ? kPerBlock : kNone>());
+    if constexpr (!EXTRAS)
+        for (; n_block >= blocks.first && needs_mask(n_block); --n_block) attend(n_block, Constant<kAll>());
+    for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<LOCAL || EXTRAS ? kPerBlock : kNone>());
 
     // Finish: each row's sum is spread over the 4 threads of its quad. A row that saw no key
     // gets out = 0 and lse = -inf (the log of an empty sum).

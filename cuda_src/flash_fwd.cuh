@@ -105,8 +105,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
         // Online softmax in base 2: p = 2^(s * scale_log2 - max * scale_log2), one FFMA per element.
         // A row with nothing visible yet keeps max = -inf; its offset is 0 so every p is 0, not NaN.
-        // O is rescaled only when some row of the warp has a new maximum: after the first blocks
-        // that is rare, and it saves a multiply per O element.
+        // With 32-key blocks, rescaling O costs a multiply per mma of the block; there O is rescaled
+        // only when some row of the warp has a new maximum, which after the first blocks is rare.
+        // (With wider blocks the vote's wait cost more than the multiplies: bench/NOTES.md, v7.)
         float offset[MT][2], correction[MT][2];
         bool max_changed = false;
 #pragma unroll
@@ -125,7 +126,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 row_max[mt][half] = new_max;
                 row_sum[mt][half] *= correction[mt][half];
             }
-        if (__any_sync(0xffffffffu, max_changed)) {
+        if (BLOCK_N > 32 || __any_sync(0xffffffffu, max_changed)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -93,6 +93,31 @@ __device__ __forceinline__ void store_fragment(uint16* smem, const float (&acc)[
             }
 }
 
+// The same on sm_90 with stmatrix: one instruction stores two n8 tiles (four 8x8 matrices), a
+// quarter of store_fragment's instructions, for a few more live registers. (Elsewhere it is
+// store_fragment.)
+template <bool BF16, int MT, int NT, int COLS>
+__device__ __forceinline__ void store_fragment_by_matrix(uint16* smem, const float (&acc)[MT][NT][4], int row0,
+                                                         int col0) {
+#if __CUDA_ARCH__ >= 900
+    constexpr int S = Padded<COLS>::kStride;
+    const int lane = threadIdx.x % 32;
+    auto pair = [&](int mt, int nt, int half) { return pack_pair<BF16>(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]); };
+    // Lane i addresses row i % 8 of matrix i / 8: the (top, bottom) halves of n8 tile nt, then of nt + 1.
+    const uint32 lane_base = smem_address(smem + (row0 + lane % 8 + 8 * ((lane / 8) % 2)) * S + col0 + 8 * (lane / 16));
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt + 1 < NT; nt += 2)
+            stmatrix_x4(lane_base + 2 * (16 * mt * S + 8 * nt), pair(mt, nt, 0), pair(mt, nt, 1), pair(mt, nt + 1, 0),
+                        pair(mt, nt + 1, 1));
+        if (NT % 2 == 1) stmatrix_x2(lane_base + 2 * (16 * mt * S + 8 * (NT - 1)), pair(mt, NT - 1, 0), pair(mt, NT - 1, 1));
+    }
+#else
+    store_fragment<BF16, MT, NT, COLS>(smem, acc, 1.f, row0, col0);
+#endif
+}
+
 // A compile-time value passed as an argument, for generic lambdas: f(Constant<a>()) and
 // f(Constant<b>()) are two instantiations, each with `decltype(arg)::value` a constant.
 template <auto V>

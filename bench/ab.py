@@ -1,0 +1,79 @@
+"""A/B timing of kernel source versions in one process: cuda_src/ against other copies of it.
+
+    python bench/ab.py OLD_DIR [OLD_DIR ...]            # on the GPU machine
+    python bench/ab.py --compile OLD_DIR [OLD_DIR ...]  # beforehand, anywhere: fill the compile cache
+
+Each OLD_DIR holds the .cuh files of another version (e.g. `git show REV:cuda_src/flash_fwd.cuh`
+for each file). The versions take turns, two rounds, and each cell is the better round, so a
+slow spell of the machine hurts both alike. The versions must share params.cuh's FlashParams
+(the launch code is the current one). Prints TFLOP/s non-causal/causal, bf16, 16k tokens, hidden
+2048 (FLOPs as in ../shared/peers/README.md). Edit CASES and SEQLENS for the question at hand.
+"""
+
+import itertools
+import pathlib
+import sys
+
+from cupyflash import _compile, _config, _kernels, _sources, interface
+
+CASES = [("fwd", 128, (128, 32, 4, 1)), ("bwd", 64, (128, 128, 8, 2)), ("bwd", 128, (64, 128, 8, 2)),
+         ("bwd", 256, (64, 64, 8, 1))]  # (pass, head dim, tile)
+SEQLENS = (1024, 4096)
+_current_source_dir = _sources._source_dir
+
+
+def use(source_dir):
+    """Makes every later compile and launch use the sources in `source_dir` (None: cuda_src/)."""
+    _sources._source_dir = _current_source_dir if source_dir is None else (lambda: source_dir)
+    _sources.read.cache_clear()
+    _compile._loaded.clear()
+    interface._plans.clear()
+
+
+def compile_cases(versions):
+    """Compiles every case's bf16 kernels of every version into the cache (one process, in turn)."""
+    for name, source_dir in versions.items():
+        use(source_dir)
+        kernels = [_kernels.Kernel(pass_, "bfloat16", _config.Tile(hd, *tile), local, True)
+                   for (pass_, hd, tile), local in itertools.product(CASES, (False, True))]
+        kernels += [_kernels.Kernel(pass_, "bfloat16") for pass_ in ("bwd_dot", "bwd_convert_dq")]
+        for kernel in kernels:
+            _compile.compile_kernel(kernel, "90")
+        print(name, "compiled")
+
+
+def time_cases(versions):
+    import torch
+
+    import cupyflash
+    from cupyflash.benchmark import time_ms
+    table = _config.TILES["sm90"]
+    print(f"{'case':30} {'seqlen':>6} " + " ".join(f"{name:>15}" for name in versions))
+    for (pass_, hd, tile), seqlen in itertools.product(CASES, SEQLENS):
+        batch, nheads = 16384 // seqlen, 2048 // hd
+        q, k, v, do = (torch.randn(batch, seqlen, nheads, hd, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        table[pass_][hd] = tile
+        tflops = {}
+        for _round, (name, source_dir) in itertools.product(range(2), versions.items()):
+            use(source_dir)
+            for causal in (False, True):
+                flops = 4 * batch * nheads * seqlen ** 2 * hd / (2 if causal else 1) * (2.5 if pass_ == "bwd" else 1)
+                out, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+                if pass_ == "fwd":
+                    ms = time_ms(lambda: cupyflash.flash_attn_func(q, k, v, causal=causal))
+                else:
+                    ms = time_ms(lambda: cupyflash.flash_attn_backward(do, q, k, v, out, lse, causal=causal))
+                tflops.setdefault((name, causal), []).append(flops / ms / 1e9)
+        cells = " ".join(f"{max(tflops[name, False]):7.1f}/{max(tflops[name, True]):<7.1f}" for name in versions)
+        print(f"{pass_} hd{hd} {str(tile):22} {seqlen:6d} {cells}", flush=True)
+
+
+def main(args):
+    compile_only = "--compile" in args
+    old_dirs = [pathlib.Path(a).resolve() for a in args if a != "--compile"]
+    versions = {"cuda_src": None, **{d.name: d for d in old_dirs}}
+    (compile_cases if compile_only else time_cases)(versions)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

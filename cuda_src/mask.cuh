@@ -29,9 +29,9 @@ struct Sequence {
     __device__ __forceinline__ long long stats_row0(const FlashParams& p, int batch, int head) const {
         return batch * p.stats_batch_stride + head * p.stats_head_stride + first_row_q;
     }
-    // Index of (batch, head, row 0) in dq_accum's rows: a multiple of 8. Varlen sequences are
-    // packed there with up to 8 rows of gap (8 (ceil(first_row / 8) + batch) is at least the
-    // previous sequence's first row rounded up plus its length rounded up).
+    // Index of (batch, head, row 0) in dq_accum's rows: a multiple of 8. A varlen sequence starts
+    // at 8 (ceil(first_row / 8) + batch), which is at least the previous one's start plus its
+    // length rounded up to 8.
     __device__ __forceinline__ long long dq_accum_row0(const FlashParams& p, int batch, int head) const {
         return batch * p.dq_accum_batch_stride + head * p.dq_accum_head_stride
                + (p.cu_seqlens_q == nullptr ? 0 : 8 * (ceil_div(first_row_q, 8) + batch));

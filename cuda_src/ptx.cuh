@@ -38,6 +38,10 @@ __device__ __forceinline__ void ldmatrix_x2(uint32 (&r)[2], uint32 addr) {
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32 (&r)[2], uint32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32 (&r)[4], uint32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
 // The reverse of ldmatrix (sm_90): each lane gives the address of one row of the 8x8 matrices
 // and holds its fragment pieces as ldmatrix would have returned them.
 __device__ __forceinline__ void stmatrix_x4(uint32 addr, uint32 r0, uint32 r1, uint32 r2, uint32 r3) {
@@ -46,10 +50,6 @@ __device__ __forceinline__ void stmatrix_x4(uint32 addr, uint32 r0, uint32 r1, u
 }
 __device__ __forceinline__ void stmatrix_x2(uint32 addr, uint32 r0, uint32 r1) {
     asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};\n" :: "r"(addr), "r"(r0), "r"(r1) : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32 (&r)[4], uint32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
 // d (16x8 fp32) += a (16x16) * b (16x8), 16-bit inputs.

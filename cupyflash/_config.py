@@ -47,8 +47,8 @@ MAX_HEADDIM = HEADDIMS[-1]
 #   fwd hd192 takes 64x32: 64x64 spills 20-72 bytes in its LOCAL variants (the peeled masked loop).
 # bwd_extras is the backward with the options of cuda_src/score.cuh (softcap, ALiBi, attn_bias, dropout,
 # deterministic dQ): those need registers, and from hd96 up the plain tiles spill 16-88 bytes with
-# them (hd128 64x128/8w/s2: 84-88), so it takes smaller tiles there. (The forward's options fit its
-# plain tiles.)
+# them (hd128 64x128/8w/s2: 84-88), so it takes smaller tiles there; at hd64 one stage (two spilled
+# 8-24 bytes with the v7 kernels). (The forward's options fit its plain tiles.)
 # The other head dims follow their neighbours where that compiles without spills (bwd hd224
 # 64x64/8w spills 12 bytes in some variants, so it keeps 64x32). sm80 has sm90's tiles where they
 # fit 163 KiB and compile without spills for sm_80, smaller ones elsewhere (not yet timed on an

@@ -14,6 +14,8 @@ import itertools
 import pathlib
 import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # bench/tiles.py
+
 from cupyflash import _compile, _config, _kernels, _sources, interface
 
 CASES = [("fwd", 128, (128, 32, 4, 1)), ("bwd", 64, (128, 128, 8, 2)), ("bwd", 128, (64, 128, 8, 2)),
@@ -43,28 +45,18 @@ def compile_cases(versions):
 
 
 def time_cases(versions):
-    import torch
-
-    import cupyflash
-    from cupyflash.benchmark import time_ms
+    from tiles import inputs, tflops
     table = _config.TILES["sm90"]
     print(f"{'case':30} {'seqlen':>6} " + " ".join(f"{name:>15}" for name in versions))
     for (pass_, hd, tile), seqlen in itertools.product(CASES, SEQLENS):
-        batch, nheads = 16384 // seqlen, 2048 // hd
-        q, k, v, do = (torch.randn(batch, seqlen, nheads, hd, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        tensors = inputs(seqlen, hd)
         table[pass_][hd] = tile
-        tflops = {}
+        best = {}
         for _round, (name, source_dir) in itertools.product(range(2), versions.items()):
             use(source_dir)
             for causal in (False, True):
-                flops = 4 * batch * nheads * seqlen ** 2 * hd / (2 if causal else 1) * (2.5 if pass_ == "bwd" else 1)
-                out, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-                if pass_ == "fwd":
-                    ms = time_ms(lambda: cupyflash.flash_attn_func(q, k, v, causal=causal))
-                else:
-                    ms = time_ms(lambda: cupyflash.flash_attn_backward(do, q, k, v, out, lse, causal=causal))
-                tflops.setdefault((name, causal), []).append(flops / ms / 1e9)
-        cells = " ".join(f"{max(tflops[name, False]):7.1f}/{max(tflops[name, True]):<7.1f}" for name in versions)
+                best[name, causal] = max(best.get((name, causal), 0.0), tflops(pass_, tensors, causal))
+        cells = " ".join(f"{best[name, False]:7.1f}/{best[name, True]:<7.1f}" for name in versions)
         print(f"{pass_} hd{hd} {str(tile):22} {seqlen:6d} {cells}", flush=True)
 
 

@@ -744,6 +744,19 @@ def test_return_dbias_without_attn_bias_gives_none_and_default_returns_three():
     np.testing.assert_allclose(dbias, full.sum(axis=(0, 1)), rtol=1e-13, atol=1e-15)
 
 
+def reference_calls(q, k, v, dout, options):
+    """Every dense reference function called with `options`, each as a thunk (for the argument checks)."""
+    out, lse = ref.attention_forward(q, k, v)
+    return [
+        lambda: ref.attention_forward(q, k, v, **options),
+        lambda: ref.attention_backward(dout, q, k, v, **options),
+        lambda: ref.attention_forward_tiled(q, k, v, **options),
+        lambda: ref.attention_backward_tiled(dout, q, k, v, out, lse, **options),
+        lambda: ref.attention_forward_lowp(q, k, v, "float16", **options),
+        lambda: ref.attention_backward_lowp(dout, q, k, v, "bfloat16", **options),
+    ]
+
+
 @pytest.mark.parametrize("options, message", [
     ({"window_size": (-2, 0)}, r"window_size entries must be >= -1 .* got \(-2, 0\)"),
     ({"window_size": (3, -5)}, r"window_size entries must be >= -1 .* got \(3, -5\)"),
@@ -761,16 +774,7 @@ def test_return_dbias_without_attn_bias_gives_none_and_default_returns_three():
 ])
 def test_rejects_bad_options(options, message):
     q, k, v, dout = random_inputs(591, 2, 5, 6, 4, 2, 8)
-    out, lse = ref.attention_forward(q, k, v)
-    calls = [
-        lambda: ref.attention_forward(q, k, v, **options),
-        lambda: ref.attention_backward(dout, q, k, v, **options),
-        lambda: ref.attention_forward_tiled(q, k, v, **options),
-        lambda: ref.attention_backward_tiled(dout, q, k, v, out, lse, **options),
-        lambda: ref.attention_forward_lowp(q, k, v, "float16", **options),
-        lambda: ref.attention_backward_lowp(dout, q, k, v, "bfloat16", **options),
-    ]
-    for call in calls:
+    for call in reference_calls(q, k, v, dout, options):
         with pytest.raises(ValueError, match=message):
             call()
     if "window_size" in options:

@@ -7,7 +7,8 @@ import pytest
 
 from cupyflash import reference as ref
 
-from test_reference import assert_lse_close, numerical_gradient, random_inputs, rel_error, representable
+from test_reference import (assert_lse_close, numerical_gradient, random_inputs, reference_calls, rel_error,
+                            representable)
 
 WORD = 0xFFFFFFFF
 
@@ -170,15 +171,8 @@ def test_dropout_p_zero_is_exactly_no_dropout():
 ])
 def test_rejects_bad_dropout_arguments(options, error, message):
     q, k, v, dout = random_inputs(12, 1, 5, 6, 2, 2, 8)
-    out, lse = ref.attention_forward(q, k, v)
     cu = np.array([0, 5], dtype=np.int32)
-    calls = [
-        lambda: ref.attention_forward(q, k, v, **options),
-        lambda: ref.attention_backward(dout, q, k, v, **options),
-        lambda: ref.attention_forward_tiled(q, k, v, **options),
-        lambda: ref.attention_backward_tiled(dout, q, k, v, out, lse, **options),
-        lambda: ref.attention_forward_lowp(q, k, v, "float16", **options),
-        lambda: ref.attention_backward_lowp(dout, q, k, v, "bfloat16", **options),
+    calls = reference_calls(q, k, v, dout, options) + [
         lambda: ref.attention_forward_varlen(q[0], k[0, :5], v[0, :5], cu, cu, **options),
         lambda: ref.attention_backward_varlen_lowp(dout[0], q[0], k[0, :5], v[0, :5], cu, cu, "float16",
                                                    **options),

@@ -292,61 +292,76 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     store_tile<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(dv, s_v, p.dv_row_stride, seq.seqlen_k - key0, p.headdim);
 }
 
-// The two small kernels map one warp to one query row, 8 columns per lane (head dim <= 256).
+// The two small kernels cover kRows query rows of one head per block. A row's 16-byte chunks (8
+// columns each) go to `lanes` consecutive threads, the power of two at or above headdim_padded / 8,
+// so every lane of a warp has a chunk to move at any head dim (with one warp per row, a head dim of
+// 64 would leave 24 of 32 lanes idle and the kernels at half FA2's bandwidth).
 struct RowKernel {
-    static constexpr int kRowsPerBlock = 8;
+    static constexpr int kThreads = 256, kRows = 64;
+    int lanes, row0;
+    __device__ __forceinline__ explicit RowKernel(const FlashParams& p) : lanes(4), row0(blockIdx.x * kRows) {
+        while (8 * lanes < p.headdim_padded) lanes *= 2;
+    }
+    // This thread's first row and its column; the rows advance by kThreads / lanes, the same
+    // number of times in every thread (so a row's lanes can shuffle).
+    __device__ __forceinline__ int first_row() const { return row0 + threadIdx.x / lanes; }
+    __device__ __forceinline__ int rows_per_step() const { return kThreads / lanes; }
+    __device__ __forceinline__ int col() const { return threadIdx.x % lanes * 8; }
 };
 
+// D = rowsum(dO * O) and lse in base 2 per row; zeroes the rows' dq_accum.
 template <bool BF16>
 __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
-    const int row = blockIdx.x * RowKernel::kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const RowKernel rk(p);
     const int head = blockIdx.y, batch = blockIdx.z;
     const Sequence seq(p, batch);
-    if (row >= seq.seqlen_q) return;
-    const int packed_row = seq.first_row_q + row;
+    if (rk.row0 >= seq.seqlen_q) return;
     const uint16* dout = static_cast<const uint16*>(p.dout) + batch * p.dout_batch_stride + head * p.dout_head_stride
-                         + packed_row * p.dout_row_stride;
+                         + seq.first_row_q * p.dout_row_stride + rk.col();
     const uint16* out = static_cast<const uint16*>(p.out) + batch * p.out_batch_stride + head * p.out_head_stride
-                        + packed_row * p.out_row_stride;
-    float dot = 0.f;
-    for (int col = 8 * lane; col < p.headdim; col += 8 * 32) {
-        const uint4 a = *reinterpret_cast<const uint4*>(dout + col);
-        const uint4 b = *reinterpret_cast<const uint4*>(out + col);
-        const uint32 wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+                        + seq.first_row_q * p.out_row_stride + rk.col();
+    const long long stats_row0 = seq.stats_row0(p, batch, head);
+    for (int row = rk.first_row(); row < rk.row0 + RowKernel::kRows; row += rk.rows_per_step()) {
+        float dot = 0.f;
+        if (row < seq.seqlen_q && rk.col() < p.headdim) {
+            const uint4 a = *reinterpret_cast<const uint4*>(dout + row * p.dout_row_stride);
+            const uint4 b = *reinterpret_cast<const uint4*>(out + row * p.out_row_stride);
+            const uint32 wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            dot += to_float<BF16>(wa[i] & 0xffff) * to_float<BF16>(wb[i] & 0xffff)
-                   + to_float<BF16>(wa[i] >> 16) * to_float<BF16>(wb[i] >> 16);
+            for (int i = 0; i < 4; ++i)
+                dot += to_float<BF16>(wa[i] & 0xffff) * to_float<BF16>(wb[i] & 0xffff)
+                       + to_float<BF16>(wa[i] >> 16) * to_float<BF16>(wb[i] >> 16);
+        }
+        for (int offset = rk.lanes / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        if (rk.col() == 0 && row < seq.seqlen_q) {
+            p.dout_dot_out[stats_row0 + row] = dot;
+            const float lse = p.lse[stats_row0 + row];
+            p.lse_log2[stats_row0 + row] = lse == -CUPYFLASH_INF ? CUPYFLASH_INF : lse * CUPYFLASH_LOG2E;
+        }
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    const long long stats_row = seq.stats_row0(p, batch, head) + row;
-    if (lane == 0) {
-        p.dout_dot_out[stats_row] = dot;
-        const float lse = p.lse[stats_row];
-        p.lse_log2[stats_row] = lse == -CUPYFLASH_INF ? CUPYFLASH_INF : lse * CUPYFLASH_LOG2E;
-    }
-    const long long accum_row = seq.dq_accum_row0(p, batch, head) + row;
-    for (int col = 8 * lane; col < p.headdim_padded; col += 8 * 32) {
-        float4* chunk = reinterpret_cast<float4*>(p.dq_accum + dq_accum_index(accum_row, col, p.headdim_padded));
-        chunk[0] = chunk[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    // dq_accum stores 8 rows together, so the block's rows (rounded up to 8) are one contiguous range.
+    const int rows = ceil_div(min(RowKernel::kRows, seq.seqlen_q - rk.row0), 8) * 8;
+    float4* accum = reinterpret_cast<float4*>(p.dq_accum + (seq.dq_accum_row0(p, batch, head) + rk.row0) * p.headdim_padded);
+    for (int i = threadIdx.x; i < rows * p.headdim_padded / 4; i += RowKernel::kThreads)
+        accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
+// dQ = dq_accum * softmax_scale, in the input's dtype.
 template <bool BF16>
 __device__ __forceinline__ void flash_bwd_convert_dq(const FlashParams& p) {
-    const int row = blockIdx.x * RowKernel::kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const RowKernel rk(p);
     const int head = blockIdx.y, batch = blockIdx.z;
     const Sequence seq(p, batch);
-    if (row >= seq.seqlen_q) return;
-    const long long accum_row = seq.dq_accum_row0(p, batch, head) + row;
+    if (rk.col() >= p.headdim) return;
+    const long long accum_row0 = seq.dq_accum_row0(p, batch, head);
     uint16* dq = static_cast<uint16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride
-                 + (seq.first_row_q + row) * p.dq_row_stride;
-    for (int col = 8 * lane; col < p.headdim; col += 8 * 32) {
-        const float4* chunk = reinterpret_cast<const float4*>(p.dq_accum + dq_accum_index(accum_row, col, p.headdim_padded));
+                 + seq.first_row_q * p.dq_row_stride + rk.col();
+    const int row_end = min(rk.row0 + RowKernel::kRows, seq.seqlen_q);
+    for (int row = rk.first_row(); row < row_end; row += rk.rows_per_step()) {
+        const float4* chunk = reinterpret_cast<const float4*>(p.dq_accum + dq_accum_index(accum_row0 + row, rk.col(), p.headdim_padded));
         const float4 lo = chunk[0], hi = chunk[1];
         const float c = p.softmax_scale;
-        *reinterpret_cast<uint4*>(dq + col) =
+        *reinterpret_cast<uint4*>(dq + row * p.dq_row_stride) =
             make_uint4(pack_pair<BF16>(lo.x * c, lo.y * c), pack_pair<BF16>(lo.z * c, lo.w * c),
                        pack_pair<BF16>(hi.x * c, hi.y * c), pack_pair<BF16>(hi.z * c, hi.w * c));
     }

@@ -3,9 +3,12 @@
 // One CTA per (query block, head, batch). Each warp owns BLOCK_M / WARPS whole query rows, so
 // the online softmax needs only shuffles inside a quad. Per key block (walked from the last to
 // the first, so the masked blocks come first):
-//   wait for K(n) -> start loading V(n) -> S = Q K(n)^T (tensor cores) -> mask if the block needs it
-//   -> wait for V(n) -> start loading K(n-1) -> online softmax in base 2 -> O += P V(n), where P
-//   stays in registers: the fp32 S fragment, packed to 16 bits, is exactly the A fragment of P V.
+//   S = Q K(n)^T (tensor cores) -> mask if the block needs it -> online softmax in base 2
+//   -> O += P V(n), where P stays in registers: the fp32 S fragment, packed to 16 bits, is
+//   exactly the A fragment of P V.
+// Loads: with one stage, V(n) is loaded while S is computed and K(n-1) while P V(n) is (two
+// barriers per block); with two stages, K(n-1) and V(n-1) are loaded into the other buffer
+// while all of block n is computed (one barrier per block, twice the K/V shared memory).
 // LOCAL kernels bound each row's keys (causal, sliding window); EXTRAS kernels add the score
 // options of score.cuh (softcap, ALiBi, attn_bias) and dropout. Varlen is a run-time property.
 #pragma once
@@ -20,10 +23,10 @@ struct FwdTile {
     static constexpr int MT = kWarpRows / 16;        // m16 tiles per warp
     static constexpr int NT = BLOCK_N / 8;           // n8 tiles of S
     static constexpr int DT = HEADDIM / 8;           // n8 tiles of O
-    static constexpr int kSmemBytes = Padded<HEADDIM>::template bytes<BLOCK_M + 2 * BLOCK_N>();  // Q, K, V
+    static constexpr int kSmemBytes = Padded<HEADDIM>::template bytes<BLOCK_M + 2 * BLOCK_N * STAGES>();  // Q, (K, V) x stages
     static_assert(kWarpRows % 16 == 0, "each warp owns a multiple of 16 query rows");
     static_assert(BLOCK_N % 16 == 0 && HEADDIM % 16 == 0, "tiles are built of 16-wide mma steps");
-    static_assert(STAGES == 1, "K and V have one buffer each (their loads already overlap the math)");
+    static_assert(STAGES == 1 || STAGES == 2, "K and V have one or two buffers");
 };
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool LOCAL, bool EVEN_K,
@@ -35,10 +38,12 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
     extern __shared__ __align__(16) uint16 smem[];
     uint16* s_q = smem;
-    uint16* s_k = s_q + BLOCK_M * kStride;
-    uint16* s_v = s_k + BLOCK_N * kStride;
+    // Block n's K tile, followed by its V tile.
+    auto s_k = [&](int n_block) { return smem + (BLOCK_M + (STAGES == 1 ? 0 : n_block & 1) * 2 * BLOCK_N) * kStride; };
 
-    const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    // The last query blocks first: with a causal mask they see the most keys, and the grid's
+    // tail is then made of short CTAs.
+    const int m_block = gridDim.x - 1 - blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
     const int head_k = head / (p.nheads / p.nheads_k);
     const int row0 = m_block * BLOCK_M;
     const int warp_row0 = (threadIdx.x / 32) * T::kWarpRows;
@@ -65,8 +70,12 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         const int key0 = (blocks.end - 1) * BLOCK_N;
         copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_q, q, p.q_row_stride, seq.seqlen_q - row0,
                                                                 p.headdim);
-        copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k, k + key0 * p.k_row_stride, p.k_row_stride,
-                                                                seq.seqlen_k - key0, p.headdim);
+        copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k(blocks.end - 1), k + key0 * p.k_row_stride,
+                                                                p.k_row_stride, seq.seqlen_k - key0, p.headdim);
+        if constexpr (STAGES == 2)
+            copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k(blocks.end - 1) + BLOCK_N * kStride,
+                                                                    v + key0 * p.v_row_stride, p.v_row_stride,
+                                                                    seq.seqlen_k - key0, p.headdim);
         cp_async_commit();
     }
     const ScoreOptions options(p, batch, head);  // EXTRAS only; dead code otherwise
@@ -75,32 +84,47 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         return block_needs_mask<LOCAL>(p, seq, row0, n_block * BLOCK_N, BLOCK_M, BLOCK_N);
     };
     // One key block, masked per element always (kAll), never (kNone), or where needs_mask says
-    // (kPerBlock). Only a block that may be masked can be partial, so only then is V's copy bounded.
+    // (kPerBlock). Only the sequence's last block can be partial, and only a block that may be
+    // masked has its loads bounded.
     enum Masking { kAll, kNone, kPerBlock };
     auto attend = [&](int n_block, auto masking) {
         constexpr Masking MASKING = decltype(masking)::value;
         const bool masked = MASKING == kAll || (MASKING == kPerBlock && needs_mask(n_block));
         const int key0 = n_block * BLOCK_N;
+        uint16* s_k_n = s_k(n_block);
+        uint16* s_v_n = s_k_n + BLOCK_N * kStride;
+        auto load_next_k = [&](uint16* tile) {  // K(n-1) (whole: only the last block is partial)
+            copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K, false>(tile, k + (key0 - BLOCK_N) * p.k_row_stride,
+                                                                           p.k_row_stride, BLOCK_N, p.headdim);
+        };
         cp_async_wait<0>();
-        __syncthreads();  // K(n) has landed; every warp is done with V(n+1)
-        copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K, MASKING != kNone>(
-            s_v, v + key0 * p.v_row_stride, p.v_row_stride, seq.seqlen_k - key0, p.headdim);
-        cp_async_commit();
+        __syncthreads();  // K(n) has landed (two stages: and V(n)); every warp is done with block n+1
+        if constexpr (STAGES == 1) {
+            copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K, MASKING != kNone>(
+                s_v_n, v + key0 * p.v_row_stride, p.v_row_stride, seq.seqlen_k - key0, p.headdim);
+            cp_async_commit();
+        } else if (n_block > blocks.first) {
+            uint16* s_k_next = s_k(n_block - 1);
+            load_next_k(s_k_next);
+            copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K, false>(
+                s_k_next + BLOCK_N * kStride, v + (key0 - BLOCK_N) * p.v_row_stride, p.v_row_stride, BLOCK_N, p.headdim);
+            cp_async_commit();
+        }
 
         float s[MT][NT][4];
         zero(s);
-        warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k, 0);
+        warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k_n, 0);
 
         if constexpr (EXTRAS) options.apply<BF16>(s, seq, row0 + warp_row0, key0);
         if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
 
-        cp_async_wait<0>();
-        __syncthreads();  // V(n) has landed; every warp is done with K(n)
-        if (n_block > blocks.first) {
-            const int next_key0 = key0 - BLOCK_N;
-            copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K, false>(s_k, k + next_key0 * p.k_row_stride,
-                                                                           p.k_row_stride, BLOCK_N, p.headdim);
-            cp_async_commit();
+        if constexpr (STAGES == 1) {
+            cp_async_wait<0>();
+            __syncthreads();  // V(n) has landed; every warp is done with K(n)
+            if (n_block > blocks.first) {
+                load_next_k(s_k_n);
+                cp_async_commit();
+            }
         }
 
         // Online softmax in base 2: p = 2^(s * scale_log2 - max * scale_log2), one FFMA per element.
@@ -160,7 +184,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 p_frag[kk][mt][2] = pack_pair<BF16>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
                 p_frag[kk][mt][3] = pack_pair<BF16>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
-        warp_gemm_a_in_registers<BF16, MT, DT, BLOCK_N, HEADDIM, false>(acc_o, p_frag, s_v, 0);
+        warp_gemm_a_in_registers<BF16, MT, DT, BLOCK_N, HEADDIM, false>(acc_o, p_frag, s_v_n, 0);
     };
     // The masked blocks at the end of the range (the sequence's last, those on the diagonal) run
     // first, in their own loop, so that the main loop has no mask; with a window, blocks crossing

@@ -13,9 +13,9 @@ HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEADDIM = HEADDIMS[-1]
 
 # (block_m, block_n, warps, stages) per family, pass and head dim. `stages` is the number of buffers
-# for the tiles a CTA streams through (bwd: Q, dO, lse, D; fwd: K and V, one buffer for now).
+# for the tiles a CTA streams through (bwd: Q, dO, lse, D; fwd: K and V).
 # Shared memory per CTA (row = (hd + 8) 2 bytes):
-#   fwd: (block_m + 2 block_n) row                                               (Q, K, V)
+#   fwd: (block_m + 2 block_n stages) row                                        (Q, K, V)
 #   bwd: 2 block_n row + stages (2 block_m row + 8 block_m) + 2 block_m (block_n + 8) 2
 # and it must fit the family's opt-in limit: sm80 163 KiB, sm86/sm89 99 KiB, sm90 227 KiB.
 #
@@ -44,6 +44,11 @@ MAX_HEADDIM = HEADDIMS[-1]
 #     fwd hd256: 64x64/4w 301/268  | 128x64/8w 293/247, 64x32/4w 260/237
 #     fwd hd64: 128x64/4w 309/285  | 128x128/8w 256/237, 128x128/4w 312/289 (spills 96-272 bytes)
 #     bwd hd256: 64x64/8w/s1 238/218 | 64x64/8w/s2 235/213 (spills 12-116 bytes)
+#   fifth session (two K/V stages for the forward; heaviest query blocks first), bf16 1k / 4k / 16k:
+#     fwd hd128: 128x32/4w/s2 304/225, 345/280, 364/311 | 128x32/4w/s1 297/228, 325/285, 343/313
+#     fwd hd64:  128x64/4w/s1 277/221, 304/276, 317/300 | 128x64/4w/s2 285/217, 309/272, 309/293
+#     fwd hd256: 64x64/4w/s1 271/217, 292/265, 299/298  | 64x32/4w/s2 239/194, 260/223, 263/236; 64x64/4w/s2
+#                (one CTA per SM) 215/179, 233/211, 238/224
 #   fwd hd192 takes 64x32: 64x64 spills 20-72 bytes in its LOCAL variants (the peeled masked loop).
 # bwd_extras is the backward with the options of cuda_src/score.cuh (softcap, ALiBi, attn_bias, dropout,
 # deterministic dQ): those need registers, and from hd96 up the plain tiles spill 16-88 bytes with
@@ -55,7 +60,7 @@ MAX_HEADDIM = HEADDIMS[-1]
 # A100); sm86 keeps every tile under 99 KiB.
 TILES = {
     "sm90": {
-        "fwd": {32: (128, 64, 4, 1), 64: (128, 64, 4, 1), 96: (128, 32, 4, 1), 128: (128, 32, 4, 1),
+        "fwd": {32: (128, 64, 4, 1), 64: (128, 64, 4, 1), 96: (128, 32, 4, 1), 128: (128, 32, 4, 2),
                 160: (64, 64, 4, 1), 192: (64, 32, 4, 1), 224: (64, 64, 4, 1), 256: (64, 64, 4, 1)},
         "bwd": {32: (128, 128, 8, 2), 64: (128, 128, 8, 2), 96: (64, 128, 8, 2), 128: (64, 128, 8, 2),
                 160: (64, 64, 8, 2), 192: (64, 64, 8, 2), 224: (64, 32, 8, 2), 256: (64, 64, 8, 1)},

@@ -11,8 +11,7 @@ from typing import Optional
 from . import _config, _params, _sources
 
 DTYPES = ("float16", "bfloat16")
-ROWS_PER_ROW_KERNEL_BLOCK = 8  # the one-warp-per-row kernels (RowKernel::kRowsPerBlock in flash_bwd.cuh)
-ROW_KERNEL_THREADS = 32 * ROWS_PER_ROW_KERNEL_BLOCK
+ROW_KERNEL_ROWS, ROW_KERNEL_THREADS = 64, 256  # the backward's row kernels (RowKernel in flash_bwd.cuh)
 
 _HEADER = {"fwd": "flash_fwd.cuh", "bwd": "flash_bwd.cuh", "bwd_dot": "flash_bwd.cuh",
            "bwd_convert_dq": "flash_bwd.cuh"}
@@ -48,8 +47,8 @@ class Kernel:
         bf16 = _bool(self.dtype == "bfloat16")
         if self.tile is None:
             call = f"flash_{self.pass_}<{bf16}>(p);"
-            check = (f"static_assert(RowKernel::kRowsPerBlock == {ROWS_PER_ROW_KERNEL_BLOCK}, "
-                     f"\"rows per block differ from cupyflash/_kernels.py\");\n")
+            check = (f"static_assert(RowKernel::kRows == {ROW_KERNEL_ROWS} && RowKernel::kThreads == {ROW_KERNEL_THREADS}, "
+                     f"\"row kernel blocks differ from cupyflash/_kernels.py\");\n")
         else:
             t = self.tile
             args = f"{t.headdim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}"

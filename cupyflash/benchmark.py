@@ -8,7 +8,10 @@ back-to-back calls (sized to ~25 ms, so the host's launch work overlaps the GPU'
 elapsed / calls, median of 5 batches after a warm-up batch (which includes compilation). JAX has
 no stream to put events on: its cells use the host clock around a batch ended by
 block_until_ready, and its backward is (fwd+bwd) - fwd. Fresh random inputs per cell; a peer that
-fails or is missing gives a blank cell, never a crash.
+fails or is missing gives a blank cell, never a crash. Each peer's output and gradients are first
+compared with cupyflash's: a pass whose results are wrong is left blank, not timed.
+Peers: PyTorch SDPA with each backend, JAX's cuDNN attention, and FlashAttention-3 through the
+flash_attn3_jax package where it is installed (a wheel; see bench/NOTES.md).
 
 Memory: peak device memory of fwd+bwd beyond the inputs, batch 1, 16 heads, head dim 128, against
 seqlen, for cupyflash and for naive attention (PyTorch's math backend, which builds the full score
@@ -60,8 +63,13 @@ def time_ms(fn, reps=5, target_ms=25.0, sync=None):
 
 
 # ----------------------------------------------------------------------------------- implementations
-# Each takes torch tensors q, k, v, dout (batch, seqlen, nheads, headdim) and returns
-# {pass: (callable, sync or None)}; the callables do the work of one call.
+# Each takes torch tensors q, k, v, dout (batch, seqlen, nheads, headdim) and returns its Calls.
+
+@dataclasses.dataclass
+class Calls:
+    timed: dict       # {pass: (callable, sync or None)}: each callable does the work of one call
+    results: object   # () -> (out, (dq, dk, dv)), torch tensors (batch, seqlen, nheads, headdim)
+
 
 def _cupyflash(q, k, v, dout, causal):
     from . import flash_attn_backward, flash_attn_func
@@ -70,9 +78,10 @@ def _cupyflash(q, k, v, dout, causal):
     def both():
         o, l = flash_attn_func(q, k, v, causal=causal, return_lse=True)
         return flash_attn_backward(dout, q, k, v, o, l, causal=causal)
-    return {"fwd": (lambda: flash_attn_func(q, k, v, causal=causal), None),
-            "bwd": (lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal), None),
-            "fwd+bwd": (both, None)}
+    return Calls({"fwd": (lambda: flash_attn_func(q, k, v, causal=causal), None),
+                  "bwd": (lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal), None),
+                  "fwd+bwd": (both, None)},
+                 lambda: (out, both()))
 
 
 def _sdpa(backend_name):
@@ -81,7 +90,7 @@ def _sdpa(backend_name):
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = getattr(SDPBackend, backend_name)
-        qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+        qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))  # SDPA's (b, h, s, d)
         dot = dout.transpose(1, 2)
 
         def forward():
@@ -91,23 +100,59 @@ def _sdpa(backend_name):
 
         def both():
             return torch.autograd.grad(forward(), (qt, kt, vt), dot)
-        return {"fwd": (forward, None),
-                "bwd": (lambda: torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True), None),
-                "fwd+bwd": (both, None)}
+        return Calls({"fwd": (forward, None),
+                      "bwd": (lambda: torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True), None),
+                      "fwd+bwd": (both, None)},
+                     lambda: (out.transpose(1, 2), [g.transpose(1, 2) for g in both()]))
     return make
+
+
+def _jax_calls(attention, q, k, v, dout):
+    """Calls of a JAX attention function of (q, k, v), on the tensors shared through DLPack (no bwd
+    alone: the benchmark takes (fwd+bwd) - fwd)."""
+    import jax
+    import jax.dlpack
+    import torch
+    qj, kj, vj, doj = (jax.dlpack.from_dlpack(x.contiguous()) for x in (q, k, v, dout))
+    forward = jax.jit(attention)
+    both = jax.jit(lambda q, k, v, do: jax.vjp(attention, q, k, v)[1](do))
+    sync = jax.block_until_ready
+    return Calls({"fwd": (lambda: forward(qj, kj, vj), sync), "fwd+bwd": (lambda: both(qj, kj, vj, doj), sync)},
+                 lambda: (torch.from_dlpack(forward(qj, kj, vj)), [torch.from_dlpack(g) for g in both(qj, kj, vj, doj)]))
 
 
 def _jax_cudnn(q, k, v, dout, causal):
     import jax
-    import jax.dlpack
-    qj, kj, vj, doj = (jax.dlpack.from_dlpack(x.contiguous()) for x in (q, k, v, dout))
+    return _jax_calls(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"),
+                      q, k, v, dout)
 
-    def attention(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
-    forward = jax.jit(attention)
-    both = jax.jit(lambda q, k, v, do: jax.vjp(attention, q, k, v)[1](do))
-    sync = jax.block_until_ready
-    return {"fwd": (lambda: forward(qj, kj, vj), sync), "fwd+bwd": (lambda: both(qj, kj, vj, doj), sync)}
+
+def _fa3_jax(q, k, v, dout, causal):
+    """FlashAttention-3 (Hopper's wgmma kernels) from the flash_attn3_jax package, where it is installed."""
+    _restore_jax_core_shaped_array()
+    from flash_attn3_jax import flash_mha
+    return _jax_calls(lambda q, k, v: flash_mha(q, k, v, is_causal=causal), q, k, v, dout)
+
+
+def _restore_jax_core_shaped_array():
+    """flash_attn3_jax 0.2.3 imports jax.core.ShapedArray, which newer JAX keeps only in jax._src.core."""
+    import jax.core
+    if not hasattr(jax.core, "ShapedArray"):
+        import jax._src.core
+        jax.core.ShapedArray = jax._src.core.ShapedArray
+
+
+def _wrong_results(calls, expected):
+    """The passes whose results disagree with `expected` (cupyflash's (out, grads), itself tested
+    against the float64 reference), far beyond the 16-bit rounding two correct kernels differ by."""
+    def agrees(got, want):
+        got, want = got.float(), want.float()
+        return bool(got.isfinite().all()) and (got - want).abs().max().item() <= 0.05 * want.abs().max().item() + 1e-3
+    out, grads = calls.results()
+    wrong = set() if agrees(out, expected[0]) else {"fwd", "fwd+bwd"}
+    if not all(agrees(g, e) for g, e in zip(grads, expected[1])):
+        wrong |= {"bwd", "fwd+bwd"}
+    return wrong
 
 
 IMPLEMENTATIONS = {
@@ -116,6 +161,7 @@ IMPLEMENTATIONS = {
     "SDPA cuDNN": _sdpa("CUDNN_ATTENTION"),
     "SDPA mem-efficient": _sdpa("EFFICIENT_ATTENTION"),
     "JAX cuDNN": _jax_cudnn,
+    "FA3 (flash_attn3_jax)": _fa3_jax,
 }
 REFERENCE_PEER = "SDPA flash (FA2)"
 
@@ -135,23 +181,34 @@ class Row:
 def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384), dtypes=("bfloat16", "float16"),
               causals=(False, True), impls=tuple(IMPLEMENTATIONS), report=print):
     import torch
-    rows = []
+    rows, missing = [], set()
     cells = [(d, hd, s, c) for d in dtypes for hd in headdims for s in seqlens for c in causals]
     for index, (dtype, hd, seqlen, causal) in enumerate(cells, 1):
         batch, nheads = TOKENS // seqlen, HIDDEN // hd
         torch_dtype = getattr(torch, dtype)
         q, k, v, dout = (torch.randn(batch, seqlen, nheads, hd, device="cuda", dtype=torch_dtype) for _ in range(4))
-        times = {}
-        for impl in impls:
+        times, expected = {}, None
+        for impl in (i for i in impls if i not in missing):
             try:
                 calls = IMPLEMENTATIONS[impl](q, k, v, dout, causal)
-                for pass_, (fn, sync) in calls.items():
-                    times[impl, pass_] = time_ms(fn, sync=sync)
-                if "bwd" not in calls and "fwd+bwd" in calls:
+                if impl == "cupyflash":
+                    expected = calls.results()
+                wrong = _wrong_results(calls, expected) if expected is not None and impl != "cupyflash" else set()
+                if wrong:
+                    report(f"  {impl} gives wrong results at {dtype} hd{hd} s{seqlen} causal={causal} "
+                           f"({', '.join(sorted(wrong))}): those cells are left blank")
+                for pass_, (fn, sync) in calls.timed.items():
+                    if pass_ not in wrong:
+                        times[impl, pass_] = time_ms(fn, sync=sync)
+                if "bwd" not in calls.timed and {(impl, "fwd"), (impl, "fwd+bwd")} <= times.keys():
                     times[impl, "bwd"] = times[impl, "fwd+bwd"] - times[impl, "fwd"]
+            except ImportError as error:  # a peer not installed here: blank cells, said once
+                missing.add(impl)
+                report(f"  {impl} is not available: {error}")
             except Exception as error:  # a failing peer is a blank cell
                 report(f"  {impl} failed at {dtype} hd{hd} s{seqlen} causal={causal}: {type(error).__name__}: "
                        f"{str(error).splitlines()[0][:120] if str(error) else ''}")
+            calls = None  # its tensors go before the next implementation's
             torch.cuda.empty_cache()
         for impl in impls:
             for pass_ in PASSES:
@@ -259,16 +316,8 @@ def _peer_option(q, k, v, dout, spec):
     """fwd / bwd callables of a peer with an option, with their sync (None: torch's stream)."""
     if "jax_window" in spec:
         import jax
-        import jax.dlpack
-        qj, kj, vj, doj = (jax.dlpack.from_dlpack(x.contiguous()) for x in (q, k, v, dout))
-
-        def attention(q, k, v):
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=spec["jax_window"],
-                                                implementation="cudnn")
-        forward = jax.jit(attention)
-        both = jax.jit(lambda q, k, v, do: jax.vjp(attention, q, k, v)[1](do))
-        sync = jax.block_until_ready
-        return {"fwd": (lambda: forward(qj, kj, vj), sync), "fwd+bwd": (lambda: both(qj, kj, vj, doj), sync)}
+        return _jax_calls(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=spec["jax_window"], implementation="cudnn"), q, k, v, dout).timed
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel

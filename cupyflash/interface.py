@@ -681,7 +681,7 @@ def _backward_plan(caller, shape, scale, opts, inputs, varlen):
     params = _param_block(shape, tile, scale, strides, opts, inputs, semaphore_blocks)
     if opts.return_dbias:
         finish = _add_dbias(caller, params, outputs, opts, shape, inputs["attn_bias"])
-    row_grid = (-(-shape.seqlen_q // _kernels.ROWS_PER_ROW_KERNEL_BLOCK), shape.nheads, shape.batch)
+    row_grid = (-(-shape.seqlen_q // _kernels.ROW_KERNEL_ROWS), shape.nheads, shape.batch)
     launches = [_Launch(_kernels.Kernel("bwd_dot", dtype), row_grid),
                 _Launch(_kernels.Kernel("bwd", dtype, tile, opts.local, shape.headdim == tile.headdim, extras),
                         (-(-shape.seqlen_k // tile.block_n), shape.nheads_k, shape.batch)),

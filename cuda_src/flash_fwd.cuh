@@ -186,14 +186,19 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             }
         warp_gemm_a_in_registers<BF16, MT, DT, BLOCK_N, HEADDIM, false>(acc_o, p_frag, s_v_n, 0);
     };
-    // The masked blocks at the end of the range (the sequence's last, those on the diagonal) run
-    // first, in their own loop, so that the main loop has no mask; with a window, blocks crossing
-    // its left edge are masked again (kPerBlock). The options' kernels keep one loop: a second
-    // copy of their longer body costs more registers than the mask-free loop saves.
+    // The blocks that need a mask come in two runs: at the end of the range (the sequence's last,
+    // those on the diagonal) and, with a window, at its start. They run in their own loop, so
+    // that the main loop has no mask code. The options' kernels keep one loop, masked where needed:
+    // a second copy of their longer body costs more registers than the mask-free loop saves.
     int n_block = blocks.end - 1;
-    if constexpr (!EXTRAS)
-        for (; n_block >= blocks.first && needs_mask(n_block); --n_block) attend(n_block, Constant<kAll>());
-    for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<LOCAL || EXTRAS ? kPerBlock : kNone>());
+    if constexpr (EXTRAS) {
+        for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<kPerBlock>());
+    } else {
+        do {  // a second turn only for a window's left edge
+            for (; n_block >= blocks.first && needs_mask(n_block); --n_block) attend(n_block, Constant<kAll>());
+            for (; n_block >= blocks.first && (!LOCAL || !needs_mask(n_block)); --n_block) attend(n_block, Constant<kNone>());
+        } while (LOCAL && n_block >= blocks.first);
+    }
 
     // Finish: each row's sum is spread over the 4 threads of its quad. A row that saw no key
     // gets out = 0 and lse = -inf (the log of an empty sum).

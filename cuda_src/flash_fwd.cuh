@@ -66,6 +66,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         for (int half = 0; half < 2; ++half) { row_max[mt][half] = -CUPYFLASH_INF; row_sum[mt][half] = 0.f; }
 
     const BlockRange blocks = key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N);
+    // Under a causal mask or a window a warp's own rows may see none of a masked block's keys (on
+    // the diagonal of a 128x32 tile, 6 of its 16 warp-blocks): the warp skips that block's math.
+    const BlockRange warp_blocks = key_blocks_seen<LOCAL>(p, seq, row0 + warp_row0, T::kWarpRows, BLOCK_N);
     if (blocks.end > blocks.first) {
         const int key0 = (blocks.end - 1) * BLOCK_N;
         copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_q, q, p.q_row_stride, seq.seqlen_q - row0,
@@ -111,12 +114,14 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             cp_async_commit();
         }
 
+        const bool warp_skips = LOCAL && MASKING == kAll && (n_block < warp_blocks.first || n_block >= warp_blocks.end);
         float s[MT][NT][4];
-        zero(s);
-        warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k_n, 0);
-
-        if constexpr (EXTRAS) options.apply<BF16>(s, seq, row0 + warp_row0, key0);
-        if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
+        if (!warp_skips) {
+            zero(s);
+            warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k_n, 0);
+            if constexpr (EXTRAS) options.apply<BF16>(s, seq, row0 + warp_row0, key0);
+            if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
+        }
 
         if constexpr (STAGES == 1) {
             cp_async_wait<0>();
@@ -126,31 +131,35 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 cp_async_commit();
             }
         }
+        if (warp_skips) return;
 
         // Online softmax in base 2: p = 2^(s * scale_log2 - max * scale_log2), one FFMA per element.
         // A row with nothing visible yet keeps max = -inf; its offset is 0 so every p is 0, not NaN.
-        // With 32-key blocks, rescaling O costs a multiply per mma of the block; there O is rescaled
-        // only when some row of the warp has a new maximum, which after the first blocks is rare.
-        // (With wider blocks the vote's wait cost more than the multiplies: bench/NOTES.md, v7.)
+        // A row's maximum moves only when a block's is more than kSlack above it (in the exponent):
+        // till then p may reach 2^kSlack = 256, harmless in the fp32 sums and in 16-bit P, and O
+        // keeps its scale. O is rescaled only when a row of the warp moved, rare after the first blocks.
+        constexpr float kSlack = 8.f;
         float offset[MT][2], correction[MT][2];
-        bool max_changed = false;
+        bool max_moved = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                float new_max = row_max[mt][half];
+                float block_max = -CUPYFLASH_INF;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
-                    new_max = fmaxf(new_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-                new_max = fmaxf(new_max, __shfl_xor_sync(0xffffffffu, new_max, 1));
-                new_max = fmaxf(new_max, __shfl_xor_sync(0xffffffffu, new_max, 2));
+                    block_max = fmaxf(block_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+                block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
+                block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
+                const bool moves = block_max * p.scale_log2 > row_max[mt][half] * p.scale_log2 + kSlack;
+                const float new_max = moves ? block_max : row_max[mt][half];
                 offset[mt][half] = new_max == -CUPYFLASH_INF ? 0.f : new_max * p.scale_log2;
-                correction[mt][half] = fast_exp2(row_max[mt][half] * p.scale_log2 - offset[mt][half]);
-                max_changed |= new_max != row_max[mt][half];
+                correction[mt][half] = moves ? fast_exp2(row_max[mt][half] * p.scale_log2 - offset[mt][half]) : 1.f;
+                max_moved |= moves;
                 row_max[mt][half] = new_max;
                 row_sum[mt][half] *= correction[mt][half];
             }
-        if (BLOCK_N > 32 || __any_sync(0xffffffffu, max_changed)) {
+        if (__any_sync(0xffffffffu, max_moved)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

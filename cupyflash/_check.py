@@ -41,6 +41,9 @@ class Case:
     deterministic: bool = False
     # Varlen: per-sequence lengths (q, k); then batch is their number and seqlen_* their maxima.
     varlen: tuple = ()
+    # k's rows scaled from key_scale[0] (first key) to key_scale[1] (last), geometrically: scores
+    # that grow or shrink along the keys move a row's running maximum block after block.
+    key_scale: tuple = (1.0, 1.0)
 
     def __str__(self):
         text = (f"{self.dtype} b{self.batch} sq{self.seqlen_q} sk{self.seqlen_k} h{self.nheads}/{self.nheads_k} "
@@ -48,7 +51,8 @@ class Case:
         options = [f"window{self.window}" if self.window != (-1, -1) else "", f"softcap{self.softcap}" * bool(self.softcap),
                    "alibi" * self.alibi, f"bias-{self.bias}" * bool(self.bias),
                    f"dropout{self.dropout_p}" * bool(self.dropout_p), "deterministic" * self.deterministic,
-                   f"varlen{self.varlen}" * bool(self.varlen)]
+                   f"varlen{self.varlen}" * bool(self.varlen),
+                   f"key_scale{self.key_scale}" * (self.key_scale != (1.0, 1.0))]
         return " ".join([text] + [o for o in options if o])
 
     @staticmethod
@@ -96,8 +100,11 @@ def random_inputs(case, seed):
     if case.varlen:
         total_q, total_k = sum(case.varlen[0]), sum(case.varlen[1])
         shapes = {"q": (total_q, h, d), "k": (total_k, hk, d), "v": (total_k, hk, d), "dout": (total_q, h, d)}
-    inputs = {name: reference.round_to(rng.standard_normal(shape, dtype=numpy.float32), case.dtype)
-              for name, shape in shapes.items()}
+    inputs = {name: rng.standard_normal(shape, dtype=numpy.float32) for name, shape in shapes.items()}
+    if case.key_scale != (1.0, 1.0):
+        ramp = numpy.geomspace(*case.key_scale, shapes["k"][-3], dtype=numpy.float32)
+        inputs["k"] *= ramp[:, None, None]
+    inputs = {name: reference.round_to(x, case.dtype) for name, x in inputs.items()}
     if case.alibi:
         inputs["alibi_slopes"] = rng.uniform(0.01, 0.5, (b, h)).astype(numpy.float32)
     if case.bias:

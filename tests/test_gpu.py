@@ -30,9 +30,14 @@ SEQLEN_CASES = [Case(sq, sk, 64, "bfloat16", causal, batch=1)
 GQA_CASES = [Case(113, 200, 128, "float16", causal, nheads=h, nheads_k=hk)
              for (h, hk), causal in itertools.product([(8, 2), (6, 1)], (False, True))]
 PACKED_CASES = [Case(257, 257, 96, "bfloat16", causal, layout="qkvpacked") for causal in (False, True)]
+# Scores that grow towards either end of the keys: the forward's running maxima move by more and
+# by less than its rescale slack, block after block (the forward walks the keys from the last).
+RESCALE_CASES = [Case(1000, 1000, d, dtype, causal, batch=1, key_scale=key_scale)
+                 for (d, dtype), key_scale, causal in itertools.product(
+                     [(64, "bfloat16"), (128, "float16"), (256, "bfloat16")], [(0.25, 4.0), (4.0, 0.25)], (False, True))]
 
 
-@pytest.mark.parametrize("case", HEADDIM_CASES + SEQLEN_CASES + GQA_CASES + PACKED_CASES, ids=str)
+@pytest.mark.parametrize("case", HEADDIM_CASES + SEQLEN_CASES + GQA_CASES + PACKED_CASES + RESCALE_CASES, ids=str)
 def test_forward_backward(case):
     _assert_ok(_check.run_gpu_case(case, _seed(case)))
 

@@ -5,7 +5,8 @@ hidden 2048 (nheads = 2048 / headdim), layout (batch, seqlen, nheads, headdim). 
 4 b h s^2 d, halved when causal; backward 2.5x that, timed alone (the backward of an existing
 forward); fwd+bwd 3.5x. Timing: CUDA events on PyTorch's current stream around a batch of
 back-to-back calls (sized to ~25 ms, so the host's launch work overlaps the GPU's), per-call time =
-elapsed / calls, median of 5 batches after a warm-up batch (which includes compilation). JAX has
+elapsed / calls, median of 5 batches after a warm-up call (which includes compilation); in each
+cell the implementations' batches take turns, so drifting clocks hit them alike. JAX has
 no stream to put events on: its cells use the host clock around a batch ended by
 block_until_ready, and its backward is (fwd+bwd) - fwd. Fresh random inputs per cell; a peer that
 fails or is missing gives a blank cell, never a crash. With cupyflash in the run, each peer's output
@@ -35,31 +36,55 @@ def attention_flops(batch, nheads, seqlen, headdim, causal, pass_):
     return 4 * batch * nheads * seqlen ** 2 * headdim / (2 if causal else 1) * PASS_FLOP_FACTOR[pass_]
 
 
-def time_ms(fn, reps=5, target_ms=25.0, sync=None):
-    """Median per-call milliseconds of `fn` over `reps` batches of back-to-back calls.
+class BatchTimer:
+    """Times batches of back-to-back calls of `fn`. Making one runs the warm-up call (compilation
+    included) and sizes the batch to about `target_ms`.
 
     Without `sync`, `fn` must launch on PyTorch's current stream (events are recorded there);
     with `sync` (a function that waits for the work of the last call), the host clock is used."""
-    import torch
 
-    def batch_ms(calls):
-        if sync is None:
+    def __init__(self, fn, sync=None, target_ms=25.0):
+        self.fn, self.sync = fn, sync
+        self.calls = 1
+        self.batch_ms()  # warm-up
+        self.calls = max(1, min(1000, int(target_ms / max(self.batch_ms(), 1e-3))))
+
+    def batch_ms(self):
+        """Per-call milliseconds of one batch."""
+        import torch
+        if self.sync is None:
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(calls):
-                fn()
+            for _ in range(self.calls):
+                self.fn()
             stop.record()
             stop.synchronize()
-            return start.elapsed_time(stop) / calls
+            return start.elapsed_time(stop) / self.calls
         begin = time.perf_counter()
-        for _ in range(calls):
-            result = fn()
-        sync(result)
-        return (time.perf_counter() - begin) * 1e3 / calls
+        for _ in range(self.calls):
+            result = self.fn()
+        self.sync(result)
+        return (time.perf_counter() - begin) * 1e3 / self.calls
 
-    batch_ms(1)  # warm-up, compilation included
-    calls = max(1, min(1000, int(target_ms / max(batch_ms(1), 1e-3))))
-    return float(numpy.median([batch_ms(calls) for _ in range(reps)]))
+
+def median_ms(timers, reps=5, report=print):
+    """{key: median per-call milliseconds} of `timers` ({key: BatchTimer}) over `reps` rounds. A
+    round times one batch of every timer in turn, so a slow spell of the GPU (clocks, heat) falls on
+    all of them alike rather than on whichever ran then. A timer that fails is reported and left out."""
+    samples = {key: [] for key in timers}
+    for _ in range(reps):
+        for key in list(samples):
+            try:
+                samples[key].append(timers[key].batch_ms())
+            except Exception as error:
+                report(f"  {key} failed while timed: {type(error).__name__}: {str(error)[:120]}")
+                del samples[key]
+    return {key: float(numpy.median(values)) for key, values in samples.items()}
+
+
+def time_ms(fn, reps=5, target_ms=25.0, sync=None):
+    """Median per-call milliseconds of `fn` over `reps` batches of back-to-back calls."""
+    return median_ms({fn: BatchTimer(fn, sync, target_ms)}, reps)[fn]
 
 
 # ----------------------------------------------------------------------------------- implementations
@@ -187,7 +212,7 @@ def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 163
         batch, nheads = TOKENS // seqlen, HIDDEN // hd
         torch_dtype = getattr(torch, dtype)
         q, k, v, dout = (torch.randn(batch, seqlen, nheads, hd, device="cuda", dtype=torch_dtype) for _ in range(4))
-        times, expected = {}, None
+        timers, expected, derived_bwd = {}, None, set()
         # cupyflash first: its results are what the peers' are checked against
         for impl in sorted((i for i in impls if i not in missing), key=lambda i: i != "cupyflash"):
             try:
@@ -198,19 +223,24 @@ def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 163
                 if wrong:
                     report(f"  {impl} gives wrong results at {dtype} hd{hd} s{seqlen} causal={causal} "
                            f"({', '.join(sorted(wrong))}): those cells are left blank")
-                for pass_, (fn, sync) in calls.timed.items():
-                    if pass_ not in wrong:
-                        times[impl, pass_] = time_ms(fn, sync=sync)
-                if "bwd" not in calls.timed and {(impl, "fwd"), (impl, "fwd+bwd")} <= times.keys():
-                    times[impl, "bwd"] = times[impl, "fwd+bwd"] - times[impl, "fwd"]
+                timers.update({(impl, pass_): BatchTimer(fn, sync)
+                               for pass_, (fn, sync) in calls.timed.items() if pass_ not in wrong})
+                if "bwd" not in calls.timed:
+                    derived_bwd.add(impl)
             except ImportError as error:  # a peer not installed here: blank cells, said once
                 missing.add(impl)
                 report(f"  {impl} is not available: {error}")
             except Exception as error:  # a failing peer is a blank cell
                 report(f"  {impl} failed at {dtype} hd{hd} s{seqlen} causal={causal}: {type(error).__name__}: "
                        f"{str(error).splitlines()[0][:120] if str(error) else ''}")
-            calls = None  # its tensors go before the next implementation's
-            torch.cuda.empty_cache()
+        # Every implementation's batches take turns (median_ms), so the ratios of a cell compare
+        # times taken in the same minutes.
+        times = median_ms(timers, report=report)
+        for impl in derived_bwd:
+            if {(impl, "fwd"), (impl, "fwd+bwd")} <= times.keys():
+                times[impl, "bwd"] = times[impl, "fwd+bwd"] - times[impl, "fwd"]
+        calls = timers = None  # the cell's tensors go before the next cell's
+        torch.cuda.empty_cache()
         for impl in impls:
             for pass_ in PASSES:
                 ms = times.get((impl, pass_), math.nan)
@@ -348,21 +378,22 @@ def run_options(seqlens=(4096, 16384), headdim=128, report=print):
         q, k, v, dout = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)
                          for _ in range(4))
         for option, (fwd_kwargs, bwd_kwargs, peer, spec) in _option_calls(seqlen, headdim, nheads, batch).items():
-            times = {}
+            timers = {}
             try:
                 for pass_, fn in _cupyflash_option(q, k, v, dout, fwd_kwargs, bwd_kwargs).items():
-                    times["cupyflash", pass_] = time_ms(fn)
+                    timers["cupyflash", pass_] = BatchTimer(fn)
             except Exception as error:
                 report(f"  cupyflash failed at {option} s{seqlen}: {type(error).__name__}: {str(error)[:160]}")
             if peer is not None:
                 try:
-                    calls = _peer_option(q, k, v, dout, spec)
-                    for pass_, (fn, sync) in calls.items():
-                        times[peer, pass_] = time_ms(fn, sync=sync)
-                    if "bwd" not in calls:
-                        times[peer, "bwd"] = times[peer, "fwd+bwd"] - times[peer, "fwd"]
+                    for pass_, (fn, sync) in _peer_option(q, k, v, dout, spec).items():
+                        timers[peer, pass_] = BatchTimer(fn, sync)
                 except Exception as error:
                     report(f"  {peer} failed at {option} s{seqlen}: {type(error).__name__}: {str(error)[:160]}")
+            times = median_ms(timers, report=report)
+            if (peer, "bwd") not in timers and {(peer, "fwd"), (peer, "fwd+bwd")} <= times.keys():
+                times[peer, "bwd"] = times[peer, "fwd+bwd"] - times[peer, "fwd"]
+            timers = None
             for pass_ in ("fwd", "bwd"):
                 results.append((option, seqlen, pass_, times.get(("cupyflash", pass_), math.nan), peer or "",
                                 times.get((peer, pass_), math.nan)))

@@ -22,3 +22,23 @@ def test_wrong_results_accepts_rounding_and_flags_wrong_or_nonfinite_passes():
     assert benchmark._wrong_results(_calls_returning(out, [nan_dq, dk, dv]), expected) == {"bwd", "fwd+bwd"}
     assert benchmark._wrong_results(_calls_returning(out, [dq, dk, dv * 3]), expected) == {"bwd", "fwd+bwd"}
     assert benchmark._wrong_results(_calls_returning(out.flip(1), [dq, dk, dv]), expected) == {"fwd", "fwd+bwd"}
+
+
+def test_median_ms_takes_turns_and_leaves_out_a_timer_that_fails():
+    order, messages = [], []
+
+    class Timer:
+        def __init__(self, name, values):
+            self.name, self.values = name, iter(values)
+
+        def batch_ms(self):
+            order.append(self.name)
+            value = next(self.values)
+            if value is None:
+                raise RuntimeError("out of memory")
+            return value
+
+    timers = {"a": Timer("a", [3.0, 1.0, 2.0]), "b": Timer("b", [5.0, 9.0, 4.0]), "c": Timer("c", [1.0, None])}
+    assert benchmark.median_ms(timers, reps=3, report=messages.append) == {"a": 2.0, "b": 5.0}
+    assert order == ["a", "b", "c", "a", "b", "c", "a", "b"]
+    assert len(messages) == 1 and "c" in messages[0] and "out of memory" in messages[0]

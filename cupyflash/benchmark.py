@@ -5,8 +5,9 @@ hidden 2048 (nheads = 2048 / headdim), layout (batch, seqlen, nheads, headdim). 
 4 b h s^2 d, halved when causal; backward 2.5x that, timed alone (the backward of an existing
 forward); fwd+bwd 3.5x. Timing: CUDA events on PyTorch's current stream around a batch of
 back-to-back calls (sized to ~25 ms, so the host's launch work overlaps the GPU's), per-call time =
-elapsed / calls, median of 5 batches after a warm-up call (which includes compilation); in each
-cell the implementations' batches take turns, so drifting clocks hit them alike. JAX has
+elapsed / calls, median of 7 batches after a warm-up call (which includes compilation). In each
+cell the implementations' batches take turns in a shuffled order (median_ms): under load the GPU
+runs at its power cap, and a batch timed alone after an idle spell would get higher clocks. JAX has
 no stream to put events on: its cells use the host clock around a batch ended by
 block_until_ready, and its backward is (fwd+bwd) - fwd. Fresh random inputs per cell; a peer that
 fails or is missing gives a blank cell, never a crash. With cupyflash in the run, each peer's output
@@ -23,6 +24,7 @@ import csv
 import dataclasses
 import math
 import os
+import random
 import time
 
 import numpy
@@ -69,11 +71,13 @@ class BatchTimer:
 
 def median_ms(timers, reps=5, report=print):
     """{key: median per-call milliseconds} of `timers` ({key: BatchTimer}) over `reps` rounds. A
-    round times one batch of every timer in turn, so a slow spell of the GPU (clocks, heat) falls on
-    all of them alike rather than on whichever ran then. A timer that fails is reported and left out."""
+    round times one batch of every timer, in an order shuffled per round (seeded), so that a slow
+    spell of the GPU falls on all of them alike: under load the H200 sits at its power cap, and the
+    batch that follows a power-hungry one starts at lower clocks. A timer that fails is reported
+    and left out."""
     samples = {key: [] for key in timers}
-    for _ in range(reps):
-        for key in list(samples):
+    for round_ in range(reps):
+        for key in random.Random(round_).sample(list(samples), len(samples)):
             try:
                 samples[key].append(timers[key].batch_ms())
             except Exception as error:
@@ -233,9 +237,9 @@ def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 163
             except Exception as error:  # a failing peer is a blank cell
                 report(f"  {impl} failed at {dtype} hd{hd} s{seqlen} causal={causal}: {type(error).__name__}: "
                        f"{str(error).splitlines()[0][:120] if str(error) else ''}")
-        # Every implementation's batches take turns (median_ms), so the ratios of a cell compare
-        # times taken in the same minutes.
-        times = median_ms(timers, report=report)
+        # The implementations' batches take turns (median_ms): a cell's ratios compare times
+        # taken in the same seconds, under the same power cap.
+        times = median_ms(timers, reps=7, report=report)
         for impl in derived_bwd:
             if {(impl, "fwd"), (impl, "fwd+bwd")} <= times.keys():
                 times[impl, "bwd"] = times[impl, "fwd+bwd"] - times[impl, "fwd"]

@@ -24,7 +24,7 @@ def test_wrong_results_accepts_rounding_and_flags_wrong_or_nonfinite_passes():
     assert benchmark._wrong_results(_calls_returning(out.flip(1), [dq, dk, dv]), expected) == {"fwd", "fwd+bwd"}
 
 
-def test_median_ms_takes_turns_and_leaves_out_a_timer_that_fails():
+def test_median_ms_takes_turns_in_shuffled_orders_and_leaves_out_a_timer_that_fails():
     order, messages = [], []
 
     class Timer:
@@ -38,7 +38,13 @@ def test_median_ms_takes_turns_and_leaves_out_a_timer_that_fails():
                 raise RuntimeError("out of memory")
             return value
 
-    timers = {"a": Timer("a", [3.0, 1.0, 2.0]), "b": Timer("b", [5.0, 9.0, 4.0]), "c": Timer("c", [1.0, None])}
-    assert benchmark.median_ms(timers, reps=3, report=messages.append) == {"a": 2.0, "b": 5.0}
-    assert order == ["a", "b", "c", "a", "b", "c", "a", "b"]
+    reps = 6
+    timers = {"a": Timer("a", [3.0, 1.0, 2.0, 8.0, 2.0, 2.5]), "b": Timer("b", [5.0, 9.0, 4.0, 4.0, 6.0, 5.0]),
+              "c": Timer("c", [1.0, None]), "d": Timer("d", [1.0] * reps)}
+    assert benchmark.median_ms(timers, reps=reps, report=messages.append) == {"a": 2.25, "b": 5.0, "d": 1.0}
     assert len(messages) == 1 and "c" in messages[0] and "out of memory" in messages[0]
+    # every round times each remaining timer once, and the rounds' orders are not all the same
+    rounds, rest = [order[:4], order[4:8]], order[8:]
+    rounds += [rest[i:i + 3] for i in range(0, len(rest), 3)]
+    assert [sorted(r) for r in rounds] == [list("abcd")] * 2 + [list("abd")] * (reps - 2)
+    assert len({tuple(r) for r in rounds[2:]}) > 1

@@ -4,7 +4,7 @@
     python bench/ab.py --compile OLD_DIR [OLD_DIR ...]  # beforehand, anywhere: fill the compile cache
 
 Each OLD_DIR holds the .cuh files of another version (e.g. `git show REV:cuda_src/flash_fwd.cuh`
-for each file). The versions take turns, two rounds, and each cell is the better round, so a
+for each file). The versions take turns (ROUNDS rounds) and each cell is the best round, so a
 slow spell of the machine hurts both alike. The versions must share params.cuh's FlashParams
 (the launch code is the current one). Prints TFLOP/s non-causal/causal, bf16, 16k tokens, hidden
 2048 (FLOPs as in ../shared/peers/README.md). Edit CASES and SEQLENS for the question at hand.
@@ -21,6 +21,7 @@ from cupyflash import _compile, _config, _kernels, _sources, interface
 CASES = [("fwd", 128, (128, 32, 4, 1)), ("bwd", 64, (128, 128, 8, 2)), ("bwd", 128, (64, 128, 8, 2)),
          ("bwd", 256, (64, 64, 8, 1))]  # (pass, head dim, tile)
 SEQLENS = (1024, 4096)
+ROUNDS = 2  # each cell is the best of this many turns of every version
 _current_source_dir = _sources._source_dir
 
 
@@ -52,7 +53,7 @@ def time_cases(versions):
         tensors = inputs(seqlen, hd)
         table[pass_][hd] = tile
         best = {}
-        for _round, (name, source_dir) in itertools.product(range(2), versions.items()):
+        for _round, (name, source_dir) in itertools.product(range(ROUNDS), versions.items()):
             use(source_dir)
             for causal in (False, True):
                 best[name, causal] = max(best.get((name, causal), 0.0), tflops(pass_, tensors, causal))

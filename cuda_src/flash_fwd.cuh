@@ -67,7 +67,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
     const BlockRange blocks = key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N);
     // Under a causal mask or a window a warp's own rows may see none of a masked block's keys (on
-    // the diagonal of a 128x32 tile, 6 of its 16 warp-blocks): the warp skips that block's math.
+    // the diagonal of a 128x32 tile, 6 of its 16 warp-blocks): the warp skips that block's math
+    // (in the plain kernels' masked loop), still taking part in its loads and barriers.
     const BlockRange warp_blocks = key_blocks_seen<LOCAL>(p, seq, row0 + warp_row0, T::kWarpRows, BLOCK_N);
     if (blocks.end > blocks.first) {
         const int key0 = (blocks.end - 1) * BLOCK_N;

@@ -25,10 +25,10 @@ def inputs(seqlen, hd):
 
 def tflops(pass_, tensors, causal):
     """TFLOP/s of cupyflash's `pass_` ('fwd' or 'bwd') on `tensors`, timed as the benchmark times."""
-    from cupyflash.benchmark import time_ms
+    from cupyflash.benchmark import attention_flops, time_ms
     q, k, v, do = tensors
     batch, seqlen, nheads, hd = q.shape
-    flops = 4 * batch * nheads * seqlen ** 2 * hd / (2 if causal else 1) * (2.5 if pass_ == "bwd" else 1)
+    flops = attention_flops(batch, nheads, seqlen, hd, causal, pass_)
     out, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     if pass_ == "fwd":
         ms = time_ms(lambda: cupyflash.flash_attn_func(q, k, v, causal=causal))

@@ -86,6 +86,12 @@ def median_ms(timers, reps=5, report=print):
     return {key: float(numpy.median(values)) for key, values in samples.items()}
 
 
+def _add_derived_bwd(times, impl):
+    """For an implementation whose backward cannot be timed alone (JAX's): bwd = (fwd+bwd) - fwd."""
+    if {(impl, "fwd"), (impl, "fwd+bwd")} <= times.keys():
+        times[impl, "bwd"] = times[impl, "fwd+bwd"] - times[impl, "fwd"]
+
+
 def time_ms(fn, reps=5, target_ms=25.0, sync=None):
     """Median per-call milliseconds of `fn` over `reps` batches of back-to-back calls."""
     return median_ms({fn: BatchTimer(fn, sync, target_ms)}, reps)[fn]
@@ -241,8 +247,7 @@ def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 163
         # taken in the same seconds, under the same power cap.
         times = median_ms(timers, reps=7, report=report)
         for impl in derived_bwd:
-            if {(impl, "fwd"), (impl, "fwd+bwd")} <= times.keys():
-                times[impl, "bwd"] = times[impl, "fwd+bwd"] - times[impl, "fwd"]
+            _add_derived_bwd(times, impl)
         calls = timers = None  # the cell's tensors go before the next cell's
         torch.cuda.empty_cache()
         for impl in impls:
@@ -395,8 +400,8 @@ def run_options(seqlens=(4096, 16384), headdim=128, report=print):
                 except Exception as error:
                     report(f"  {peer} failed at {option} s{seqlen}: {type(error).__name__}: {str(error)[:160]}")
             times = median_ms(timers, report=report)
-            if (peer, "bwd") not in timers and {(peer, "fwd"), (peer, "fwd+bwd")} <= times.keys():
-                times[peer, "bwd"] = times[peer, "fwd+bwd"] - times[peer, "fwd"]
+            if (peer, "bwd") not in timers:
+                _add_derived_bwd(times, peer)
             timers = None
             for pass_ in ("fwd", "bwd"):
                 results.append((option, seqlen, pass_, times.get(("cupyflash", pass_), math.nan), peer or "",

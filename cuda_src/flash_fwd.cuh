@@ -160,23 +160,12 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 row_max[mt][half] = new_max;
                 row_sum[mt][half] *= correction[mt][half];
             }
-        if (__any_sync(0xffffffffu, max_moved)) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= correction[mt][e / 2];
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -offset[mt][e / 2]));
-                    row_sum[mt][e / 2] += s[mt][nt][e];
-                }
+        if (__any_sync(0xffffffffu, max_moved))
+            for_each_element<MT, DT>([&](int mt, int dt, int e) { acc_o[mt][dt][e] *= correction[mt][e / 2]; });
+        for_each_element<MT, NT>([&](int mt, int nt, int e) {
+            s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -offset[mt][e / 2]));
+            row_sum[mt][e / 2] += s[mt][nt][e];
+        });
 
         // Dropout acts on the probabilities after the softmax: the sums above keep every element,
         // P V only the kept ones (scaled by 1 / (1 - dropout_p) at the end).

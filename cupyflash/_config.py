@@ -50,7 +50,8 @@ MAX_HEADDIM = HEADDIMS[-1]
 #     fwd hd256: 64x64/4w/s1 271/217, 292/265, 299/298  | 64x32/4w/s2 239/194, 260/223, 263/236; 64x64/4w/s2
 #                (one CTA per SM) 215/179, 233/211, 238/224
 #   fwd hd192 takes 64x32 with two stages: 64x64 spills 148-176 bytes in its LOCAL variants and 64x32
-#   with one stage 12-60 (since the LOCAL kernels' main loop has no mask code); not timed.
+#   with one stage 12-60 (since the LOCAL kernels' main loop has no mask code); not timed. So does
+#   hd224 since the 32-byte rows of the seventh session (64x64 spilled 8-412 bytes, 64x32/s1 380).
 # bwd_extras is the backward with the options of cuda_src/score.cuh (softcap, ALiBi, attn_bias, dropout,
 # deterministic dQ): those need registers, and from hd96 up the plain tiles spill 16-88 bytes with
 # them (hd128 64x128/8w/s2: 84-88), so it takes smaller tiles there; at hd64 one stage (two spilled
@@ -62,7 +63,7 @@ MAX_HEADDIM = HEADDIMS[-1]
 TILES = {
     "sm90": {
         "fwd": {32: (128, 64, 4, 1), 64: (128, 64, 4, 1), 96: (128, 32, 4, 1), 128: (128, 32, 4, 2),
-                160: (64, 64, 4, 1), 192: (64, 32, 4, 2), 224: (64, 64, 4, 1), 256: (64, 64, 4, 1)},
+                160: (64, 64, 4, 1), 192: (64, 32, 4, 2), 224: (64, 32, 4, 2), 256: (64, 64, 4, 1)},
         "bwd": {32: (128, 128, 8, 2), 64: (128, 128, 8, 2), 96: (64, 128, 8, 2), 128: (64, 128, 8, 2),
                 160: (64, 64, 8, 2), 192: (64, 64, 8, 2), 224: (64, 32, 8, 2), 256: (64, 64, 8, 1)},
         "bwd_extras": {32: (64, 128, 8, 2), 64: (64, 128, 8, 1), 96: (64, 64, 8, 2), 128: (64, 64, 8, 2),
@@ -70,11 +71,11 @@ TILES = {
     },
     "sm86": {
         "fwd": {32: (128, 64, 4, 1), 64: (128, 64, 4, 1), 96: (64, 64, 4, 1), 128: (64, 64, 4, 1),
-                160: (64, 64, 4, 1), 192: (64, 32, 4, 2), 224: (64, 64, 4, 1), 256: (64, 32, 4, 1)},
+                160: (64, 64, 4, 1), 192: (64, 32, 4, 2), 224: (64, 32, 4, 2), 256: (64, 32, 4, 1)},
         "bwd": {32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 96: (64, 32, 4, 2), 128: (64, 32, 4, 1),
                 160: (32, 32, 4, 1), 192: (64, 32, 8, 1), 224: (32, 32, 4, 1), 256: (32, 32, 4, 1)},
         "bwd_extras": {32: (64, 64, 4, 2), 64: (64, 32, 4, 2), 96: (64, 32, 4, 2), 128: (64, 32, 4, 1),
-                       160: (32, 32, 4, 1), 192: (64, 32, 8, 1), 224: (32, 32, 4, 1), 256: (32, 32, 8, 1)},
+                       160: (32, 32, 4, 1), 192: (64, 32, 8, 1), 224: (32, 32, 8, 1), 256: (32, 32, 8, 1)},
     },
 }
 TILES["sm80"] = {

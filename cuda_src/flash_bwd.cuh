@@ -211,15 +211,17 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
                 dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - s_dot(stage)[GS::row0() + fragment_row(mt, e)]);
             });
         }
-        // stmatrix where a warp's S tile is wide (32 x 64: 32 pair stores per tile, hd32/hd64) and
-        // the options are off; elsewhere its extra live registers made tiles spill.
-        if constexpr (GS::NT >= 8 && !EXTRAS) {
+        // stmatrix (a quarter of the pair stores, a few more live registers) for P where a warp's S
+        // tile is 32 x 32 or wider, and for dS from 32 x 64 (hd32/hd64), the options off: at hd128
+        // both tiles by stmatrix spilled 8-40 bytes; P alone gained 1-2% (bench/NOTES.md v11).
+        if constexpr (GS::NT >= 4 && !EXTRAS)
             store_fragment_by_matrix<BF16, GS::MT, GS::NT, BLOCK_N>(s_p, s, GS::row0(), GS::col0());
-            store_fragment_by_matrix<BF16, GS::MT, GS::NT, BLOCK_N>(s_ds, dp, GS::row0(), GS::col0());
-        } else {
+        else
             store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_p, s, 1.f, GS::row0(), GS::col0());
+        if constexpr (GS::NT >= 8 && !EXTRAS)
+            store_fragment_by_matrix<BF16, GS::MT, GS::NT, BLOCK_N>(s_ds, dp, GS::row0(), GS::col0());
+        else
             store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_ds, dp, 1.f, GS::row0(), GS::col0());
-        }
         __syncthreads();  // P and dS are complete
 
         // dV += P^T dO and dK += dS^T Q: the A operands are read transposed out of the P and dS tiles.

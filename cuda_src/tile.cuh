@@ -25,7 +25,21 @@ struct Padded {
     template <int ROWS>
     __host__ __device__ static constexpr int bytes() { return ROWS * kStride * 2; }
     // Where element (row, col) sits, in elements from the tile's start.
-    __device__ static int offset(int row, int col) { return row * kStride + (col ^ ((row & 4) << 1)); }
+    __host__ __device__ static constexpr int offset(int row, int col) { return row * kStride + (col ^ ((row & 4) << 1)); }
+    // The layout's two promises, checked at compile time for every tile width in use: rows start on
+    // 32-byte boundaries, and rows 0-7 at any one chunk sit in 8 different 16-byte bank groups.
+    __host__ __device__ static constexpr bool sector_aligned_and_conflict_free() {
+        for (int chunk = 0; chunk < COLS / 8; ++chunk) {
+            int groups_seen = 0;
+            for (int row = 0; row < 8; ++row) {
+                const int group = offset(row, 8 * chunk) / 8 % 8;
+                if (row * kStride % 16 != 0 || (groups_seen >> group & 1)) return false;
+                groups_seen |= 1 << group;
+            }
+        }
+        return true;
+    }
+    static_assert(sector_aligned_and_conflict_free(), "tile rows must be 32-byte aligned and ldmatrix conflict-free");
 };
 
 // Thread layout of a tile copy: each thread moves one 16-byte column chunk of a row at each of

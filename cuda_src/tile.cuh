@@ -3,8 +3,8 @@
 // A tile is ROWS x COLS 16-bit elements, row-major, each row padded by 16 elements (32 bytes), and
 // in rows with bit 2 set each 16-byte chunk trades places with its neighbour (chunk c sits at c ^ 1).
 // - Rows start on 32-byte boundaries, so every 32-byte sector a cp.async reads lands in one aligned
-//   32 bytes of shared memory. (With 16 bytes of padding every other row was 16 bytes off: each
-//   sector was split in two, 1.5x the L2 sectors and over twice the shared-memory wavefronts.)
+//   32 bytes of shared memory. (With 16 bytes of padding every other row was 16 bytes off and its
+//   sectors were split in two: ncu counted 24 L2 sectors per cp.async instead of 16.)
 // - COLS is a multiple of 32, so a padded row is 2 mod 4 chunks long: rows r and r + 4 start in
 //   the same bank group, and the swap moves one of them to the other parity. The 8 rows that one
 //   ldmatrix phase reads then hit 8 different 16-byte bank groups: no conflicts.
@@ -43,7 +43,7 @@ struct Padded {
 };
 
 // Thread layout of a tile copy: each thread moves one 16-byte column chunk of a row at each of
-// kSteps steps, the rows of a step being kRowsPerStep apart. (With head dims like 96, THREADS %
+// kSteps steps, and a step covers kRowsPerStep rows. (With head dims like 96, THREADS %
 // chunks-per-row threads idle.) Where a thread's rows all have the same bit 2 (Padded's chunk
 // swap), its shared address moves by compile-time offsets from one base: with kRowsPerStep a
 // multiple of 8, and with 4 (hd256 on 128 threads), where each thread takes the rows of one bit 2
@@ -53,7 +53,7 @@ struct CopyLayout {
     static constexpr int kChunksPerRow = COLS / 8;
     static constexpr int kRowsPerStep = THREADS / kChunksPerRow;
     static constexpr int kSteps = (ROWS + kRowsPerStep - 1) / kRowsPerStep;
-    static constexpr bool kOneSwap = kRowsPerStep % 8 == 0 || kRowsPerStep == 4;
+    static constexpr bool kOneBase = kRowsPerStep % 8 == 0 || kRowsPerStep == 4;
     static_assert(kRowsPerStep > 0, "a tile row must not have more 16-byte chunks than the block has threads");
     static_assert(kRowsPerStep != 4 || ROWS % 8 == 0, "4 rows per step take rows in groups of 8");
     __device__ static int col() { return threadIdx.x % kChunksPerRow * 8; }
@@ -72,7 +72,7 @@ struct CopyLayout {
     // This thread's element offset in the tile at a step.
     __device__ static int smem_offset(int step) {
         typedef Padded<COLS> P;
-        if (kOneSwap) return P::offset(first_row(), col()) + step_rows(step) * P::kStride;
+        if (kOneBase) return P::offset(first_row(), col()) + step_rows(step) * P::kStride;
         return P::offset(row(step), col());
     }
 };

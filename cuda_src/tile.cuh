@@ -57,17 +57,15 @@ struct CopyLayout {
     static_assert(kRowsPerStep > 0, "a tile row must not have more 16-byte chunks than the block has threads");
     static_assert(kRowsPerStep != 4 || ROWS % 8 == 0, "4 rows per step take rows in groups of 8");
     __device__ static int col() { return threadIdx.x % kChunksPerRow * 8; }
+    __device__ static int slot() { return threadIdx.x / kChunksPerRow; }  // which of a step's rows
     // Rows from the thread's first row to its row at `step` (a compile-time constant once unrolled).
     __host__ __device__ static constexpr int step_rows(int step) {
         return kRowsPerStep == 4 ? 2 * (step % 2) + 8 * (step / 2) : step * kRowsPerStep;
     }
-    __device__ static int first_row() {
-        const int slot = threadIdx.x / kChunksPerRow;  // < kRowsPerStep in the active threads
-        return kRowsPerStep == 4 ? slot % 2 + 4 * (slot / 2) : slot;
-    }
+    __device__ static int first_row() { return kRowsPerStep == 4 ? slot() % 2 + 4 * (slot() / 2) : slot(); }
     __device__ static int row(int step) { return first_row() + step_rows(step); }
     __device__ static bool active(int step) {
-        return threadIdx.x / kChunksPerRow < kRowsPerStep && (ROWS % kRowsPerStep == 0 || row(step) < ROWS);
+        return slot() < kRowsPerStep && (ROWS % kRowsPerStep == 0 || row(step) < ROWS);
     }
     // This thread's element offset in the tile at a step.
     __device__ static int smem_offset(int step) {

@@ -100,6 +100,22 @@ __device__ __forceinline__ BlockRange query_blocks_seeing(const FlashParams& p, 
     return row_begin < row_end ? BlockRange{row_begin / block_m, ceil_div(row_end, block_m)} : BlockRange{0, 0};
 }
 
+// Key blocks that query rows [row0, row0 + block_m) see whole, with no mask: a sub-range of
+// `seen` (possibly empty, first == end). The blocks of `seen` before it are masked by a window's
+// left edge, those after it by the diagonal or the sequence's partial last block.
+template <bool LOCAL>
+__device__ __forceinline__ BlockRange key_blocks_unmasked(const FlashParams& p, const Sequence& seq, int row0,
+                                                          int block_m, int block_n, BlockRange seen) {
+    int key_begin = 0, key_end = seq.seqlen_k;  // keys every row sees
+    if (LOCAL) {
+        key_begin = max(key_begin, seq.diagonal(row0 + block_m - 1) - p.window_left);
+        key_end = min(key_end, seq.diagonal(row0) + p.window_right + 1);
+    }
+    const int first = max(seen.first, ceil_div(max(key_begin, 0), block_n));
+    const int end = min(seen.end, key_end / block_n);
+    return BlockRange{first, max(first, end)};
+}
+
 // Whether a (query block, key block) pair needs per-element masking; all other pairs run the
 // mask-free path.
 template <bool LOCAL>

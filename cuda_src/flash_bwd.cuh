@@ -56,10 +56,10 @@ struct BwdTile {
     typedef WarpGrid<BLOCK_M, BLOCK_N, WARPS> S;      // S, dP, P, dS
     typedef WarpGrid<BLOCK_N, HEADDIM, WARPS> KV;     // dK, dV
     typedef WarpGrid<BLOCK_M, HEADDIM, WARPS> Q;      // dQ
-    static constexpr int kQStage = Padded<HEADDIM>::template bytes<2 * BLOCK_M>() + 2 * BLOCK_M * 4;  // Q, dO, lse, D
-    static constexpr int kSmemBytes = Padded<HEADDIM>::template bytes<2 * BLOCK_N>()     // K, V
+    static constexpr int kQStage = TileLayout<HEADDIM>::template bytes<2 * BLOCK_M>() + 2 * BLOCK_M * 4;  // Q, dO, lse, D
+    static constexpr int kSmemBytes = TileLayout<HEADDIM>::template bytes<2 * BLOCK_N>()     // K, V
                                       + STAGES * kQStage
-                                      + Padded<BLOCK_N>::template bytes<2 * BLOCK_M>();  // P, dS
+                                      + TileLayout<BLOCK_N>::template bytes<2 * BLOCK_M>();  // P, dS
     static_assert(BLOCK_M <= kThreads, "one thread loads each row's lse and D");
     static_assert(STAGES == 1 || STAGES == 2, "one or two query-side buffers");
 };
@@ -107,14 +107,15 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     typedef typename T::S GS;
     typedef typename T::KV GKV;
     typedef typename T::Q GQ;
-    constexpr int kStride = Padded<HEADDIM>::kStride;
+    constexpr int kStride = TileLayout<HEADDIM>::kStride;
+    __builtin_assume(threadIdx.x < T::kThreads);  // every thread is active in the tile copies, without a test
 
-    extern __shared__ __align__(16) uint16 smem[];
+    extern __shared__ __align__(128) uint16 smem[];
     uint16* s_k = smem;
     uint16* s_v = s_k + BLOCK_N * kStride;
     uint16* s_p = s_v + BLOCK_N * kStride;
-    uint16* s_ds = s_p + BLOCK_M * Padded<BLOCK_N>::kStride;
-    uint16* s_stages = s_ds + BLOCK_M * Padded<BLOCK_N>::kStride;
+    uint16* s_ds = s_p + BLOCK_M * TileLayout<BLOCK_N>::kStride;
+    uint16* s_stages = s_ds + BLOCK_M * TileLayout<BLOCK_N>::kStride;
     // Stage i: Q, dO (BLOCK_M rows each), then lse and D (BLOCK_M floats each).
     auto s_q = [&](int stage) { return s_stages + stage * (T::kQStage / 2); };
     auto s_do = [&](int stage) { return s_q(stage) + BLOCK_M * kStride; };

@@ -23,7 +23,7 @@ struct FwdTile {
     static constexpr int MT = kWarpRows / 16;        // m16 tiles per warp
     static constexpr int NT = BLOCK_N / 8;           // n8 tiles of S
     static constexpr int DT = HEADDIM / 8;           // n8 tiles of O
-    static constexpr int kSmemBytes = Padded<HEADDIM>::template bytes<BLOCK_M + 2 * BLOCK_N * STAGES>();  // Q, (K, V) x stages
+    static constexpr int kSmemBytes = TileLayout<HEADDIM>::template bytes<BLOCK_M + 2 * BLOCK_N * STAGES>();  // Q, (K, V) x stages
     static_assert(kWarpRows % 16 == 0, "each warp owns a multiple of 16 query rows");
     static_assert(BLOCK_N % 16 == 0 && HEADDIM % 16 == 0, "tiles are built of 16-wide mma steps");
     static_assert(STAGES == 1 || STAGES == 2, "K and V have one or two buffers");
@@ -37,9 +37,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // Every thread is active in the tile copies, without a test (not at hd256: its LOCAL kernels
     // then spilled 248 bytes).
     if constexpr (HEADDIM != 256) __builtin_assume(threadIdx.x < T::kThreads);
-    constexpr int kStride = Padded<HEADDIM>::kStride;
+    constexpr int kStride = TileLayout<HEADDIM>::kStride;
 
-    extern __shared__ __align__(16) uint16 smem[];
+    extern __shared__ __align__(128) uint16 smem[];
     uint16* s_q = smem;
     // Block n's K tile, followed by its V tile.
     auto s_k = [&](int n_block) { return smem + (BLOCK_M + (STAGES == 1 ? 0 : n_block & 1) * 2 * BLOCK_N) * kStride; };
@@ -186,7 +186,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 p_frag[kk][mt][2] = pack_pair<BF16>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
                 p_frag[kk][mt][3] = pack_pair<BF16>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
-        warp_gemm_a_in_registers<BF16, MT, DT, BLOCK_N, HEADDIM, false>(acc_o, p_frag, s_v_n, 0);
+        // (V's swizzled addresses are XORed after the step's offset at hd128 LOCAL: with the XORed
+        // bases kept in registers those kernels spilled 24 bytes.)
+        warp_gemm_a_in_registers<BF16, MT, DT, BLOCK_N, HEADDIM, false, LOCAL && HEADDIM == 128>(acc_o, p_frag, s_v_n, 0);
     };
     // The blocks that need a mask come in two runs: at the end of the range (the sequence's last,
     // those on the diagonal) and, with a window, at its start. They run in their own loop, so

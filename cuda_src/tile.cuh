@@ -1,16 +1,19 @@
 // Shared-memory tiles and the warp-level matrix products built on them.
 //
-// A tile is ROWS x COLS 16-bit elements, row-major, each row padded by 16 elements (32 bytes), and
-// in rows with bit 2 set each 16-byte chunk trades places with its neighbour (chunk c sits at c ^ 1).
-// - Rows start on 32-byte boundaries, so every 32-byte sector a cp.async reads lands in one aligned
-//   32 bytes of shared memory. (With 16 bytes of padding every other row was 16 bytes off and its
-//   sectors were split in two: ncu counted 24 L2 sectors per cp.async instead of 16.)
-// - COLS is a multiple of 32, so a padded row is 2 mod 4 chunks long: rows r and r + 4 start in
-//   the same bank group, and the swap moves one of them to the other parity. The 8 rows that one
-//   ldmatrix phase reads then hit 8 different 16-byte bank groups: no conflicts.
-// - The swap only flips bit 0 of a chunk index, so it commutes with moving by an even number of
-//   chunks or a multiple of 8 rows: a lane's address is swapped once, and the compile-time steps of
-//   the matrix products (16 columns or 16 rows) are plain offsets.
+// A tile is ROWS x COLS 16-bit elements, row-major, in one of two layouts (TileLayout, by COLS):
+// - Swizzled (COLS 128 or 256): rows are not padded, so each row is whole 128-byte lines, and
+//   in row r the 16-byte chunk c of each line sits at c ^ (r % 8). The 8 lanes of a cp.async that
+//   read one 128-byte line of global memory write one line of shared memory (a warp's copy is 4
+//   shared-memory wavefronts; with padded rows it straddled lines: 7), and the 8 rows that one
+//   ldmatrix phase reads sit in 8 different 16-byte bank groups: no conflicts. A step of 16
+//   columns is an XOR of the lane's address (TileLayout::moved), a step of 8 rows an add.
+//   (At 64 columns, the hd64 tiles, the backward was 1-2% slower swizzled than padded.)
+// - Padded (other widths): each row padded by 16 elements (32 bytes), and in rows with bit 2 set
+//   each 16-byte chunk trades places with its neighbour (chunk c sits at c ^ 1). Rows start on
+//   32-byte boundaries (every 32-byte sector a cp.async reads lands in one aligned sector); a padded
+//   row is 2 mod 4 chunks long, so rows r and r + 4 start in the same bank group and the swap moves
+//   one of them to the other parity. The swap flips only bit 0 of a chunk index, so steps of 16
+//   columns or 8 rows are plain offsets.
 //
 // Register fragments follow mma.m16n8k16: an accumulator acc[mt][nt][4] covers rows
 // 16*mt + {g, g+8} and columns 8*nt + 2*t + {0, 1}, where g = lane / 4 and t = lane % 4;
@@ -19,13 +22,29 @@
 #include "ptx.cuh"
 
 template <int COLS>
-struct Padded {
+struct TileLayout {
     static_assert(COLS % 32 == 0, "tile columns must be a multiple of 32");
-    static constexpr int kStride = COLS + 16;                // elements per smem row
+    static constexpr bool kSwizzled = COLS == 128 || COLS == 256;
+    static constexpr int kStride = kSwizzled ? COLS : COLS + 16;  // elements per smem row
     template <int ROWS>
     __host__ __device__ static constexpr int bytes() { return ROWS * kStride * 2; }
-    // Where element (row, col) sits, in elements from the tile's start.
-    __host__ __device__ static constexpr int offset(int row, int col) { return row * kStride + (col ^ ((row & 4) << 1)); }
+    // Where element (row, col) sits, in elements from the tile's start (which is 128-byte aligned).
+    __host__ __device__ static constexpr int offset(int row, int col) {
+        return row * kStride + (kSwizzled ? col ^ ((row & 7) << 3) : col ^ ((row & 4) << 1));
+    }
+    // The shared address `drow` rows and `dcol` columns on from a lane's address, both compile-time
+    // multiples of 8 and 16. Swizzled, the step within a 128-byte line is an XOR, exact when it does
+    // not carry into the lane's own column bits: a lane's column is its warp's offset, a multiple of
+    // the (power of two) span the warp's steps cover, plus 8 at most. The rest of the step moves
+    // whole lines, so the XOR may come first (XORed bases, then immediate offsets: fewer
+    // instructions) or last (no XORed base kept live: fewer registers).
+    template <bool XOR_LAST = false>
+    __device__ static uint32 moved(uint32 address, int drow, int dcol) {
+        const uint32 lines = 2 * (drow * kStride + dcol - dcol % 64), flip = 2 * (dcol % 64);
+        if constexpr (!kSwizzled) return address + 2 * (drow * kStride + dcol);
+        else if constexpr (XOR_LAST) return (address + lines) ^ flip;
+        else return (address ^ flip) + lines;
+    }
     // The layout's two promises, checked at compile time for every tile width in use: rows start on
     // 32-byte boundaries, and rows 0-7 at any one chunk sit in 8 different 16-byte bank groups.
     __host__ __device__ static constexpr bool sector_aligned_and_conflict_free() {
@@ -44,56 +63,51 @@ struct Padded {
 
 // Thread layout of a tile copy: each thread moves one 16-byte column chunk of a row at each of
 // kSteps steps, and a step covers kRowsPerStep rows. (With head dims like 96, THREADS %
-// chunks-per-row threads idle.) Where a thread's rows all have the same bit 2 (Padded's chunk
-// swap), its shared address moves by compile-time offsets from one base: with kRowsPerStep a
-// multiple of 8, and with 4 (hd256 on 128 threads), where each thread takes the rows of one bit 2
-// (steps alternate +2 and +6 rows). Elsewhere the swap is worked out per step.
+// chunks-per-row threads idle.) Where a thread's rows all have the same chunk order, its shared
+// address moves by compile-time offsets from one base: with kRowsPerStep a multiple of 8, and with
+// 4 (hd224, hd256 on 128 threads), where rows r and r + 4 have their chunks in orders that differ
+// by an XOR (kOddStepFlip): at odd steps the thread moves the chunk that lands where its chunk
+// landed at even steps. Elsewhere the order is worked out per step.
 template <int ROWS, int COLS, int THREADS>
 struct CopyLayout {
     static constexpr int kChunksPerRow = COLS / 8;
     static constexpr int kRowsPerStep = THREADS / kChunksPerRow;
     static constexpr int kSteps = (ROWS + kRowsPerStep - 1) / kRowsPerStep;
     static constexpr bool kOneBase = kRowsPerStep % 8 == 0 || kRowsPerStep == 4;
+    static constexpr int kOddStepFlip = kRowsPerStep != 4 ? 0 : TileLayout<COLS>::kSwizzled ? 4 : 1;
     static_assert(kRowsPerStep > 0, "a tile row must not have more 16-byte chunks than the block has threads");
-    static_assert(kRowsPerStep != 4 || ROWS % 8 == 0, "4 rows per step take rows in groups of 8");
-    __device__ static int col() { return threadIdx.x % kChunksPerRow * 8; }
     __device__ static int slot() { return threadIdx.x / kChunksPerRow; }  // which of a step's rows
-    // Rows from the thread's first row to its row at `step` (a compile-time constant once unrolled).
-    __host__ __device__ static constexpr int step_rows(int step) {
-        return kRowsPerStep == 4 ? 2 * (step % 2) + 8 * (step / 2) : step * kRowsPerStep;
-    }
-    __device__ static int first_row() { return kRowsPerStep == 4 ? slot() % 2 + 4 * (slot() / 2) : slot(); }
-    __device__ static int row(int step) { return first_row() + step_rows(step); }
+    __device__ static int row(int step) { return slot() + step * kRowsPerStep; }
+    __device__ static int col(int step) { return 8 * (threadIdx.x % kChunksPerRow ^ (step % 2 ? kOddStepFlip : 0)); }
     __device__ static bool active(int step) {
         return slot() < kRowsPerStep && (ROWS % kRowsPerStep == 0 || row(step) < ROWS);
     }
     // This thread's element offset in the tile at a step.
     __device__ static int smem_offset(int step) {
-        typedef Padded<COLS> P;
-        if (kOneBase) return P::offset(first_row(), col()) + step_rows(step) * P::kStride;
-        return P::offset(row(step), col());
+        typedef TileLayout<COLS> P;
+        if (kOneBase) return P::offset(slot(), col(0)) + step * kRowsPerStep * P::kStride;
+        return P::offset(row(step), col(step));
     }
 };
 
 // Copies rows [0, ROWS) x columns [0, COLS) of a global matrix (row stride `row_stride`
-// elements, columns contiguous) into a padded smem tile with cp.async.
+// elements, columns contiguous) into a smem tile with cp.async.
 // Rows >= row_limit and columns >= col_limit are zero-filled and never read. Without CHECK_ROWS
 // the caller guarantees row_limit >= ROWS.
 template <int ROWS, int COLS, int THREADS, bool CHECK_COLS, bool CHECK_ROWS = true>
 __device__ __forceinline__ void copy_tile_async(uint16* smem, const uint16* gmem, long long row_stride,
                                                 int row_limit, int col_limit) {
     typedef CopyLayout<ROWS, COLS, THREADS> L;
-    const uint16* first = gmem + L::first_row() * row_stride + L::col();
-    const uint16* next = first;  // evenly spaced steps: one 64-bit add per step
+    const uint16* first[2] = {gmem + L::slot() * row_stride + L::col(0), gmem + L::slot() * row_stride + L::col(1)};
+    const uint16* next = first[0];  // one column: one 64-bit add per step
     const uint32 tile = smem_address(smem);
-    const bool col_ok = !CHECK_COLS || L::col() < col_limit;
 #pragma unroll
     for (int step = 0; step < L::kSteps; ++step, next += L::kRowsPerStep * row_stride) {
         if (L::active(step)) {
-            const bool valid = col_ok && (!CHECK_ROWS || L::row(step) < row_limit);
-            // (The alternating steps of 4 rows count from the first row: 143 fewer SASS instructions
-            // in the hd256 forward's loop than two alternating adds.)
-            const uint16* src = L::kRowsPerStep == 4 ? first + L::step_rows(step) * row_stride : next;
+            const bool valid = (!CHECK_COLS || L::col(step) < col_limit) && (!CHECK_ROWS || L::row(step) < row_limit);
+            // (Alternating columns count from two first rows: 81 fewer SASS instructions in the
+            // hd256 forward's loop than one pointer and a column offset at odd steps.)
+            const uint16* src = L::kOddStepFlip ? first[step % 2] + step * L::kRowsPerStep * row_stride : next;
             cp_async_16(tile + 2 * L::smem_offset(step), valid ? src : gmem, valid);
         }
     }
@@ -104,17 +118,16 @@ template <int ROWS, int COLS, int THREADS, bool CHECK_COLS>
 __device__ __forceinline__ void store_tile(uint16* gmem, const uint16* smem, long long row_stride,
                                            int row_limit, int col_limit) {
     typedef CopyLayout<ROWS, COLS, THREADS> L;
-    if (CHECK_COLS && L::col() >= col_limit) return;
 #pragma unroll
     for (int step = 0; step < L::kSteps; ++step) {
-        const int row = L::row(step);
-        if (L::active(step) && row < row_limit)
-            *reinterpret_cast<uint4*>(gmem + row * row_stride + L::col()) =
+        const int row = L::row(step), col = L::col(step);
+        if (L::active(step) && row < row_limit && (!CHECK_COLS || col < col_limit))
+            *reinterpret_cast<uint4*>(gmem + row * row_stride + col) =
                 *reinterpret_cast<const uint4*>(smem + L::smem_offset(step));
     }
 }
 
-// Writes a warp's fp32 accumulator, times `scale`, as 16-bit values into a padded smem tile at
+// Writes a warp's fp32 accumulator, times `scale`, as 16-bit values into a smem tile at
 // (row0, col0). Each thread stores 4-byte pairs; a warp's 32 stores hit 32 different banks.
 template <bool BF16, int MT, int NT, int COLS>
 __device__ __forceinline__ void store_fragment(uint16* smem, const float (&acc)[MT][NT][4], float scale,
@@ -129,7 +142,7 @@ __device__ __forceinline__ void store_fragment(uint16* smem, const float (&acc)[
             for (int half = 0; half < 2; ++half) {
                 const int row = row0 + mt * 16 + g + 8 * half;
                 const int col = col0 + nt * 8 + 2 * t;
-                *reinterpret_cast<uint32*>(smem + Padded<COLS>::offset(row, col)) =
+                *reinterpret_cast<uint32*>(smem + TileLayout<COLS>::offset(row, col)) =
                     pack_pair<BF16>(acc[mt][nt][2 * half] * scale, acc[mt][nt][2 * half + 1] * scale);
             }
 }
@@ -141,18 +154,18 @@ template <bool BF16, int MT, int NT, int COLS>
 __device__ __forceinline__ void store_fragment_by_matrix(uint16* smem, const float (&acc)[MT][NT][4], int row0,
                                                          int col0) {
 #if __CUDA_ARCH__ >= 900
-    constexpr int S = Padded<COLS>::kStride;
+    typedef TileLayout<COLS> L;
     const int lane = threadIdx.x % 32;
     auto pair = [&](int mt, int nt, int half) { return pack_pair<BF16>(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]); };
     // Lane i addresses row i % 8 of matrix i / 8: the (top, bottom) halves of n8 tile nt, then of nt + 1.
-    const uint32 lane_base = smem_address(smem + Padded<COLS>::offset(row0 + lane % 8 + 8 * ((lane / 8) % 2), col0 + 8 * (lane / 16)));
+    const uint32 lane_base = smem_address(smem + TileLayout<COLS>::offset(row0 + lane % 8 + 8 * ((lane / 8) % 2), col0 + 8 * (lane / 16)));
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int nt = 0; nt + 1 < NT; nt += 2)
-            stmatrix_x4(lane_base + 2 * (16 * mt * S + 8 * nt), pair(mt, nt, 0), pair(mt, nt, 1), pair(mt, nt + 1, 0),
+            stmatrix_x4(L::moved(lane_base, 16 * mt, 8 * nt), pair(mt, nt, 0), pair(mt, nt, 1), pair(mt, nt + 1, 0),
                         pair(mt, nt + 1, 1));
-        if (NT % 2 == 1) stmatrix_x2(lane_base + 2 * (16 * mt * S + 8 * (NT - 1)), pair(mt, NT - 1, 0), pair(mt, NT - 1, 1));
+        if (NT % 2 == 1) stmatrix_x2(L::moved(lane_base, 16 * mt, 8 * (NT - 1)), pair(mt, NT - 1, 0), pair(mt, NT - 1, 1));
     }
 #else
     store_fragment<BF16, MT, NT, COLS>(smem, acc, 1.f, row0, col0);
@@ -191,7 +204,7 @@ __device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
 template <int A_COLS, bool A_ROW_MAJOR>
 __device__ __forceinline__ uint32 a_base(const uint16* tile, int m0) {
     const int lane = threadIdx.x % 32;
-    typedef Padded<A_COLS> P;
+    typedef TileLayout<A_COLS> P;
     if (A_ROW_MAJOR) return smem_address(tile + P::offset(m0 + lane % 8 + 8 * ((lane / 8) % 2), 8 * (lane / 16)));
     return smem_address(tile + P::offset(lane % 8 + 8 * (lane / 16), m0 + 8 * ((lane / 8) % 2)));
 }
@@ -201,7 +214,7 @@ __device__ __forceinline__ uint32 a_base(const uint16* tile, int m0) {
 template <int B_COLS, bool B_COL_MAJOR>
 __device__ __forceinline__ uint32 b_base(const uint16* tile, int n0) {
     const int lane = threadIdx.x % 32;
-    typedef Padded<B_COLS> P;
+    typedef TileLayout<B_COLS> P;
     if (B_COL_MAJOR) return smem_address(tile + P::offset(n0 + lane % 8 + 8 * (lane / 16), 8 * ((lane / 8) % 2)));
     return smem_address(tile + P::offset(lane % 8 + 8 * ((lane / 8) % 2), n0 + 8 * (lane / 16)));
 }
@@ -210,10 +223,11 @@ __device__ __forceinline__ uint32 b_base(const uint16* tile, int n0) {
 // fragment, or the B fragments of two n8 tiles) or two (one n8 tile of B: ldmatrix.x2 reads the
 // addresses of lanes 0-15, which the x4 bases already point at these two matrices). K_CONTIGUOUS
 // tiles are read as stored, the others through ldmatrix.trans.
-template <int COLS, bool K_CONTIGUOUS, int N>
+template <int COLS, bool K_CONTIGUOUS, int N, bool XOR_LAST = false>
 __device__ __forceinline__ void load_fragment(uint32 (&r)[N], uint32 lane_base, int i, int k0) {
-    constexpr int S = Padded<COLS>::kStride;
-    const uint32 address = lane_base + 2 * (K_CONTIGUOUS ? 16 * i * S + k0 : k0 * S + 16 * i);
+    typedef TileLayout<COLS> L;
+    const uint32 address = K_CONTIGUOUS ? L::template moved<XOR_LAST>(lane_base, 16 * i, k0)
+                                        : L::template moved<XOR_LAST>(lane_base, k0, 16 * i);
     if constexpr (N == 4) {
         if (K_CONTIGUOUS) ldmatrix_x4(r, address);
         else ldmatrix_x4_trans(r, address);
@@ -225,12 +239,12 @@ __device__ __forceinline__ void load_fragment(uint32 (&r)[N], uint32 lane_base, 
 
 // One 16-deep step: acc[MT][NT] += a[MT] (16 x 16 each) * B[k0 : k0 + 16, n0 : n0 + 8 NT]. B is read
 // one pair of n8 tiles at a time, so only 4 of its registers are live at once.
-template <bool BF16, int MT, int NT, int B_COLS, bool B_COL_MAJOR>
+template <bool BF16, int MT, int NT, int B_COLS, bool B_COL_MAJOR, bool XOR_LAST = false>
 __device__ __forceinline__ void mma_step(float (&acc)[MT][NT][4], const uint32 (&a)[MT][4], uint32 b_lane_base, int k0) {
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
         uint32 b[4];
-        load_fragment<B_COLS, B_COL_MAJOR>(b, b_lane_base, np, k0);
+        load_fragment<B_COLS, B_COL_MAJOR, 4, XOR_LAST>(b, b_lane_base, np, k0);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             mma_16x8x16<BF16>(acc[mt][2 * np], a[mt], b[0], b[1]);
@@ -239,7 +253,7 @@ __device__ __forceinline__ void mma_step(float (&acc)[MT][NT][4], const uint32 (
     }
     if (NT % 2 == 1) {
         uint32 b[2];
-        load_fragment<B_COLS, B_COL_MAJOR>(b, b_lane_base, NT / 2, k0);
+        load_fragment<B_COLS, B_COL_MAJOR, 2, XOR_LAST>(b, b_lane_base, NT / 2, k0);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) mma_16x8x16<BF16>(acc[mt][NT - 1], a[mt], b[0], b[1]);
     }
@@ -261,12 +275,12 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const uint16*
 }
 
 // The same with A already in registers, a[k16][mt][4] (e.g. P after the softmax).
-template <bool BF16, int MT, int NT, int K, int B_COLS, bool B_COL_MAJOR>
+template <bool BF16, int MT, int NT, int K, int B_COLS, bool B_COL_MAJOR, bool XOR_LAST = false>
 __device__ __forceinline__ void warp_gemm_a_in_registers(float (&acc)[MT][NT][4], const uint32 (&a)[K / 16][MT][4],
                                                          const uint16* tile_b, int n0) {
     const uint32 b_lane_base = b_base<B_COLS, B_COL_MAJOR>(tile_b, n0);
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) mma_step<BF16, MT, NT, B_COLS, B_COL_MAJOR>(acc, a[kk], b_lane_base, 16 * kk);
+    for (int kk = 0; kk < K / 16; ++kk) mma_step<BF16, MT, NT, B_COLS, B_COL_MAJOR, XOR_LAST>(acc, a[kk], b_lane_base, 16 * kk);
 }
 
 // Maps an accumulator element to its (row, col) inside the warp tile.

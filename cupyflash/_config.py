@@ -14,9 +14,9 @@ MAX_HEADDIM = HEADDIMS[-1]
 
 # (block_m, block_n, warps, stages) per family, pass and head dim. `stages` is the number of buffers
 # for the tiles a CTA streams through (bwd: Q, dO, lse, D; fwd: K and V).
-# Shared memory per CTA (row = (hd + 16) 2 bytes, cuda_src/tile.cuh):
+# Shared memory per CTA (row = row_bytes(hd), cuda_src/tile.cuh):
 #   fwd: (block_m + 2 block_n stages) row                                        (Q, K, V)
-#   bwd: 2 block_n row + stages (2 block_m row + 8 block_m) + 2 block_m (block_n + 16) 2
+#   bwd: 2 block_n row + stages (2 block_m row + 8 block_m) + 2 block_m row_bytes(block_n)
 # and it must fit the family's opt-in limit: sm80 163 KiB, sm86/sm89 99 KiB, sm90 227 KiB.
 #
 # sm90 choices measured on an H200 (bench/tiles.py, bf16, 16k tokens, seqlen 4096, TFLOP/s
@@ -107,11 +107,17 @@ class Tile:
         return 32 * self.warps
 
     def smem_bytes(self, pass_):
-        row = (self.headdim + 16) * 2
+        row = row_bytes(self.headdim)
         if kernel_pass(pass_) == "fwd":
             return (self.block_m + 2 * self.block_n * self.stages) * row
         return (2 * self.block_n * row + self.stages * (2 * self.block_m * row + 8 * self.block_m)
-                + 2 * self.block_m * (self.block_n + 16) * 2)
+                + 2 * self.block_m * row_bytes(self.block_n))
+
+
+def row_bytes(cols):
+    """Bytes per shared-memory row of a tile `cols` 16-bit elements wide: as TileLayout in
+    cuda_src/tile.cuh, swizzled (unpadded) at 128 and 256, else padded by 16 elements."""
+    return 2 * (cols if cols in (128, 256) else cols + 16)
 
 
 def padded_headdim(headdim):

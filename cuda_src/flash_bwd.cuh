@@ -38,6 +38,9 @@ struct WarpGrid {
     static constexpr int MT = kWarpRows / 16;
     static constexpr int NT = COLS / kWarpsN / 8;
     static_assert(even_split(ROWS, COLS, WARPS, kWarpRows), "warps must tile the product evenly");
+    // Column offsets are multiples of a warp's span, 8 NT; with NT a power of two the XOR steps of
+    // TileLayout::moved inside a swizzled tile never carry into them.
+    static_assert(!TileLayout<COLS>::kSwizzled || (NT & (NT - 1)) == 0, "a warp's columns in a swizzled tile span a power of two");
     __device__ static int row0() { return (threadIdx.x / 32) % kWarpsM * kWarpRows; }
     __device__ static int col0() { return (threadIdx.x / 32) / kWarpsM * (8 * NT); }
 };

@@ -64,6 +64,9 @@ struct BwdTile {
                                       + STAGES * kQStage
                                       + TileLayout<BLOCK_N>::template bytes<2 * BLOCK_M>();  // P, dS
     static_assert(BLOCK_M <= kThreads, "one thread loads each row's lse and D");
+    static_assert(TileLayout<HEADDIM>::template bytes<BLOCK_N>() % 128 == 0 && kQStage % 128 == 0
+                  && TileLayout<BLOCK_N>::template bytes<BLOCK_M>() % 128 == 0,
+                  "every tile starts on a 128-byte boundary, as swizzled tiles need");
     static_assert(STAGES == 1 || STAGES == 2, "one or two query-side buffers");
 };
 

@@ -115,6 +115,9 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     typedef typename T::Q GQ;
     constexpr int kStride = TileLayout<HEADDIM>::kStride;
     __builtin_assume(threadIdx.x < T::kThreads);  // every thread is active in the tile copies, without a test
+    // The LOCAL hd256 kernels with two stages XOR dK's and dV's operand addresses after the step
+    // (TileLayout::moved): with XORed bases kept live they spilled 20 bytes.
+    constexpr bool kXorLast = LOCAL && HEADDIM == 256 && STAGES == 2;
 
     extern __shared__ __align__(128) uint16 smem[];
     uint16* s_k = smem;
@@ -232,9 +235,9 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         __syncthreads();  // P and dS are complete
 
         // dV += P^T dO and dK += dS^T Q: the A operands are read transposed out of the P and dS tiles.
-        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false>(acc_dv, s_p, GKV::row0(), sdo,
+        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false, kXorLast>(acc_dv, s_p, GKV::row0(), sdo,
                                                                                    GKV::col0());
-        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false>(acc_dk, s_ds, GKV::row0(), sq,
+        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false, kXorLast>(acc_dk, s_ds, GKV::row0(), sq,
                                                                                    GKV::col0());
         if (STAGES == 1) {
             __syncthreads();  // Q and dO are free: fetch the next block while dQ is computed

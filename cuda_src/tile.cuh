@@ -260,7 +260,7 @@ __device__ __forceinline__ void mma_step(float (&acc)[MT][NT][4], const uint32 (
 }
 
 // acc[MT][NT] += A[m0 : m0 + 16 MT, 0 : K] * B[0 : K, n0 : n0 + 8 NT], both from shared memory.
-template <bool BF16, int MT, int NT, int K, int A_COLS, bool A_ROW_MAJOR, int B_COLS, bool B_COL_MAJOR>
+template <bool BF16, int MT, int NT, int K, int A_COLS, bool A_ROW_MAJOR, int B_COLS, bool B_COL_MAJOR, bool XOR_LAST = false>
 __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const uint16* tile_a, int m0,
                                           const uint16* tile_b, int n0) {
     const uint32 a_lane_base = a_base<A_COLS, A_ROW_MAJOR>(tile_a, m0);
@@ -269,8 +269,8 @@ __device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], const uint16*
     for (int k0 = 0; k0 < K; k0 += 16) {
         uint32 a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) load_fragment<A_COLS, A_ROW_MAJOR>(a[mt], a_lane_base, mt, k0);
-        mma_step<BF16, MT, NT, B_COLS, B_COL_MAJOR>(acc, a, b_lane_base, k0);
+        for (int mt = 0; mt < MT; ++mt) load_fragment<A_COLS, A_ROW_MAJOR, 4, XOR_LAST>(a[mt], a_lane_base, mt, k0);
+        mma_step<BF16, MT, NT, B_COLS, B_COL_MAJOR, XOR_LAST>(acc, a, b_lane_base, k0);
     }
 }
 

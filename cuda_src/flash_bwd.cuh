@@ -235,10 +235,10 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         __syncthreads();  // P and dS are complete
 
         // dV += P^T dO and dK += dS^T Q: the A operands are read transposed out of the P and dS tiles.
-        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false, kXorLast>(acc_dv, s_p, GKV::row0(), sdo,
-                                                                                   GKV::col0());
-        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false, kXorLast>(acc_dk, s_ds, GKV::row0(), sq,
-                                                                                   GKV::col0());
+        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false, kXorLast>(acc_dv, s_p, GKV::row0(),
+                                                                                             sdo, GKV::col0());
+        warp_gemm<BF16, GKV::MT, GKV::NT, BLOCK_M, BLOCK_N, false, HEADDIM, false, kXorLast>(acc_dk, s_ds, GKV::row0(),
+                                                                                             sq, GKV::col0());
         if (STAGES == 1) {
             __syncthreads();  // Q and dO are free: fetch the next block while dQ is computed
             if (step + 1 < steps) load_step(next_head, next_row0, 0);

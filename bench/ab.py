@@ -6,7 +6,9 @@
 Each OLD_DIR holds the .cuh files of another version (e.g. `git show REV:cuda_src/flash_fwd.cuh`
 for each file). The versions take turns (ROUNDS rounds) and each cell is the best round, so a
 slow spell of the machine hurts both alike. The versions must share params.cuh's FlashParams
-(the launch code is the current one). Prints TFLOP/s non-causal/causal, bf16, 16k tokens, hidden
+(the launch code is the current one), and `_config.Tile.smem_bytes`: a version whose tiles take
+other shared-memory sizes needs it swapped in `use` while that version runs (each kernel checks
+it at compile time). Prints TFLOP/s non-causal/causal, bf16, 16k tokens, hidden
 2048 (FLOPs as in ../shared/peers/README.md). Edit CASES and SEQLENS for the question at hand.
 """
 

@@ -115,9 +115,9 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     typedef typename T::Q GQ;
     constexpr int kStride = TileLayout<HEADDIM>::kStride;
     __builtin_assume(threadIdx.x < T::kThreads);  // every thread is active in the tile copies, without a test
-    // The LOCAL hd256 kernels with two stages XOR dK's and dV's operand addresses after the step
-    // (TileLayout::moved): with XORed bases kept live they spilled 20 bytes.
-    constexpr bool kXorLast = LOCAL && HEADDIM == 256 && STAGES == 2;
+    // The hd256 kernels with two stages XOR dK's and dV's operand addresses after the step
+    // (TileLayout::moved): with XORed bases kept live they spilled 16-24 bytes.
+    constexpr bool kXorLast = HEADDIM == 256 && STAGES == 2;
 
     extern __shared__ __align__(128) uint16 smem[];
     uint16* s_k = smem;
@@ -131,7 +131,9 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     auto s_lse = [&](int stage) { return reinterpret_cast<float*>(s_do(stage) + BLOCK_M * kStride); };
     auto s_dot = [&](int stage) { return s_lse(stage) + BLOCK_M; };
 
-    const int n_block = blockIdx.x, head_k = blockIdx.y, batch = blockIdx.z;
+    // The first key blocks first: with a causal mask the most query blocks see them (grid_slot).
+    const GridSlot slot = grid_slot<LOCAL>(p);
+    const int n_block = slot.block, head_k = slot.head, batch = slot.batch;
     const int key0 = n_block * BLOCK_N;
     const Sequence seq(p, batch);
     if (key0 >= seq.seqlen_k) return;  // a varlen grid covers the longest sequence

@@ -44,9 +44,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // Block n's K tile, followed by its V tile.
     auto s_k = [&](int n_block) { return smem + (BLOCK_M + (STAGES == 1 ? 0 : n_block & 1) * 2 * BLOCK_N) * kStride; };
 
-    // The last query blocks first: with a causal mask they see the most keys, and the grid's
-    // tail is then made of short CTAs.
-    const int m_block = gridDim.x - 1 - blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    // The last query blocks first: with a causal mask they see the most keys (grid_slot).
+    const GridSlot slot = grid_slot<LOCAL>(p);
+    const int m_block = slot.blocks - 1 - slot.block, head = slot.head, batch = slot.batch;
     const int head_k = head / (p.nheads / p.nheads_k);
     const int row0 = m_block * BLOCK_M;
     const int warp_row0 = (threadIdx.x / 32) * T::kWarpRows;

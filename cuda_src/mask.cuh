@@ -38,6 +38,23 @@ struct Sequence {
     }
 };
 
+// A CTA's (block, head, batch). CTAs start in about launch order, x fastest, and under a causal
+// mask a block's weight follows its index (each kernel maps the slot's block 0 to its heaviest).
+// With p.block_major the grid is (heads, blocks, batch): a batch entry's heads all start their
+// heavy blocks first and the grid ends on light CTAs, where (blocks, heads, batch) ends on the
+// last head's heaviest CTA while the other SMs idle. Only blockIdx and a parameter, no arithmetic:
+// ptxas re-reads these where registers are short (computed indices made the LOCAL hd128 backward spill).
+struct GridSlot {
+    int block, blocks, head, batch;
+};
+
+template <bool LOCAL>
+__device__ __forceinline__ GridSlot grid_slot(const FlashParams& p) {
+    const bool block_major = LOCAL && p.block_major;
+    return GridSlot{int(block_major ? blockIdx.y : blockIdx.x), int(block_major ? gridDim.y : gridDim.x),
+                    int(block_major ? blockIdx.x : blockIdx.y), int(blockIdx.z)};
+}
+
 template <bool LOCAL>
 __device__ __forceinline__ bool is_visible(const FlashParams& p, const Sequence& seq, int row, int col) {
     return col < seq.seqlen_k

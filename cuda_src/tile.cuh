@@ -1,13 +1,14 @@
 // Shared-memory tiles and the warp-level matrix products built on them.
 //
 // A tile is ROWS x COLS 16-bit elements, row-major, in one of two layouts (TileLayout, by COLS):
-// - Swizzled (COLS 128 or 256): rows are not padded, so each row is whole 128-byte lines, and
+// - Swizzled (COLS 64, 128 or 256): rows are not padded, so each row is whole 128-byte lines, and
 //   in row r the 16-byte chunk c of each line sits at c ^ (r % 8). The 8 lanes of a cp.async that
 //   read one 128-byte line of global memory write one line of shared memory (a warp's copy is 4
 //   shared-memory wavefronts; with padded rows it straddled lines: 7), and the 8 rows that one
 //   ldmatrix phase reads sit in 8 different 16-byte bank groups: no conflicts. A step of 16
 //   columns is an XOR of the lane's address (TileLayout::moved), a step of 8 rows an add.
-//   (At 64 columns, the hd64 tiles, the backward was 1-2% slower swizzled than padded.)
+//   (At 64 columns, swizzled against padded: +2% in the non-causal hd64 passes, -1% in the
+//   causal hd64 backward, whose loop has 22 more SASS instructions; bench/NOTES.md v13.)
 // - Padded (other widths): each row padded by 16 elements (32 bytes), and in rows with bit 2 set
 //   each 16-byte chunk trades places with its neighbour (chunk c sits at c ^ 1). Rows start on
 //   32-byte boundaries (every 32-byte sector a cp.async reads lands in one aligned sector); a padded
@@ -24,7 +25,7 @@
 template <int COLS>
 struct TileLayout {
     static_assert(COLS % 32 == 0, "tile columns must be a multiple of 32");
-    static constexpr bool kSwizzled = COLS == 128 || COLS == 256;
+    static constexpr bool kSwizzled = COLS == 64 || COLS == 128 || COLS == 256;
     static constexpr int kStride = kSwizzled ? COLS : COLS + 16;  // elements per smem row
     template <int ROWS>
     __host__ __device__ static constexpr int bytes() { return ROWS * kStride * 2; }

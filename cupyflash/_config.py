@@ -119,8 +119,8 @@ class Tile:
 
 def row_bytes(cols):
     """Bytes per shared-memory row of a tile `cols` 16-bit elements wide: as TileLayout in
-    cuda_src/tile.cuh, swizzled (unpadded) at 128 and 256, else padded by 16 elements."""
-    return 2 * (cols if cols in (128, 256) else cols + 16)
+    cuda_src/tile.cuh, swizzled (unpadded) at 64, 128 and 256, else padded by 16 elements."""
+    return 2 * (cols if cols in (64, 128, 256) else cols + 16)
 
 
 def padded_headdim(headdim):

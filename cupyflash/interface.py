@@ -285,7 +285,7 @@ def _check_qkv(q, k, v, caller, varlen=None):
     if caller.kind != "numpy":
         for name, array in (("q", q), ("k", k), ("v", v)):
             _check_last_dim_contiguous(name, array)
-        if shape.batch > 65535 or shape.nheads > 65535:
+        if shape.batch > _MAX_GRID_YZ or shape.nheads > _MAX_GRID_YZ:
             raise ValueError(f"batch and nheads must be at most 65535 (grid limits), got "
                              f"batch {shape.batch}, nheads {shape.nheads}")
     return shape
@@ -434,6 +434,12 @@ def _device_info(device_id):
     return device, (int(cc[:-1]), int(cc[-1])), device.attributes["MaxSharedMemoryPerBlockOptin"]
 
 
+@functools.cache
+def _l2_bytes(device_id):
+    import cupy
+    return cupy.cuda.Device(device_id).attributes["L2CacheSize"]
+
+
 def _tile(pass_, headdim, device_id):
     _, cc, smem_limit = _device_info(device_id)
     return _config.tile_for(pass_, headdim, cc, smem_limit)
@@ -444,6 +450,7 @@ _MAX_PLANS = 4096  # shapes seen by one process; past this the cache starts afre
 
 
 _UNBOUNDED = 1 << 30   # a window side with no bound, as cuda_src/mask.cuh expects
+_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions
 _TILE_INPUTS = ("q", "k", "v", "out", "dout")  # 16-bit tensors read by 16-byte cp.async
 
 
@@ -603,7 +610,7 @@ def _tensor_strides(strides, varlen):
     return (0, *strides[:2]) if varlen is not None else strides[:3]
 
 
-def _param_block(shape, tile, scale, strides, opts, inputs, semaphore_blocks=0):
+def _param_block(shape, tile, scale, strides, opts, inputs, block_major, semaphore_blocks=0):
     """The FlashParams block without pointers; `strides` maps each (batch, seqlen, heads, headdim)
     tensor of the call (q, k, v, out, dout, dq, dk, dv) to its (batch, row, head) element strides."""
     left, right = (_UNBOUNDED if side < 0 else side for side in opts.window_size)
@@ -611,7 +618,7 @@ def _param_block(shape, tile, scale, strides, opts, inputs, semaphore_blocks=0):
     dq_accum_rows = _dq_accum_rows(shape)
     dq_accum_strides = (0, dq_accum_rows) if shape.varlen else (shape.nheads * dq_accum_rows, dq_accum_rows)
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
-                  seqlen_k=shape.seqlen_k, headdim=shape.headdim, headdim_padded=tile.headdim,
+                  seqlen_k=shape.seqlen_k, headdim=shape.headdim, headdim_padded=tile.headdim, block_major=int(block_major),
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e),
                   stats_batch_stride=stats_strides[0], stats_head_stride=stats_strides[1],
                   dq_accum_batch_stride=dq_accum_strides[0], dq_accum_head_stride=dq_accum_strides[1],
@@ -648,6 +655,14 @@ def _broadcast_strides(shape, strides):
     return tuple(0 if size == 1 else stride for size, stride in zip((1,) * pad + tuple(shape), (0,) * pad + tuple(strides)))
 
 
+def _block_grid(blocks, heads, batch, local):
+    """(grid, block_major) of a forward or backward kernel: (blocks, heads, batch), or for the LOCAL
+    kernels (heads, blocks, batch), which starts every head's heavy causal blocks first
+    (cuda_src/mask.cuh grid_slot), where the grid's y dimension can hold the blocks."""
+    block_major = local and blocks <= _MAX_GRID_YZ
+    return ((heads, blocks, batch) if block_major else (blocks, heads, batch)), block_major
+
+
 def _forward_plan(caller, shape, scale, opts, inputs, varlen):
     tile = _tile("fwd", shape.headdim, caller.device_id)
     q = inputs["q"]
@@ -655,9 +670,14 @@ def _forward_plan(caller, shape, scale, opts, inputs, varlen):
     strides = {name: _tensor_strides(_element_strides(inputs[name]), varlen) for name in ("q", "k", "v")}
     strides["out"] = _tensor_strides(_contiguous_strides(q.shape), varlen)
     kernel = _kernels.Kernel("fwd", dtype, tile, opts.local, shape.headdim == tile.headdim, opts.extras("fwd"))
-    grid = (-(-shape.seqlen_q // tile.block_m), shape.nheads, shape.batch)
+    # A one-stage forward waits for each block's K and V. Block-major, the CTAs running at once
+    # read the K and V of all of a batch entry's heads, so there they must fit in L2 (hd256 at 16k:
+    # 128 MiB, and 3% slower block-major than head-major; bench/NOTES.md v13).
+    kv_fits_l2 = 2 * shape.nheads_k * shape.seqlen_k * tile.headdim * 2 <= _l2_bytes(caller.device_id)
+    grid, block_major = _block_grid(-(-shape.seqlen_q // tile.block_m), shape.nheads, shape.batch,
+                                    opts.local and (tile.stages == 2 or kv_fits_l2))
     outputs = [_Output("out", tuple(q.shape), dtype), _Output("lse", shape.stats, "float32")]
-    return _Plan(caller, _param_block(shape, tile, scale, strides, opts, inputs), inputs, outputs,
+    return _Plan(caller, _param_block(shape, tile, scale, strides, opts, inputs, block_major), inputs, outputs,
                  [_Launch(kernel, grid)], lambda o: (o["out"], o["lse"]))
 
 
@@ -678,13 +698,13 @@ def _backward_plan(caller, shape, scale, opts, inputs, varlen):
         semaphore_blocks = -(-shape.seqlen_q // tile.block_m)
         outputs.append(_Output("dq_semaphore", (shape.batch * shape.nheads * semaphore_blocks,), "int32", True))
     finish = lambda o: (o["dq"], o["dk"], o["dv"])  # noqa: E731
-    params = _param_block(shape, tile, scale, strides, opts, inputs, semaphore_blocks)
+    grid, block_major = _block_grid(-(-shape.seqlen_k // tile.block_n), shape.nheads_k, shape.batch, opts.local)
+    params = _param_block(shape, tile, scale, strides, opts, inputs, block_major, semaphore_blocks)
     if opts.return_dbias:
         finish = _add_dbias(caller, params, outputs, opts, shape, inputs["attn_bias"])
     row_grid = (-(-shape.seqlen_q // _kernels.ROW_KERNEL_ROWS), shape.nheads, shape.batch)
     launches = [_Launch(_kernels.Kernel("bwd_dot", dtype), row_grid),
-                _Launch(_kernels.Kernel("bwd", dtype, tile, opts.local, shape.headdim == tile.headdim, extras),
-                        (-(-shape.seqlen_k // tile.block_n), shape.nheads_k, shape.batch)),
+                _Launch(_kernels.Kernel("bwd", dtype, tile, opts.local, shape.headdim == tile.headdim, extras), grid),
                 _Launch(_kernels.Kernel("bwd_convert_dq", dtype), row_grid)]
     return _Plan(caller, params, inputs, outputs, launches, finish)
 

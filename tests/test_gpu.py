@@ -51,6 +51,23 @@ def test_every_tile_table(family, case, monkeypatch):
     _assert_ok(_check.run_gpu_case(case, _seed(case) + len(family)))
 
 
+@pytest.mark.parametrize("block_major", [False, True])
+@pytest.mark.parametrize("case", [Case(300, 300, 64, "bfloat16", True, batch=3, nheads=4, nheads_k=2),
+                                  Case(300, 260, 128, "float16", False, batch=3, nheads=4, nheads_k=2, window=(70, 20)),
+                                  Case.packed((300, 17, 250), (300, 17, 250), 64, "bfloat16", True, nheads=4, nheads_k=2,
+                                              deterministic=True)], ids=str)
+def test_local_kernels_in_either_grid_order(block_major, case, monkeypatch):
+    """The LOCAL kernels' grids (cuda_src/mask.cuh grid_slot): block-major, and head-major (taken
+    where the blocks exceed the grid's y limit); the deterministic backward's turns come in launch
+    order in both."""
+    from cupyflash import interface
+    monkeypatch.setattr(interface, "_plans", {})
+    block_grid = interface._block_grid
+    monkeypatch.setattr(interface, "_block_grid",
+                        lambda blocks, heads, batch, local: block_grid(blocks, heads, batch, local and block_major))
+    _assert_ok(_check.run_gpu_case(case, _seed(case) + block_major))
+
+
 def test_forced_tile_table_gets_its_own_plan(monkeypatch):
     """A cached launch plan of the native table is not reused once CUPYFLASH_TILES forces another."""
     from cupyflash import _config, flash_attn_backward, flash_attn_func, interface

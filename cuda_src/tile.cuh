@@ -8,7 +8,7 @@
 //   ldmatrix phase reads sit in 8 different 16-byte bank groups: no conflicts. A step of 16
 //   columns is an XOR of the lane's address (TileLayout::moved), a step of 8 rows an add.
 //   (At 64 columns, swizzled against padded: +2% in the non-causal hd64 passes, -1% in the
-//   causal hd64 backward, whose loop has 22 more SASS instructions; bench/NOTES.md v13.)
+//   causal hd64 backward, whose loop has 24 more SASS instructions; bench/NOTES.md v13.)
 // - Padded (other widths): each row padded by 16 elements (32 bytes), and in rows with bit 2 set
 //   each 16-byte chunk trades places with its neighbour (chunk c sits at c ^ 1). Rows start on
 //   32-byte boundaries (every 32-byte sector a cp.async reads lands in one aligned sector); a padded

@@ -618,8 +618,8 @@ def _param_block(shape, tile, scale, strides, opts, inputs, block_major, semapho
     dq_accum_rows = _dq_accum_rows(shape)
     dq_accum_strides = (0, dq_accum_rows) if shape.varlen else (shape.nheads * dq_accum_rows, dq_accum_rows)
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
-                  seqlen_k=shape.seqlen_k, headdim=shape.headdim, headdim_padded=tile.headdim, block_major=int(block_major),
-                  softmax_scale=scale, scale_log2=scale * math.log2(math.e),
+                  seqlen_k=shape.seqlen_k, headdim=shape.headdim, headdim_padded=tile.headdim,
+                  block_major=int(block_major), softmax_scale=scale, scale_log2=scale * math.log2(math.e),
                   stats_batch_stride=stats_strides[0], stats_head_stride=stats_strides[1],
                   dq_accum_batch_stride=dq_accum_strides[0], dq_accum_head_stride=dq_accum_strides[1],
                   window_left=left, window_right=right, inv_softmax_scale=1.0 / scale,

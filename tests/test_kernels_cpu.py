@@ -60,14 +60,14 @@ def test_head_dims_round_up_to_a_kernel_head_dim(headdim, padded):
     assert _config.padded_headdim(headdim) == padded
 
 
-# -------------------------------------------------------------------------------- params struct
-
 def test_local_kernels_launch_block_major_within_the_grid_limit():
     from cupyflash.interface import _block_grid
     assert _block_grid(128, 16, 2, local=True) == ((16, 128, 2), True)
     assert _block_grid(65536, 16, 2, local=True) == ((65536, 16, 2), False)
     assert _block_grid(128, 16, 2, local=False) == ((128, 16, 2), False)
 
+
+# -------------------------------------------------------------------------------- params struct
 
 def test_params_dtype_follows_the_header():
     dtype = _params.params_dtype()

@@ -86,9 +86,10 @@ def median_ms(timers, reps=5, report=print):
     return {key: float(numpy.median(values)) for key, values in samples.items()}
 
 
-def _add_derived_bwd(times, impl):
-    """For an implementation whose backward cannot be timed alone (JAX's): bwd = (fwd+bwd) - fwd."""
-    if {(impl, "fwd"), (impl, "fwd+bwd")} <= times.keys():
+def _add_derived_bwd(times, timers, impl):
+    """For an implementation whose backward cannot be timed alone (JAX's: no bwd timer among
+    `timers`): bwd = (fwd+bwd) - fwd, where both were timed."""
+    if (impl, "bwd") not in timers and {(impl, "fwd"), (impl, "fwd+bwd")} <= times.keys():
         times[impl, "bwd"] = times[impl, "fwd+bwd"] - times[impl, "fwd"]
 
 
@@ -222,7 +223,7 @@ def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 163
         batch, nheads = TOKENS // seqlen, HIDDEN // hd
         torch_dtype = getattr(torch, dtype)
         q, k, v, dout = (torch.randn(batch, seqlen, nheads, hd, device="cuda", dtype=torch_dtype) for _ in range(4))
-        timers, expected, derived_bwd = {}, None, set()
+        timers, expected = {}, None
         # cupyflash first: its results are what the peers' are checked against
         for impl in sorted((i for i in impls if i not in missing), key=lambda i: i != "cupyflash"):
             try:
@@ -235,8 +236,6 @@ def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 163
                            f"({', '.join(sorted(wrong))}): those cells are left blank")
                 timers.update({(impl, pass_): BatchTimer(fn, sync)
                                for pass_, (fn, sync) in calls.timed.items() if pass_ not in wrong})
-                if "bwd" not in calls.timed:
-                    derived_bwd.add(impl)
             except ImportError as error:  # a peer not installed here: blank cells, said once
                 missing.add(impl)
                 report(f"  {impl} is not available: {error}")
@@ -246,8 +245,8 @@ def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 163
         # The implementations' batches take turns (median_ms): a cell's ratios compare times
         # taken in the same seconds, under the same power cap.
         times = median_ms(timers, reps=7, report=report)
-        for impl in derived_bwd:
-            _add_derived_bwd(times, impl)
+        for impl in impls:
+            _add_derived_bwd(times, timers, impl)
         calls = timers = None  # the cell's tensors go before the next cell's
         torch.cuda.empty_cache()
         for impl in impls:
@@ -400,8 +399,7 @@ def run_options(seqlens=(4096, 16384), headdim=128, report=print):
                 except Exception as error:
                     report(f"  {peer} failed at {option} s{seqlen}: {type(error).__name__}: {str(error)[:160]}")
             times = median_ms(timers, report=report)
-            if (peer, "bwd") not in timers:
-                _add_derived_bwd(times, peer)
+            _add_derived_bwd(times, timers, peer)
             timers = None
             for pass_ in ("fwd", "bwd"):
                 results.append((option, seqlen, pass_, times.get(("cupyflash", pass_), math.nan), peer or "",

@@ -1,4 +1,4 @@
-"""The benchmark's check of a peer's results: a pass with wrong results is left blank, not timed."""
+"""The benchmark's bookkeeping: a peer's wrong results left blank, turns, derived backward times."""
 
 import pytest
 
@@ -48,3 +48,14 @@ def test_median_ms_takes_turns_in_shuffled_orders_and_leaves_out_a_timer_that_fa
     rounds += [rest[i:i + 3] for i in range(0, len(rest), 3)]
     assert [sorted(r) for r in rounds] == [list("abcd")] * 2 + [list("abd")] * (reps - 2)
     assert len({tuple(r) for r in rounds[2:]}) > 1
+
+
+def test_a_backward_without_its_own_timer_is_derived_from_fwd_and_fwd_bwd():
+    timers = {("jax", "fwd"): None, ("jax", "fwd+bwd"): None, ("torch", "fwd"): None, ("torch", "bwd"): None,
+              ("torch", "fwd+bwd"): None, ("slow", "fwd"): None, ("slow", "fwd+bwd"): None}
+    times = {("jax", "fwd"): 1.0, ("jax", "fwd+bwd"): 3.5, ("torch", "fwd"): 1.0, ("torch", "fwd+bwd"): 3.0,
+             ("slow", "fwd"): 2.0}  # torch's bwd timer failed while timed; slow's fwd+bwd too
+    for impl in ("jax", "torch", "slow", "missing"):
+        benchmark._add_derived_bwd(times, timers, impl)
+    assert times[("jax", "bwd")] == 2.5
+    assert ("torch", "bwd") not in times and ("slow", "bwd") not in times and ("missing", "bwd") not in times

@@ -49,8 +49,8 @@ MAX_HEADDIM = HEADDIMS[-1]
 #     fwd hd64:  128x64/4w/s1 277/221, 304/276, 317/300 | 128x64/4w/s2 285/217, 309/272, 309/293
 #     fwd hd256: 64x64/4w/s1 271/217, 292/265, 299/298  | 64x32/4w/s2 239/194, 260/223, 263/236; 64x64/4w/s2
 #                (one CTA per SM) 215/179, 233/211, 238/224
-#   eighth session (swizzled 256-wide tiles; the LOCAL kernels XOR dK's and dV's addresses last),
-#   bf16 4k / 16k:
+#   eighth session (swizzled 256-wide tiles; the LOCAL kernels XOR dK's and dV's addresses last, as
+#   since the ninth the plain ones do too), bf16 4k / 16k:
 #     bwd hd256: 64x64/8w/s2 254/236, 261/266 | 64x64/8w/s1 249/233, 255/262
 #   fwd hd192 takes 64x32 with two stages: 64x64 spills 148-176 bytes in its LOCAL variants and 64x32
 #   with one stage 12-60 (since the LOCAL kernels' main loop has no mask code); not timed. So does

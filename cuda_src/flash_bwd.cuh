@@ -53,6 +53,72 @@ __device__ __forceinline__ long long dq_accum_index(long long row, int col, int 
     return (row & ~7LL) * width + (col & ~7) * 8 + (row & 7) * 8 + (col & 7);
 }
 
+// The plain backward's last partial wave. Every CTA walks all the query steps of its key block,
+// so the grid's last (CTAs mod resident CTAs) would run on a few SMs while the others idle;
+// interface._tail_split may give each of its last p.tail_units CTAs (in launch order) to
+// p.tail_parts pieces instead: CTAs of z slices past the batch, each walking a share of the steps.
+// A piece adds its dK and dV into dkv_accum; the last of a key block's pieces to finish reads the
+// sums back and stores them as an ordinary CTA does.
+struct TailSplit {
+    GridSlot slot;
+    int unit;   // the key block's index among the split ones; -1 for an ordinary CTA
+    int part;
+    bool idle;  // a split CTA of the ordinary grid, or past the last piece
+
+    __device__ __forceinline__ TailSplit(const FlashParams& p, GridSlot grid_slot, bool may_split)
+        : slot(grid_slot), unit(-1), part(0), idle(false) {
+        if (!may_split || p.tail_units == 0) return;
+        const int per_batch = gridDim.x * gridDim.y;
+        const int units = p.batch * per_batch;
+        const int id = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;  // launch order
+        if (id < units - p.tail_units) return;
+        const int piece = id - units;
+        idle = piece < 0 || piece >= p.tail_units * p.tail_parts;
+        if (idle) return;
+        unit = piece / p.tail_parts;
+        part = piece - unit * p.tail_parts;
+        const int split = units - p.tail_units + unit;
+        slot.block = split % gridDim.x;
+        slot.head = split / gridDim.x % gridDim.y;
+        slot.batch = split / per_batch;
+    }
+
+    // This piece's share [first, first + count) of `steps` steps.
+    __device__ __forceinline__ int first(int steps, const FlashParams& p) const { return part * steps / p.tail_parts; }
+    __device__ __forceinline__ int count(int steps, const FlashParams& p) const {
+        return (part + 1) * steps / p.tail_parts - first(steps, p);
+    }
+
+    // Adds the piece's dK and dV (a CTA's fragments, `elements` = BLOCK_N x HEADDIM each) into the
+    // sums. Returns false but in the key block's last piece, which gets the sums in `dk` and `dv`.
+    // The sums are in fragment order: one reduction of a warp adds 256 contiguous bytes.
+    template <int MT, int NT>
+    __device__ __forceinline__ bool gather(const FlashParams& p, float (&dk)[MT][NT][4], float (&dv)[MT][NT][4],
+                                           int elements) const {
+        float* sums = p.dkv_accum + 2LL * unit * elements + threadIdx.x / 32 * (MT * NT * 128) + threadIdx.x % 32 * 2;
+#pragma unroll
+        for (int i = 0; i < MT * NT * 2; ++i) {
+            const int mt = i / (NT * 2), nt = i / 2 % NT, half = i % 2;
+            atomic_add_pair(sums + 64 * i, dk[mt][nt][2 * half], dk[mt][nt][2 * half + 1]);
+            atomic_add_pair(sums + elements + 64 * i, dv[mt][nt][2 * half], dv[mt][nt][2 * half + 1]);
+        }
+        __syncthreads();  // every thread's adds are issued before the count
+        if (!__syncthreads_or(threadIdx.x == 0 && add_acq_rel(p.tail_pieces_done + unit, 1) == p.tail_parts - 1))
+            return false;
+#pragma unroll
+        for (int i = 0; i < MT * NT * 2; ++i) {
+            const int mt = i / (NT * 2), nt = i / 2 % NT, half = i % 2;
+            const float2 k_sum = __ldcg(reinterpret_cast<const float2*>(sums + 64 * i));
+            const float2 v_sum = __ldcg(reinterpret_cast<const float2*>(sums + elements + 64 * i));
+            dk[mt][nt][2 * half] = k_sum.x;
+            dk[mt][nt][2 * half + 1] = k_sum.y;
+            dv[mt][nt][2 * half] = v_sum.x;
+            dv[mt][nt][2 * half + 1] = v_sum.y;
+        }
+        return true;
+    }
+};
+
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES>
 struct BwdTile {
     static constexpr int kThreads = WARPS * 32;
@@ -132,14 +198,18 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     auto s_dot = [&](int stage) { return s_lse(stage) + BLOCK_M; };
 
     // The first key blocks first: with a causal mask the most query blocks see them (grid_slot).
-    const GridSlot slot = grid_slot<LOCAL>(p);
-    const int n_block = slot.block, head_k = slot.head, batch = slot.batch;
+    // The plain kernels may split the last partial wave (TailSplit).
+    constexpr bool kMaySplit = !LOCAL && !EXTRAS;
+    const TailSplit tail(p, grid_slot<LOCAL>(p), kMaySplit);
+    if (tail.idle) return;
+    const int n_block = tail.slot.block, head_k = tail.slot.head, batch = tail.slot.batch;
     const int key0 = n_block * BLOCK_N;
     const Sequence seq(p, batch);
     if (key0 >= seq.seqlen_k) return;  // a varlen grid covers the longest sequence
     const int group = p.nheads / p.nheads_k;
     const BlockRange query_blocks = query_blocks_seeing<LOCAL>(p, seq, key0, BLOCK_M, BLOCK_N);
-    const int steps = group * (query_blocks.end - query_blocks.first);
+    const int query_steps = query_blocks.end - query_blocks.first;
+    int steps = group * query_steps;
 
     const uint16* k = static_cast<const uint16*>(p.k) + batch * p.k_batch_stride + head_k * p.k_head_stride
                       + (seq.first_row_k + key0) * p.k_row_stride;
@@ -172,6 +242,12 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         }
     };
     int head = head_k * group, row0 = query_blocks.first * BLOCK_M;  // the current step's query block
+    if (kMaySplit && tail.unit >= 0) {
+        const int first = tail.first(steps, p);
+        steps = tail.count(steps, p);
+        head += first / query_steps;
+        row0 += first % query_steps * BLOCK_M;
+    }
     if (steps > 0) load_step(head, row0, 0);
     cp_async_commit();
 
@@ -293,6 +369,8 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         head = next_head;
         row0 = next_row0;
     }
+
+    if (kMaySplit && tail.unit >= 0 && !tail.gather(p, acc_dk, acc_dv, BLOCK_N * HEADDIM)) return;
 
     // dK and dV leave through the K and V tiles for 16-byte coalesced stores.
     cp_async_wait<0>();

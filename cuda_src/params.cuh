@@ -104,4 +104,12 @@ struct FlashParams {
     float dropout_scale;            // 1 / (1 - dropout_p); 0 disables dropout
     int* dq_semaphore;              // deterministic backward: one zeroed counter per (batch, head, query block)
     int dq_semaphore_blocks;        // query blocks per (batch, head)
+
+    // The plain backward's last partial wave (TailSplit in flash_bwd.cuh): the last tail_units
+    // CTAs of the (blocks, nheads_k, batch) grid are done by tail_parts pieces each, CTAs of the
+    // grid's z slices past the batch; 0 when not split.
+    int tail_units;
+    int tail_parts;
+    float* dkv_accum;               // fp32, zeroed: the split key blocks' dK and dV, summed by the pieces
+    int* tail_pieces_done;          // zeroed: one count per split key block
 };

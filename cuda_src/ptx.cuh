@@ -115,4 +115,14 @@ __device__ __forceinline__ void add_release(int* address, int value) {
     asm volatile("fence.acq_rel.gpu;\nred.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(address), "r"(value) : "memory");
 }
 
+// Adds to a GPU-scope counter and returns its old value: the CTA's earlier writes (made visible to
+// this thread by a barrier) are ordered before the add, and later reads see what the writers that
+// added before had ordered before theirs.
+__device__ __forceinline__ int add_acq_rel(int* address, int value) {
+    int old;
+    asm volatile("fence.acq_rel.gpu;\natom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n"
+                 : "=r"(old) : "l"(address), "r"(value) : "memory");
+    return old;
+}
+
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }

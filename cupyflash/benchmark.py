@@ -243,8 +243,9 @@ def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 163
                 report(f"  {impl} failed at {dtype} hd{hd} s{seqlen} causal={causal}: {type(error).__name__}: "
                        f"{str(error).splitlines()[0][:120] if str(error) else ''}")
         # The implementations' batches take turns (median_ms): a cell's ratios compare times
-        # taken in the same seconds, under the same power cap.
-        times = median_ms(timers, reps=7, report=report)
+        # taken in the same seconds, under the same power cap. With 7 rounds a cell's ratio moved
+        # by up to 5% between runs; 11 take about 2 minutes more.
+        times = median_ms(timers, reps=11, report=report)
         for impl in impls:
             _add_derived_bwd(times, timers, impl)
         calls = timers = None  # the cell's tensors go before the next cell's

@@ -663,6 +663,52 @@ def _block_grid(blocks, heads, batch, local):
     return ((heads, blocks, batch) if block_major else (blocks, heads, batch)), block_major
 
 
+def _split_last_wave(kernel, device, shape, grid, params, outputs):
+    """The grid of a plain backward whose last partial wave is split (flash_bwd.cuh TailSplit;
+    `params` and `outputs` get the split's fields and buffers), or `grid` where it is not."""
+    blocks, heads_k, batch = grid
+    tile = kernel.tile
+    units = blocks * heads_k * batch
+    steps = shape.nheads // heads_k * -(-shape.seqlen_q // tile.block_m)
+    tail_units, tail_parts = _tail_split(units, steps, _resident_ctas(kernel, device))
+    extra_z = -(-tail_units * tail_parts // (blocks * heads_k))  # the pieces' z slices
+    if not tail_units or batch + extra_z > _MAX_GRID_YZ or (batch + extra_z) * blocks * heads_k >= 2 ** 31:
+        return grid
+    params["tail_units"], params["tail_parts"] = tail_units, tail_parts
+    outputs += [_Output("dkv_accum", (tail_units * 2 * tile.block_n * tile.headdim,), "float32", True),
+                _Output("tail_pieces_done", (tail_units,), "int32", True)]
+    return blocks, heads_k, batch + extra_z
+
+
+def _resident_ctas(kernel, device):
+    """How many CTAs of `kernel` the device runs at once: SMs times what one SM holds (registers
+    are given out 256 per warp, and each CTA takes 1 KiB of shared memory for the system)."""
+    function, attributes = load(kernel, device), device.attributes
+    warps = kernel.threads // 32
+    by_registers = attributes["MaxRegistersPerMultiprocessor"] // (warps * -(-function.num_regs * 32 // 256) * 256)
+    by_smem = attributes["MaxSharedMemoryPerMultiprocessor"] // (kernel.smem_bytes + function.shared_size_bytes + 1024)
+    per_sm = min(by_registers, by_smem, attributes["MaxThreadsPerMultiProcessor"] // kernel.threads,
+                 attributes["MaxBlocksPerMultiprocessor"])
+    return attributes["MultiProcessorCount"] * max(per_sm, 1)
+
+
+def _tail_split(units, steps, resident):
+    """(tail_units, tail_parts) for a plain backward of `units` CTAs of `steps` query steps each,
+    `resident` of them running at once: the last units % resident CTAs would run while the other
+    slots idle, so each may be split into `tail_parts` pieces (flash_bwd.cuh TailSplit) that run as
+    one or more waves of shorter CTAs. Costs in steps: a CTA's own loads and stores count as one
+    step more, a piece's adds and sums as two. A split must save a fifth of the last wave."""
+    tail = units % resident
+    best_cost, best_parts = steps + 1, 1
+    for parts in range(2, min(steps, resident) + 1):
+        cost = -(-tail * parts // resident) * (-(-steps // parts) + 2)
+        if cost < best_cost:
+            best_cost, best_parts = cost, parts
+    if tail == 0 or best_cost > 0.8 * (steps + 1):
+        return 0, 1
+    return tail, best_parts
+
+
 def _forward_plan(caller, shape, scale, opts, inputs, varlen):
     tile = _tile("fwd", shape.headdim, caller.device_id)
     q = inputs["q"]
@@ -698,13 +744,17 @@ def _backward_plan(caller, shape, scale, opts, inputs, varlen):
         semaphore_blocks = -(-shape.seqlen_q // tile.block_m)
         outputs.append(_Output("dq_semaphore", (shape.batch * shape.nheads * semaphore_blocks,), "int32", True))
     finish = lambda o: (o["dq"], o["dk"], o["dv"])  # noqa: E731
-    grid, block_major = _block_grid(-(-shape.seqlen_k // tile.block_n), shape.nheads_k, shape.batch, opts.local)
+    blocks = -(-shape.seqlen_k // tile.block_n)
+    grid, block_major = _block_grid(blocks, shape.nheads_k, shape.batch, opts.local)
+    kernel = _kernels.Kernel("bwd", dtype, tile, opts.local, shape.headdim == tile.headdim, extras)
     params = _param_block(shape, tile, scale, strides, opts, inputs, block_major, semaphore_blocks)
+    if not (opts.local or extras or varlen):  # the kernels that may split their last wave
+        grid = _split_last_wave(kernel, caller.device(), shape, grid, params, outputs)
     if opts.return_dbias:
         finish = _add_dbias(caller, params, outputs, opts, shape, inputs["attn_bias"])
     row_grid = (-(-shape.seqlen_q // _kernels.ROW_KERNEL_ROWS), shape.nheads, shape.batch)
     launches = [_Launch(_kernels.Kernel("bwd_dot", dtype), row_grid),
-                _Launch(_kernels.Kernel("bwd", dtype, tile, opts.local, shape.headdim == tile.headdim, extras), grid),
+                _Launch(kernel, grid),
                 _Launch(_kernels.Kernel("bwd_convert_dq", dtype), row_grid)]
     return _Plan(caller, params, inputs, outputs, launches, finish)
 

@@ -68,6 +68,27 @@ def test_local_kernels_in_either_grid_order(block_major, case, monkeypatch):
     _assert_ok(_check.run_gpu_case(case, _seed(case) + block_major))
 
 
+# (case, CTAs at once) -> (split key blocks, pieces each), as interface._tail_split gives them
+@pytest.mark.parametrize("case, resident", [
+    (Case(700, 500, 128, "bfloat16", batch=2, nheads=4, nheads_k=2), 13),  # (3, 4): 5 or 6 steps a piece
+    (Case(700, 500, 128, "float16", batch=2, nheads=4, nheads_k=2), 15),   # (1, 11): a piece spans two heads
+    (Case(1000, 1000, 64, "bfloat16", batch=2, nheads=3, nheads_k=3), 23),              # (2, 8): a step a piece
+    (Case(1000, 1000, 64, "float16", batch=2, nheads=3, nheads_k=3), 40),               # (8, 4)
+    (Case(113, 300, 256, "bfloat16", batch=1, nheads=3, nheads_k=1), 2),    # (1, 2): 3 steps of 2 heads each
+    (Case(113, 300, 96, "float16", batch=1, nheads=3, nheads_k=1), 40),     # every key block split
+], ids=str)
+def test_backward_with_its_last_wave_split(case, resident, monkeypatch):
+    """The plain backward's last partial wave split into pieces (flash_bwd.cuh TailSplit), as if the
+    GPU ran `resident` CTAs at once: the split key blocks include a partial one, and pieces that
+    start and end inside a head's query blocks."""
+    from cupyflash import interface
+    monkeypatch.setattr(interface, "_plans", {})
+    monkeypatch.setattr(interface, "_resident_ctas", lambda kernel, device: resident)
+    _assert_ok(_check.run_gpu_case(case, _seed(case) + resident))
+    bwd_grids = [plan.launches[1][1] for plan in interface._plans.values() if len(plan.launches) == 3]
+    assert len(bwd_grids) == 1 and bwd_grids[0][2] > case.batch  # z slices past the batch: the pieces
+
+
 def test_forced_tile_table_gets_its_own_plan(monkeypatch):
     """A cached launch plan of the native table is not reused once CUPYFLASH_TILES forces another."""
     from cupyflash import _config, flash_attn_backward, flash_attn_func, interface

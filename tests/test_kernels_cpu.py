@@ -67,6 +67,21 @@ def test_local_kernels_launch_block_major_within_the_grid_limit():
     assert _block_grid(128, 16, 2, local=False) == ((128, 16, 2), False)
 
 
+@pytest.mark.parametrize("units, steps, split", [
+    (4096, 128, (4, 32)),    # hd64 at 16k on an H200 (132 CTAs at once): one short wave of 128 pieces
+    (4096, 8, (4, 8)),       # hd64 at 1k: a piece per step
+    (2048, 256, (68, 13)),   # hd128 / hd256 at 16k: 884 pieces in 7 waves of 20 steps, not one of 256
+    (2048, 64, (68, 5)),     # ... at 4k
+    (2048, 16, (0, 1)),      # ... at 1k: 2 waves of 6 steps would save 1 of 17
+    (3960, 128, (0, 1)),     # whole waves
+])
+def test_the_backward_splits_its_last_partial_wave_where_that_saves_time(units, steps, split):
+    from cupyflash.interface import _tail_split
+    assert _tail_split(units, steps, resident=132) == split
+    tail, parts = split
+    assert tail == 0 or parts <= steps
+
+
 # -------------------------------------------------------------------------------- params struct
 
 def test_params_dtype_follows_the_header():

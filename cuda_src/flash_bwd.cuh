@@ -9,6 +9,8 @@
 //                           in registers; dQ += dS K by fp32 atomics into dq_accum.
 //                         With STAGES = 2, Q, dO, lse and D have two buffers: the next query block
 //                         loads during the whole of the current step, and a step needs two barriers.
+//                         The plain kernels may split the key blocks of the last partial wave over
+//                         several CTAs (TailSplit), which sum dK and dV in fp32.
 //   flash_bwd_convert_dq: dq = dq_accum * scale, in the input dtype.
 // As in the forward, LOCAL kernels bound each row's keys and EXTRAS kernels add the options of
 // score.cuh; the EXTRAS kernels also return dbias and, when asked, add dQ in a fixed order.

@@ -72,8 +72,8 @@ def test_local_kernels_in_either_grid_order(block_major, case, monkeypatch):
 @pytest.mark.parametrize("case, resident", [
     (Case(700, 500, 128, "bfloat16", batch=2, nheads=4, nheads_k=2), 13),  # (3, 4): 5 or 6 steps a piece
     (Case(700, 500, 128, "float16", batch=2, nheads=4, nheads_k=2), 15),   # (1, 11): a piece spans two heads
-    (Case(1000, 1000, 64, "bfloat16", batch=2, nheads=3, nheads_k=3), 23),              # (2, 8): a step a piece
-    (Case(1000, 1000, 64, "float16", batch=2, nheads=3, nheads_k=3), 40),               # (8, 4)
+    (Case(1000, 1000, 64, "bfloat16", batch=2, nheads=3, nheads_k=3), 23),  # (2, 8): a step a piece
+    (Case(1000, 1000, 64, "float16", batch=2, nheads=3, nheads_k=3), 40),   # (8, 4)
     (Case(113, 300, 256, "bfloat16", batch=1, nheads=3, nheads_k=1), 2),    # (1, 2): 3 steps of 2 heads each
     (Case(113, 300, 96, "float16", batch=1, nheads=3, nheads_k=1), 40),     # every key block split
 ], ids=str)

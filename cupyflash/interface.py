@@ -427,17 +427,18 @@ def _check_varlen(varlen, arrays, caller):
 # and the launches (at seqlen 1k a kernel runs for tens of microseconds, so the host must not).
 
 @functools.cache
+def _device_attributes(device_id):
+    """The device's attributes (CuPy queries every one of them each time it is asked)."""
+    import cupy
+    return cupy.cuda.Device(device_id).attributes
+
+
+@functools.cache
 def _device_info(device_id):
     import cupy
     device = cupy.cuda.Device(device_id)
     cc = device.compute_capability
-    return device, (int(cc[:-1]), int(cc[-1])), device.attributes["MaxSharedMemoryPerBlockOptin"]
-
-
-@functools.cache
-def _l2_bytes(device_id):
-    import cupy
-    return cupy.cuda.Device(device_id).attributes["L2CacheSize"]
+    return device, (int(cc[:-1]), int(cc[-1])), _device_attributes(device_id)["MaxSharedMemoryPerBlockOptin"]
 
 
 def _tile(pass_, headdim, device_id):
@@ -683,7 +684,7 @@ def _split_last_wave(kernel, device, shape, grid, params, outputs):
 def _resident_ctas(kernel, device):
     """How many CTAs of `kernel` the device runs at once: SMs times what one SM holds (registers
     are given out 256 per warp, and each CTA takes 1 KiB of shared memory for the system)."""
-    function, attributes = load(kernel, device), device.attributes
+    function, attributes = load(kernel, device), _device_attributes(device.id)
     warps = kernel.threads // 32
     by_registers = attributes["MaxRegistersPerMultiprocessor"] // (warps * -(-function.num_regs * 32 // 256) * 256)
     by_smem = attributes["MaxSharedMemoryPerMultiprocessor"] // (kernel.smem_bytes + function.shared_size_bytes + 1024)
@@ -699,14 +700,14 @@ def _tail_split(units, steps, resident):
     one or more waves of shorter CTAs. Costs in steps: a CTA's own loads and stores count as one
     step more, a piece's adds and sums as two. A split must save a fifth of the last wave."""
     tail = units % resident
+    if tail == 0:
+        return 0, 1
     best_cost, best_parts = steps + 1, 1
     for parts in range(2, min(steps, resident) + 1):
         cost = -(-tail * parts // resident) * (-(-steps // parts) + 2)
         if cost < best_cost:
             best_cost, best_parts = cost, parts
-    if tail == 0 or best_cost > 0.8 * (steps + 1):
-        return 0, 1
-    return tail, best_parts
+    return (tail, best_parts) if best_cost <= 0.8 * (steps + 1) else (0, 1)
 
 
 def _forward_plan(caller, shape, scale, opts, inputs, varlen):
@@ -719,7 +720,7 @@ def _forward_plan(caller, shape, scale, opts, inputs, varlen):
     # A one-stage forward waits for each block's K and V. Block-major, the CTAs running at once
     # read the K and V of all of a batch entry's heads, so there they must fit in L2 (hd256 at 16k:
     # 128 MiB, and 3% slower block-major than head-major; bench/NOTES.md v13).
-    kv_fits_l2 = 2 * shape.nheads_k * shape.seqlen_k * tile.headdim * 2 <= _l2_bytes(caller.device_id)
+    kv_fits_l2 = 2 * shape.nheads_k * shape.seqlen_k * tile.headdim * 2 <= _device_attributes(caller.device_id)["L2CacheSize"]
     grid, block_major = _block_grid(-(-shape.seqlen_q // tile.block_m), shape.nheads, shape.batch,
                                     opts.local and (tile.stages == 2 or kv_fits_l2))
     outputs = [_Output("out", tuple(q.shape), dtype), _Output("lse", shape.stats, "float32")]

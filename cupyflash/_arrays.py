@@ -111,7 +111,7 @@ class Caller:
             import torch
             return torch.zeros(shape, dtype=getattr(torch, dtype), device=self.device_id)
         import cupy
-        return cupy.zeros(shape, dtype=dtype)
+        return cupy.zeros(shape, dtype=bfloat16_dtype() if dtype == "bfloat16" else dtype)
 
     def reduce(self, array, axes, shape, dtype):
         """array summed over `axes` (in a fixed order), reshaped to `shape`, cast to `dtype`."""
@@ -155,3 +155,14 @@ def dtype_name(array):
     """'float16', 'bfloat16', 'float32', ... for any supported array kind."""
     name = str(array.dtype)
     return name.replace("torch.", "").rsplit(".", 1)[-1]
+
+
+def element_strides(array):
+    """Strides in elements for NumPy, CuPy and torch arrays; None for other producers (JAX, DLPack),
+    whose strides are known only once they are viewed through DLPack."""
+    kind = kind_of(array)
+    if kind in ("numpy", "cupy"):
+        return tuple(s // array.itemsize for s in array.strides)
+    if kind == "torch":
+        return tuple(array.stride())
+    return None

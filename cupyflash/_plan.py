@@ -1,0 +1,313 @@
+"""Launch plans: everything about a launch but the data pointers, cached per call signature.
+
+The kernels, grids and the parameter block's sizes and strides follow from the arrays' kinds,
+shapes, strides, dtypes and device and from the options, all of which validation has passed for.
+So a plan is cached under exactly those: a repeated call costs its output allocations, one pointer
+patch and the launches (at seqlen 1k a kernel runs for tens of microseconds, so the host must not).
+"""
+
+import dataclasses
+import math
+import os
+import threading
+
+import numpy
+
+from . import _arrays, _kernels, _params, _schedule, options
+from ._compile import load
+from .validate import MAX_GRID_YZ
+
+_plans = {}
+_MAX_PLANS = 4096  # shapes seen by one process; past this the cache starts afresh
+_TILE_INPUTS = ("q", "k", "v", "out", "dout")  # 16-bit tensors read by 16-byte cp.async
+
+
+def cached(key):
+    return None if key is None else _plans.get(key)
+
+
+def _hashable(value):
+    """value as part of a cache key (lists become tuples); TypeError if it cannot be one."""
+    if isinstance(value, list):
+        return ("list",) + tuple(_hashable(v) for v in value)
+    hash(value)
+    return value
+
+
+def plan_key(pass_, arrays, softmax_scale, causal, given, varlen, return_dbias=False):
+    """The cache key of a call, or None when some argument cannot be part of one (arrays that are
+    not torch tensors or CuPy arrays, unhashable options). Option types are part of it, so that
+    a call with causal=1 still meets the bool check, and so is a forced tile table, which picks
+    other kernels for the same arrays. Arrays are keyed by their layout; the dropout seed's value
+    is not part of it: plans patch it per call."""
+    try:
+        key = [pass_, os.environ.get("CUPYFLASH_TILES"), type(softmax_scale), _hashable(softmax_scale),
+               type(causal), causal, return_dbias]
+        for name, value in given.items():
+            kind = options.by_name(name).kind
+            key += (name, type(value)) if kind in ("array", "seed") else (name, type(value), _hashable(value))
+        if varlen is not None:
+            key += (type(varlen.max_seqlen_q), _hashable(varlen.max_seqlen_q), type(varlen.max_seqlen_k),
+                    _hashable(varlen.max_seqlen_k))
+    except TypeError:
+        return None
+    for name, array in arrays.items():
+        kind = _arrays.kind_of_type(type(array))
+        if kind == "torch":
+            key += (name, array.shape, array.stride(), array.dtype, array.device)
+        elif kind == "cupy":
+            key += (name, array.shape, array.strides, array.dtype, array.device.id)
+        else:
+            return None
+        key.append(type(array))
+    return tuple(key)
+
+
+def new_plan(call, arrays, key, return_dbias=False):
+    """The plan of a checked call (validate.Call), cached under `key` unless an input had to be copied."""
+    inputs, copied = _launchable(call.caller, arrays)
+    plan = (_forward_plan if call.pass_ == "fwd" else _backward_plan)(call, inputs, return_dbias)
+    if key is not None and not copied:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan, inputs
+
+
+def _alignment(name, array):
+    """The byte alignment the kernels need of an input's address."""
+    return 16 if name in _TILE_INPUTS else array.element_size() if hasattr(array, "element_size") else array.itemsize
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _launchable(caller, arrays):
+    """(inputs as the plan takes them, whether any was copied). Views the kernels cannot read
+    (16-bit tensors whose rows are not 16-byte aligned; row statistics and cu_seqlens that are not
+    contiguous; alibi_slopes or attn_bias not contiguous in their last dimension) are copied once,
+    which keeps them correct."""
+    from .validate import check_last_dim_contiguous
+    result, copied = {}, False
+    for name, array in arrays.items():
+        array = caller.launchable(array)
+        strides = _arrays.element_strides(array)
+        aligned = caller.data_pointer(array) % _alignment(name, array) == 0
+        if name in _TILE_INPUTS:
+            check_last_dim_contiguous(name, array)  # JAX and other producers show their strides only now
+            ok = aligned and all(s * 2 % 16 == 0 for s in strides[:-1])
+        elif name in ("lse", "cu_seqlens_q", "cu_seqlens_k"):
+            ok = aligned and strides == _contiguous_strides(array.shape)
+        else:  # the options' arrays
+            ok = aligned and (array.shape[-1] == 1 or strides[-1] == 1)
+        if not ok:
+            copied = True
+            if caller.kind == "torch":
+                import torch
+                array = array.clone(memory_format=torch.contiguous_format)  # a fresh allocation is aligned
+            else:
+                array = array.copy()
+        result[name] = array
+    return result, copied
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    kernel: _kernels.Kernel
+    grid: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _Output:
+    name: str           # its FlashParams field
+    shape: tuple
+    dtype: str
+    zeroed: bool = False
+
+
+class Plan:
+    """The launches of one call signature, with the parameter block ready but for its pointers.
+
+    `run(arrays, seed)` allocates the outputs, writes the inputs' and outputs' addresses (and the
+    dropout seed) into the block, launches every kernel on the caller's stream and returns
+    `finish(outputs)`; it returns None when an input's address is not aligned as the kernels need
+    (then the caller's slow path copies it)."""
+
+    def __init__(self, caller, params, inputs, outputs, launches, finish):
+        self.caller = caller
+        self.inputs = [(name, _alignment(name, array)) for name, array in inputs.items()]
+        self.outputs = outputs
+        self.finish = finish
+        self.kernels = [l.kernel for l in launches]
+        with caller.device():  # a kernel's CUfunction belongs to the device current when it is loaded
+            self.launches = [(load(l.kernel, caller.device()).kernel.ptr, l.grid, l.kernel.threads,
+                              l.kernel.smem_bytes) for l in launches if 0 not in l.grid]
+        self.words = params.view(numpy.uint64)
+        slot = lambda name: params.dtype.fields[name][1] // 8  # noqa: E731
+        self.slots = numpy.array([slot(name) for name, _ in self.inputs] + [slot(o.name) for o in outputs])
+        self.seed_slot = slot("dropout_seed") if params["dropout_scale"][0] != 0 else None
+        self.argv = numpy.array([self.words.ctypes.data], numpy.uint64)  # the kernels' one argument
+        self.argv_address = self.argv.ctypes.data
+        self.lock = threading.Lock()
+
+    def run(self, arrays, seed):
+        import cupy
+        caller = self.caller
+        pointers = []
+        for name, alignment in self.inputs:
+            pointer = caller.data_pointer(arrays[name])
+            if pointer % alignment:
+                return None
+            pointers.append(pointer)
+        if self.seed_slot is not None and not (isinstance(seed, (int, numpy.integer)) and 0 <= seed < 2 ** 64):
+            return None  # the slow path names the bad seed
+        with caller.device():
+            outputs = {o.name: (caller.zeros if o.zeroed else caller.empty)(o.shape, o.dtype) for o in self.outputs}
+            pointers += [caller.data_pointer(a) for a in outputs.values()]
+            stream = caller.stream_pointer()
+            with self.lock:  # the launch copies the parameter block, so it is free again after it
+                self.words[self.slots] = pointers
+                if self.seed_slot is not None:
+                    self.words[self.seed_slot] = int(seed)
+                for function, grid, threads, smem_bytes in self.launches:
+                    cupy.cuda.driver.launchKernel(function, *grid, threads, 1, 1, smem_bytes, stream,
+                                                  self.argv_address, 0)
+            return tuple(None if a is None else caller.give_back(a) for a in self.finish(outputs))
+
+
+def _tensor_strides(strides, varlen):
+    """(batch, row, head) of a q/k/v-like tensor's element strides; packed varlen tensors have no batch stride."""
+    return (0, *strides[:2]) if varlen else strides[:3]
+
+
+def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0):
+    """The FlashParams block without pointers; `strides` maps each (batch, seqlen, heads, headdim)
+    tensor of the call (q, k, v, out, dout, dq, dk, dv) to its (batch, row, head) element strides."""
+    shape, scale = call.shape, call.scale
+    stats_strides = (0, shape.total_q) if shape.varlen else (shape.nheads * shape.seqlen_q, shape.seqlen_q)
+    dq_accum_rows = _dq_accum_rows(shape)
+    dq_accum_strides = (0, dq_accum_rows) if shape.varlen else (shape.nheads * dq_accum_rows, dq_accum_rows)
+    fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
+                  seqlen_k=shape.seqlen_k, headdim=shape.headdim, headdim_padded=tile.headdim,
+                  block_major=int(block_major), softmax_scale=scale, scale_log2=scale * math.log2(math.e),
+                  stats_batch_stride=stats_strides[0], stats_head_stride=stats_strides[1],
+                  dq_accum_batch_stride=dq_accum_strides[0], dq_accum_head_stride=dq_accum_strides[1],
+                  inv_softmax_scale=1.0 / scale, dq_semaphore_blocks=semaphore_blocks)
+    for name, (batch, row, head) in strides.items():
+        fields.update({f"{name}_batch_stride": batch, f"{name}_row_stride": row, f"{name}_head_stride": head})
+    for name, value in call.checked.items():
+        option = options.by_name(name)
+        if option.fill is not None and option.is_on(value):
+            option.fill(fields, value, call, inputs)
+    return _params.make_params(**fields)
+
+
+def _dq_accum_rows(shape):
+    """dq_accum's rows per head (per batch entry and head without varlen): every sequence starts at a
+    multiple of 8 (Sequence::dq_accum_row0 in the kernels), the padding and the gaps included."""
+    round8 = lambda n: -(-n // 8) * 8  # noqa: E731
+    return round8(shape.total_q) + 8 * (shape.batch + 1) if shape.varlen else round8(shape.seqlen_q)
+
+
+def _kernel(pass_, call, tile):
+    """The kernel variant of a forward or backward call."""
+    extras = call.needs("score") or call.needs("dropout") or (pass_ == "bwd" and call.needs("deterministic"))
+    return _kernels.Kernel(pass_, call.dtype, tile, call.local, call.shape.headdim == tile.headdim, extras)
+
+
+def _uses_option_tiles(call):
+    return call.needs("score") or call.needs("dropout") or call.needs("deterministic")
+
+
+def _forward_plan(call, inputs, return_dbias):
+    shape, varlen = call.shape, call.varlen is not None
+    tile = _schedule.tile("fwd", shape.headdim, call.caller.device_id)
+    q = inputs["q"]
+    strides = {name: _tensor_strides(_arrays.element_strides(inputs[name]), varlen) for name in ("q", "k", "v")}
+    strides["out"] = _tensor_strides(_contiguous_strides(q.shape), varlen)
+    kernel = _kernel("fwd", call, tile)
+    # A one-stage forward waits for each block's K and V. Block-major, the CTAs running at once
+    # read the K and V of all of a batch entry's heads, so there they must fit in L2 (hd256 at 16k
+    # is 128 MiB, and runs slower block-major than head-major).
+    l2_bytes = _schedule.device_attributes(call.caller.device_id)["L2CacheSize"]
+    kv_fits_l2 = 2 * shape.nheads_k * shape.seqlen_k * tile.headdim * 2 <= l2_bytes
+    grid, block_major = _schedule.block_grid(-(-shape.seqlen_q // tile.block_m), shape.nheads, shape.batch,
+                                             call.local and (tile.stages == 2 or kv_fits_l2))
+    outputs = [_Output("out", tuple(q.shape), call.dtype), _Output("lse", shape.stats, "float32")]
+    return Plan(call.caller, _param_block(call, tile, strides, inputs, block_major), inputs, outputs,
+                [_Launch(kernel, grid)], lambda o: (o["out"], o["lse"]))
+
+
+def _backward_plan(call, inputs, return_dbias):
+    shape, varlen = call.shape, call.varlen is not None
+    tile = _schedule.tile("bwd_extras" if _uses_option_tiles(call) else "bwd", shape.headdim, call.caller.device_id)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    strides = {name: _tensor_strides(_arrays.element_strides(inputs[name]), varlen)
+               for name in ("dout", "q", "k", "v", "out")}
+    strides.update({name: _tensor_strides(_contiguous_strides(like.shape), varlen)
+                    for name, like in (("dq", q), ("dk", k), ("dv", v))})
+    outputs = [_Output("dq", tuple(q.shape), call.dtype), _Output("dk", tuple(k.shape), call.dtype),
+               _Output("dv", tuple(v.shape), call.dtype), _Output("dout_dot_out", shape.stats, "float32"),
+               _Output("lse_log2", shape.stats, "float32"),
+               _Output("dq_accum", (*shape.stats[:-1], _dq_accum_rows(shape), tile.headdim), "float32")]  # zeroed by bwd_dot
+    semaphore_blocks = 0
+    if call.needs("deterministic"):
+        semaphore_blocks = -(-shape.seqlen_q // tile.block_m)
+        outputs.append(_Output("dq_semaphore", (shape.batch * shape.nheads * semaphore_blocks,), "int32", True))
+    finish = lambda o: (o["dq"], o["dk"], o["dv"])  # noqa: E731
+    grid, block_major = _schedule.block_grid(-(-shape.seqlen_k // tile.block_n), shape.nheads_k, shape.batch,
+                                             call.local)
+    kernel = _kernel("bwd", call, tile)
+    params = _param_block(call, tile, strides, inputs, block_major, semaphore_blocks)
+    if not (call.local or _uses_option_tiles(call) or varlen):  # the kernels that may split their last wave
+        grid = _split_last_wave(kernel, call.caller.device(), shape, grid, params, outputs)
+    if return_dbias:
+        finish = _add_dbias(call, params, outputs, inputs.get("attn_bias"))
+    row_grid = (-(-shape.seqlen_q // _kernels.ROW_KERNEL_ROWS), shape.nheads, shape.batch)
+    launches = [_Launch(_kernels.Kernel("bwd_dot", call.dtype), row_grid),
+                _Launch(kernel, grid),
+                _Launch(_kernels.Kernel("bwd_convert_dq", call.dtype), row_grid)]
+    return Plan(call.caller, params, inputs, outputs, launches, finish)
+
+
+def _split_last_wave(kernel, device, shape, grid, params, outputs):
+    """The grid of a plain backward whose last partial wave is split (TailSplit in the kernel;
+    `params` and `outputs` get the split's fields and buffers), or `grid` where it is not."""
+    blocks, heads_k, batch = grid
+    tile = kernel.tile
+    steps = shape.nheads // heads_k * -(-shape.seqlen_q // tile.block_m)
+    tail_units, tail_parts = _schedule.tail_split(blocks * heads_k * batch, steps,
+                                                  _schedule.resident_ctas(kernel, device))
+    extra_z = -(-tail_units * tail_parts // (blocks * heads_k))  # the pieces' z slices
+    if not tail_units or batch + extra_z > MAX_GRID_YZ or (batch + extra_z) * blocks * heads_k >= 2 ** 31:
+        return grid
+    params["tail_units"], params["tail_parts"] = tail_units, tail_parts
+    outputs += [_Output("dkv_accum", (tail_units * 2 * tile.block_n * tile.headdim,), "float32", True),
+                _Output("tail_pieces_done", (tail_units,), "int32", True)]
+    return blocks, heads_k, batch + extra_z
+
+
+def _add_dbias(call, params, outputs, bias):
+    """Adds the dbias accumulator to a backward plan; returns its finish: (dq, dk, dv, dbias).
+
+    The kernel adds dS into a zeroed float32 array by atomics, with stride 0 along the bias's
+    broadcast dimensions. Without atomics colliding that is exact and deterministic; where a
+    deterministic backward would have them collide (a broadcast bias), it writes the full
+    (batch, nheads, seqlen_q, seqlen_k) instead and sums it in a fixed order afterwards."""
+    if bias is None:
+        return lambda o: (o["dq"], o["dk"], o["dv"], None)
+    shape = call.shape
+    full = (shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k)
+    bias4 = (1,) * (4 - len(bias.shape)) + tuple(bias.shape)
+    accum_shape = full if call.needs("deterministic") and bias4 != full else bias4
+    accum_strides = options.broadcast_strides(accum_shape, _contiguous_strides(accum_shape))
+    params["dbias_batch_stride"], params["dbias_head_stride"], params["dbias_row_stride"] = accum_strides[:3]
+    outputs.append(_Output("dbias_accum", accum_shape, "float32", True))
+    axes = tuple(axis for axis in range(4) if accum_shape[axis] != bias4[axis])
+    bias_dtype, bias_shape, caller = _arrays.dtype_name(bias), tuple(bias.shape), call.caller
+    return lambda o: (o["dq"], o["dk"], o["dv"], caller.reduce(o["dbias_accum"], axes, bias_shape, bias_dtype))

@@ -1,0 +1,67 @@
+"""Where CTAs go: the device's attributes, the tile of a pass, grid order, and the split of the
+plain backward's last partial wave. Pure host arithmetic on sizes; the kernels read the results
+from FlashParams (block_major, tail_units, tail_parts)."""
+
+import functools
+
+from . import _config
+from ._compile import load
+from .validate import MAX_GRID_YZ
+
+
+@functools.cache
+def device_attributes(device_id):
+    """The device's attributes (CuPy queries every one of them each time it is asked)."""
+    import cupy
+    return cupy.cuda.Device(device_id).attributes
+
+
+@functools.cache
+def device_info(device_id):
+    """(cupy Device, (major, minor) compute capability, opt-in shared memory per block)."""
+    import cupy
+    device = cupy.cuda.Device(device_id)
+    cc = device.compute_capability
+    return device, (int(cc[:-1]), int(cc[-1])), device_attributes(device_id)["MaxSharedMemoryPerBlockOptin"]
+
+
+def tile(table, headdim, device_id):
+    _, cc, smem_limit = device_info(device_id)
+    return _config.tile_for(table, headdim, cc, smem_limit)
+
+
+def block_grid(blocks, heads, batch, local):
+    """(grid, block_major) of a forward or backward kernel: (blocks, heads, batch), or for the LOCAL
+    kernels (heads, blocks, batch), which starts every head's heavy causal blocks first
+    (cuda_src mask.cuh grid_slot), where the grid's y dimension can hold the blocks."""
+    block_major = local and blocks <= MAX_GRID_YZ
+    return ((heads, blocks, batch) if block_major else (blocks, heads, batch)), block_major
+
+
+def resident_ctas(kernel, device):
+    """How many CTAs of `kernel` the device runs at once: SMs times what one SM holds (registers
+    are given out 256 per warp, and each CTA takes 1 KiB of shared memory for the system)."""
+    function, attributes = load(kernel, device), device_attributes(device.id)
+    warps = kernel.threads // 32
+    by_registers = attributes["MaxRegistersPerMultiprocessor"] // (warps * -(-function.num_regs * 32 // 256) * 256)
+    by_smem = attributes["MaxSharedMemoryPerMultiprocessor"] // (kernel.smem_bytes + function.shared_size_bytes + 1024)
+    per_sm = min(by_registers, by_smem, attributes["MaxThreadsPerMultiProcessor"] // kernel.threads,
+                 attributes["MaxBlocksPerMultiprocessor"])
+    return attributes["MultiProcessorCount"] * max(per_sm, 1)
+
+
+def tail_split(units, steps, resident):
+    """(tail_units, tail_parts) for a plain backward of `units` CTAs of `steps` query steps each,
+    `resident` of them running at once: the last units % resident CTAs would run while the other
+    slots idle, so each may be split into `tail_parts` pieces (TailSplit in the backward kernel)
+    that run as one or more waves of shorter CTAs. Costs in steps: a CTA's own loads and stores
+    count as one step more, a piece's adds and sums as two. A split must save a fifth of the last wave."""
+    tail = units % resident
+    if tail == 0:
+        return 0, 1
+    best_cost, best_parts = steps + 1, 1
+    for parts in range(2, min(steps, resident) + 1):
+        cost = -(-tail * parts // resident) * (-(-steps // parts) + 2)
+        if cost < best_cost:
+            best_cost, best_parts = cost, parts
+    return (tail, best_parts) if best_cost <= 0.8 * (steps + 1) else (0, 1)

@@ -1,0 +1,207 @@
+"""The public functions: checks, then the GPU kernels or, for NumPy arrays, the float64 reference.
+
+Names, argument order and layout follow flash_attn's `flash_attn_func`: q is
+(batch, seqlen_q, nheads, headdim), k and v are (batch, seqlen_k, nheads_k, headdim).
+The options (window_size, softcap, ...) are keyword arguments declared in options.py; each
+function's signature and docstring list those it takes.
+"""
+
+import inspect
+
+from . import _plan, options, reference, validate
+from .validate import Varlen
+
+
+def _takes_options(pass_, varlen=False):
+    """Gives a public function the keyword options of its pass (options.for_call) in its signature
+    and docstring; the function takes them as **given and passes them to _call."""
+    def decorate(function):
+        own = inspect.signature(function)
+        params = [p for p in own.parameters.values() if p.kind != p.VAR_KEYWORD]
+        first_keyword = next((i for i, p in enumerate(params) if p.kind == p.KEYWORD_ONLY), len(params))
+        added = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default)
+                 for o in options.for_call(pass_, varlen)]
+        function.__signature__ = own.replace(parameters=params[:first_keyword] + added + params[first_keyword:])
+        function.__doc__ += options.doc(pass_, varlen)
+        return function
+    return decorate
+
+
+@_takes_options("fwd")
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, *, return_lse=False, **given):
+    """Exact attention softmax(q k^T * softmax_scale) v, without materialising the score matrix.
+
+    q is (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim).
+    Returns out, shaped like q, or (out, lse) when return_lse is true; lse is
+    (batch, nheads, seqlen_q) float32 (float64 for float64 NumPy inputs), the natural-log sum of
+    exp(scores) per query row. A row that sees no key (causal with seqlen_q > seqlen_k, or a
+    window past every key) gets out = 0 and lse = -inf. Causal masking is aligned bottom-right:
+    query i sees key j iff j <= i + seqlen_k - seqlen_q.
+    """
+    result = _call("fwd", dict(q=q, k=k, v=v), softmax_scale, causal, given, "flash_attn_func")
+    return result if return_lse else result[0]
+
+
+@_takes_options("bwd")
+def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=False, *, return_dbias=False, **given):
+    """Gradients (dq, dk, dv) of flash_attn_func, shaped like q, k, v; the options must be the forward's.
+
+    dout is the gradient of out; out and lse are what the forward returned (return_lse=True).
+    return_dbias=True also returns the gradient of attn_bias, in attn_bias's shape and dtype (None
+    without attn_bias).
+    """
+    return _call("bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse), softmax_scale, causal, given,
+                 "flash_attn_backward", return_dbias=validate.check_flag("return_dbias", return_dbias))
+
+
+@_takes_options("fwd", varlen=True)
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                           causal=False, *, return_lse=False, **given):
+    """flash_attn_func over a batch of sequences of different lengths, packed without padding.
+
+    q is (total_q, nheads, headdim) and k, v (total_k, nheads_k, headdim); sequence b is rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v
+    (int32 arrays of length batch + 1 on q's device; empty sequences are allowed). max_seqlen_* are
+    the longest lengths (ints). lse is (nheads, total_q). Masks and ALiBi are per sequence.
+    The cu_seqlens are checked on the host, which waits for them to be computed.
+    """
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    result = _call("fwd", dict(q=q, k=k, v=v), softmax_scale, causal, given, "flash_attn_varlen_func", varlen)
+    return result if return_lse else result[0]
+
+
+@_takes_options("bwd", varlen=True)
+def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale=None, causal=False, **given):
+    """Gradients (dq, dk, dv) of flash_attn_varlen_func, packed like q, k, v."""
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _call("bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse), softmax_scale, causal, given,
+                 "flash_attn_varlen_backward", varlen)
+
+
+# Packed forms: views into one array, no copies (JAX has no views; there indexing copies).
+
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, **given):
+    """flash_attn_func with q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]; qkv is (batch, seqlen, 3, nheads, headdim)."""
+    validate.check_packed("qkv", qkv, 5, 3)
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], softmax_scale, causal, **given)
+
+
+def flash_attn_kvpacked_func(q, kv, softmax_scale=None, causal=False, **given):
+    """flash_attn_func with k, v = kv[:, :, 0], kv[:, :, 1]; kv is (batch, seqlen_k, 2, nheads_k, headdim)."""
+    validate.check_packed("kv", kv, 5, 2)
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], softmax_scale, causal, **given)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, softmax_scale=None, causal=False, **given):
+    """flash_attn_varlen_func with q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]; qkv is (total, 3, nheads, headdim)."""
+    validate.check_packed("qkv", qkv, 4, 3)
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  softmax_scale, causal, **given)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    softmax_scale=None, causal=False, **given):
+    """flash_attn_varlen_func with k, v = kv[:, 0], kv[:, 1]; kv is (total_k, 2, nheads_k, headdim)."""
+    validate.check_packed("kv", kv, 4, 2)
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  softmax_scale, causal, **given)
+
+
+def _with_defaults(given, pass_, varlen, function):
+    """Every option of the function, as given or by default; TypeError for a name it does not take."""
+    taken = options.for_call(pass_, varlen is not None)
+    names = {o.name for o in taken}
+    for name in given:
+        if name not in names:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+    return {o.name: given.get(o.name, o.default) for o in taken}
+
+
+def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False):
+    """One public call: the cached plan of its signature if there is one, else checks and a new plan."""
+    given = _with_defaults(given, pass_, varlen, function)
+    if varlen is not None:
+        arrays.update(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k)
+    arrays.update({name: value for name, value in given.items()
+                   if options.by_name(name).kind == "array" and value is not None})
+    key = _plan.plan_key(pass_, arrays, softmax_scale, causal, given, varlen, return_dbias)
+    plan = _plan.cached(key)
+    if plan is not None:
+        if varlen is not None:
+            validate.check_varlen_values(varlen, arrays, plan.caller)  # their values change from call to call
+        result = plan.run(arrays, given.get("seed"))
+        if result is not None:
+            return result
+    call = validate.check_call(pass_, arrays, softmax_scale, causal, given, varlen)
+    if call.caller.kind == "numpy":
+        return _reference(call, arrays, return_dbias)
+    if call.shape.headdim % 8:
+        return _padded_head_dim(call, arrays, given, function, return_dbias)
+    plan, inputs = _plan.new_plan(call, arrays, key, return_dbias)
+    return plan.run(inputs, call.checked.get("seed"))
+
+
+def _padded_head_dim(call, arrays, given, function, return_dbias):
+    """A GPU call at a head dim that is not a multiple of 8 (the kernels copy rows in 16-byte
+    chunks): q, k, v (and dout, out) zero-padded to the next multiple of 8, which leaves every
+    score and the lse unchanged; the scale stays the caller's head dim's; results are cut back."""
+    caller, headdim = call.caller, call.shape.headdim
+    width = -(-headdim // 8) * 8
+    padded = {name: caller.launchable(array) for name, array in arrays.items()}
+    for name in ("q", "k", "v", "dout", "out"):
+        if name in padded:
+            wide = caller.zeros((*padded[name].shape[:-1], width), call.dtype)
+            wide[..., :headdim] = padded[name]
+            padded[name] = wide
+    others = {name: padded.get(name, value) for name, value in given.items()}
+    names = ("dout", "q", "k", "v", "out", "lse") if call.pass_ == "bwd" else ("q", "k", "v")
+    args = [padded[name] for name in names]
+    if call.varlen is not None:
+        args += [padded["cu_seqlens_q"], padded["cu_seqlens_k"], call.varlen.max_seqlen_q, call.varlen.max_seqlen_k]
+    if call.pass_ == "fwd":
+        target = flash_attn_varlen_func if call.varlen is not None else flash_attn_func
+        out, lse = target(*args, call.scale, call.causal, return_lse=True, **others)
+        results = (_cut(out, headdim, caller), lse)
+    else:
+        if call.varlen is None:
+            grads = flash_attn_backward(*args, call.scale, call.causal, return_dbias=return_dbias, **others)
+        else:
+            grads = flash_attn_varlen_backward(*args, call.scale, call.causal, **others)
+        results = tuple(_cut(g, headdim, caller) for g in grads[:3]) + tuple(grads[3:])
+    if caller.kind in ("torch", "cupy"):
+        return results
+    return tuple(None if r is None else caller.give_back(r) for r in results)
+
+
+def _cut(array, headdim, caller):
+    """The first `headdim` columns of a padded result, contiguous like every result."""
+    array = array[..., :headdim]
+    if caller.kind == "torch":
+        return array.contiguous()
+    import cupy
+    return cupy.ascontiguousarray(array)
+
+
+def _reference(call, arrays, return_dbias):
+    """The NumPy path: the float64 reference, results in the inputs' dtypes (lse as validate.lse_dtype)."""
+    import numpy
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    kwargs = {name: value for name, value in call.checked.items() if options.by_name(name).reference}
+    varlen = call.varlen is not None
+    cu = (arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]) if varlen else ()
+    if call.pass_ == "fwd":
+        forward = reference.attention_forward_varlen if varlen else reference.attention_forward
+        out, lse = forward(q, k, v, *cu, call.scale, call.causal, **kwargs)
+        return out.astype(q.dtype), lse.astype(numpy.dtype(validate.lse_dtype(call.dtype)))
+    dout = arrays["dout"]
+    if varlen:
+        grads = reference.attention_backward_varlen(dout, q, k, v, *cu, call.scale, call.causal, **kwargs)
+    else:
+        grads = reference.attention_backward(dout, q, k, v, call.scale, call.causal, return_dbias=return_dbias,
+                                             **kwargs)
+    result = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+    if return_dbias:
+        dbias, bias = grads[3], call.checked.get("attn_bias")
+        result += (None if dbias is None else dbias.astype(bias.dtype),)
+    return result

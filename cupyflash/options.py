@@ -1,0 +1,272 @@
+"""Every attention option, declared once.
+
+Each row of OPTIONS says what an option is (name, kind, default, the passes and calls that take
+it), how its value is checked, which FlashParams fields it fills, which kernels it needs when it
+is on, and an example value that turns it on. Everything else derives from this table: the public
+signatures and their docs (api.py), validation (validate.py), launch-plan keys and the parameter
+block (_plan.py), the kernel variant (_plan.py), the PyTorch op schemas (torch.py), the JAX custom
+call attributes and operands (jax.py), and the check grid and test matrices (_check.py, tests/).
+
+A new score option (one that changes the scores, such as softcap) touches four places: a field in
+cuda_src/common/params.cuh, a functor in cuda_src/common/score.cuh, a row here, and the reference
+math in cupyflash/reference/.
+
+Kinds, and how each travels:
+  pair   two ints       torch: two int arguments named by `parts`; JAX: two int64 attributes
+  real   a float        torch: float; JAX: a float64 attribute
+  flag   a bool         torch: bool; JAX: a bool attribute
+  array  an array       torch: Tensor?; JAX: an operand (and a has_<name> attribute)
+  seed   the Philox key torch: an int64 scalar Tensor?; JAX: a uint32 (2,) operand `dropout_seed`
+"""
+
+import dataclasses
+import math
+import numbers
+import operator
+import textwrap
+from typing import Callable
+
+import numpy
+
+from . import _arrays
+
+UNBOUNDED = 1 << 30  # a window side with no bound, as cuda_src/common/mask.cuh expects
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    name: str
+    kind: str
+    default: object
+    doc: str
+    check: Callable               # check(value, call) -> the value as the kernels and the reference take it
+    fill: Callable = None         # fill(fields, value, call, inputs): its FlashParams fields, not pointers
+    kernels: str = ""             # what the kernels need when it is on: 'local', 'score', 'dropout', 'deterministic'
+    passes: tuple = ("fwd", "bwd")
+    varlen: bool = True           # whether the varlen functions take it
+    parts: tuple = ()             # a pair's two ints, as named in torch op schemas and JAX attributes
+    example: Callable = None      # example(rng, shape) -> a value that turns it on (test grids)
+    needs: tuple = ()             # options that must be given with it (dropout_p: its seed)
+    gradient: bool = False        # whether the backward can return its gradient
+    reference: bool = True        # whether the reference takes it (not options that only order the sums)
+
+    def is_on(self, value):
+        """Whether a checked value does anything."""
+        return value is not None if self.kind in ("array", "seed") else value != self.default
+
+
+def for_call(pass_, varlen=False):
+    """The options a public function takes, in signature order."""
+    return tuple(o for o in OPTIONS if pass_ in o.passes and (o.varlen or not varlen))
+
+
+def by_name(name):
+    return _BY_NAME[name]
+
+
+def examples(rng, shape, names=None):
+    """One setting per option (or per option of `names`) that turns it on, with what it needs:
+    [{name: value, ...}], the test matrix of the options."""
+    chosen = [o for o in OPTIONS if o.kind != "seed" and (names is None or o.name in names)]
+    return [{n: by_name(n).example(rng, shape) for n in (o.name, *o.needs)} for o in chosen]
+
+
+# --------------------------------------------------------------------------------------------
+# The checks. `call` is validate.Call: shape (batch, nheads, seqlen_q, seqlen_k, headdim), dtype
+# (q's), causal, and `checked`, the options checked so far (in table order).
+
+def _real(name, value, rule):
+    """value as a float, ValueError naming `name` and `rule` unless it is a real number."""
+    if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return float(value)
+
+
+def window_bounds(causal, window_size=(-1, -1)):
+    """(left, right) of the attention window with causal folded in as right = 0 (causal hides every
+    key right of the diagonal, so the intersection is the window with right = 0); -1 is unbounded."""
+    try:
+        left, right = (operator.index(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of integers >= -1, got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 means unbounded), got {window_size!r}")
+    return left, (0 if causal else right)
+
+
+def _fill_window(fields, window, call, inputs):
+    fields["window_left"], fields["window_right"] = (UNBOUNDED if side < 0 else side for side in window)
+
+
+def _check_softcap(value, call):
+    rule = "a finite number >= 0 (0 disables it)"
+    softcap = _real("softcap", value, rule)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be {rule}, got {value!r}")
+    return softcap
+
+
+def _fill_softcap(fields, softcap, call, inputs):
+    fields["softcap_inner"], fields["softcap_outer"] = call.scale / softcap, softcap / call.scale
+
+
+def _score_array_dtypes(call):
+    """The dtypes a score array (alibi_slopes, attn_bias) may have: float32, or q's own when q is
+    float32 or float64 (the NumPy path)."""
+    return ("float32",) if call.dtype in ("float16", "bfloat16", "float32") else ("float32", call.dtype)
+
+
+def _check_alibi(slopes, call):
+    if slopes is None:
+        return None
+    _check_array("alibi_slopes", slopes, call)
+    allowed = _score_array_dtypes(call)
+    if _arrays.dtype_name(slopes) not in allowed:
+        raise TypeError(f"alibi_slopes must have dtype {' or '.join(allowed)}, got {_arrays.dtype_name(slopes)}")
+    s = call.shape
+    if tuple(slopes.shape) not in ((s.nheads,), (s.batch, s.nheads)):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({s.nheads},) or (batch, nheads) = "
+                         f"({s.batch}, {s.nheads}), got {tuple(slopes.shape)}")
+    return slopes
+
+
+def _fill_alibi(fields, slopes, call, inputs):
+    slopes = inputs["alibi_slopes"]
+    fields["alibi_batch_stride"] = _arrays.element_strides(slopes)[0] if len(slopes.shape) == 2 else 0
+
+
+def _check_bias(bias, call):
+    if bias is None:
+        return None
+    _check_array("attn_bias", bias, call)
+    allowed = tuple(dict.fromkeys(("float32", call.dtype)))
+    if _arrays.dtype_name(bias) not in allowed:
+        raise TypeError(f"attn_bias must have dtype {' or '.join(allowed)}, got {_arrays.dtype_name(bias)}")
+    s = call.shape
+    full = (s.batch, s.nheads, s.seqlen_q, s.seqlen_k)
+    shape = tuple(bias.shape)
+    if not 2 <= len(shape) <= 4 or shape[-2:] != full[2:] or any(
+            size not in (1, want) for size, want in zip(shape[-4:-2][::-1], full[1::-1])):
+        raise ValueError(f"attn_bias must broadcast from (batch or 1, nheads or 1, seqlen_q, seqlen_k) = "
+                         f"{full}, got shape {shape}")
+    return bias
+
+
+def broadcast_strides(shape, strides):
+    """Strides of an array of 2 to 4 dims seen as 4-D, with 0 along every broadcast (size-1) dimension."""
+    pad = 4 - len(shape)
+    return tuple(0 if size == 1 else stride
+                 for size, stride in zip((1,) * pad + tuple(shape), (0,) * pad + tuple(strides)))
+
+
+def _fill_bias(fields, bias, call, inputs):
+    bias = inputs["attn_bias"]
+    fields["bias_is_float32"] = int(_arrays.dtype_name(bias) == "float32")
+    fields["bias_batch_stride"], fields["bias_head_stride"], fields["bias_row_stride"] = \
+        broadcast_strides(bias.shape, _arrays.element_strides(bias))[:3]
+
+
+def check_dropout_p(value, call=None):
+    """dropout_p as a float in [0, 1) (a bool is not a probability)."""
+    rule = "a real number in [0, 1)"
+    p = _real("dropout_p", value, rule)
+    if not 0 <= p < 1:  # NaN fails too
+        raise ValueError(f"dropout_p must be {rule}, got {value!r}")
+    return p
+
+
+def dropout_keep_threshold(dropout_p):
+    """The keep rule's bound: an element is kept iff its 32-bit Philox word is below it.
+
+    min(int((1 - dropout_p) * 2**32), 2**32 - 1), (1 - dropout_p) in float64 and int() truncating.
+    (2**32 does not fit a word, so dropout_p = 0 means "no dropout" rather than this rule.)"""
+    return min(int((1.0 - dropout_p) * 2 ** 32), 2 ** 32 - 1)
+
+
+def _fill_dropout(fields, dropout_p, call, inputs):
+    fields["dropout_keep_below"] = dropout_keep_threshold(dropout_p)
+    fields["dropout_scale"] = 1.0 / (1.0 - dropout_p)
+
+
+def _check_seed(seed, call):
+    """The Philox key as an int in [0, 2**64) when dropout is on; None (ignored) otherwise."""
+    dropout_p = call.checked.get("dropout_p", 0.0)
+    return check_seed(seed, dropout_p) if dropout_p else None
+
+
+def check_seed(seed, dropout_p):
+    """seed as a Python int in [0, 2**64), for a call with dropout_p > 0."""
+    if seed is None:
+        raise ValueError(f"seed is required when dropout_p > 0 (dropout_p={dropout_p!r}): "
+                         f"pass an integer in [0, 2**64)")
+    if isinstance(seed, (bool, numpy.bool_)) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2 ** 64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return int(seed)
+
+
+def check_flag(name, value):
+    if not isinstance(value, (bool, numpy.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _check_array(name, value, call):
+    """An option array: of the call's kind (checked with the other arrays) and, on every path, with
+    a contiguous last dimension as the kernels read it."""
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(value).__name__}")
+    strides = _arrays.element_strides(value)
+    if strides is not None and len(strides) and value.shape[-1] > 1 and strides[-1] != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {strides} (in elements)")
+
+
+# --------------------------------------------------------------------------------------------
+# Examples that turn each option on, for the check grid and the tests: shape is validate.Shape-like
+# (batch, nheads, seqlen_q, seqlen_k); arrays are float32 NumPy arrays.
+
+def _example_alibi(rng, shape):
+    return rng.uniform(0.01, 0.5, (shape.batch, shape.nheads)).astype(numpy.float32)
+
+
+def _example_bias(rng, shape):
+    return rng.standard_normal((shape.nheads, shape.seqlen_q, shape.seqlen_k)).astype(numpy.float32)
+
+
+OPTIONS = (
+    Option("window_size", "pair", (-1, -1),
+           "(left, right): query i sees keys [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]; "
+           "-1 leaves a side unbounded. Blocks outside the window are skipped, not computed.",
+           lambda value, call: window_bounds(call.causal, value), _fill_window, kernels="local", parts=("window_left", "window_right"),
+           example=lambda rng, shape: (9, 3)),
+    Option("softcap", "real", 0.0, "> 0: scores become softcap * tanh(scores / softcap)",
+           _check_softcap, _fill_softcap, kernels="score", example=lambda rng, shape: 1.5),
+    Option("alibi_slopes", "array", None,
+           "float32 (nheads,) or (batch, nheads): head h adds -slope * |i + seqlen_k - seqlen_q - j| (no gradient)",
+           _check_alibi, _fill_alibi, kernels="score", example=_example_alibi),
+    Option("attn_bias", "array", None,
+           "an additive bias broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k), float32 or q's "
+           "dtype; its gradient is dbias",
+           _check_bias, _fill_bias, kernels="score", varlen=False, example=_example_bias, gradient=True),
+    Option("dropout_p", "real", 0.0,
+           "probability of dropping an attention probability, in [0, 1); needs `seed`",
+           check_dropout_p, _fill_dropout, kernels="dropout", needs=("seed",), example=lambda rng, shape: 0.17),
+    Option("seed", "seed", None,
+           "an int in [0, 2**64): the Philox key of the dropout mask. The backward must get the same seed, "
+           "and regenerates the mask instead of storing it.",
+           _check_seed, example=lambda rng, shape: int(rng.integers(0, 2 ** 63)) * 2 + 1),
+    Option("deterministic", "flag", False,
+           "the backward adds dq in a fixed order: bitwise reproducible (the default adds by atomics)",
+           lambda value, call: check_flag("deterministic", value), kernels="deterministic", passes=("bwd",),
+           example=lambda rng, shape: True, reference=False),
+)
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+ORDER = "Order, as in the reference: s = q k^T * scale, then softcap, then + ALiBi + attn_bias, then the mask."
+
+
+def doc(pass_, varlen=False):
+    """The options' part of a public function's docstring."""
+    lines = ["", "    Options (flash_attn's names and meaning; each default means off, and all combine):"]
+    for o in for_call(pass_, varlen):
+        lines += textwrap.wrap(o.doc, 100, initial_indent=f"      {o.name:<14}", subsequent_indent=" " * 20)
+    return "\n".join(lines + textwrap.wrap(ORDER, 100, initial_indent="    ", subsequent_indent="    ") + [""])

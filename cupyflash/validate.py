@@ -1,0 +1,298 @@
+"""Argument checks, one set for every path: the GPU kernels, the NumPy reference, and the PyTorch
+and JAX adapters (which call them at trace time). Each error names the argument and what it got.
+
+The rules are the same on every path; only the dtypes of q, k, v differ (the kernels take float16
+and bfloat16, the NumPy reference also float32 and float64).
+"""
+
+import dataclasses
+import math
+import numbers
+
+import numpy
+
+from . import _arrays, options
+
+GPU_DTYPES = ("float16", "bfloat16")
+NUMPY_DTYPES = ("float16", "bfloat16", "float32", "float64")
+MAX_HEADDIM = 256
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions, which hold heads and batch entries
+
+check_flag = options.check_flag
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Sizes of a call; for varlen, batch counts the sequences and seqlen_* are max_seqlen_*."""
+    batch: int
+    nheads: int
+    nheads_k: int
+    seqlen_q: int
+    seqlen_k: int
+    headdim: int
+    varlen: bool = False
+    total_q: int = 0
+    total_k: int = 0
+
+    @property
+    def stats(self):
+        """lse's shape: (batch, nheads, seqlen_q), or (nheads, total_q) for varlen."""
+        return (self.nheads, self.total_q) if self.varlen else (self.batch, self.nheads, self.seqlen_q)
+
+
+@dataclasses.dataclass(frozen=True)
+class Varlen:
+    """The packing arguments of a varlen call."""
+    cu_seqlens_q: object
+    cu_seqlens_k: object
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self):
+        """The number of sequences (cu_seqlens_q must have been checked to be 1-D)."""
+        return self.cu_seqlens_q.shape[0] - 1
+
+
+@dataclasses.dataclass
+class Call:
+    """A checked call: the arrays' kind and device, sizes, q's dtype, the scale, causal and the
+    options (name -> checked value, every option of the call's function)."""
+    pass_: str
+    caller: _arrays.Caller
+    shape: Shape
+    dtype: str
+    scale: float
+    causal: bool
+    checked: dict
+    varlen: Varlen = None
+
+    def on(self, name):
+        return options.by_name(name).is_on(self.checked.get(name))
+
+    @property
+    def local(self):
+        """Whether rows see a bounded key range (causal or a window: the LOCAL kernels)."""
+        return self.on("window_size")
+
+    def needs(self, kernels):
+        """Whether an option that is on needs `kernels` ('score', 'dropout', 'deterministic')."""
+        return any(o.kernels == kernels and self.on(o.name) for o in options.OPTIONS if o.name in self.checked)
+
+
+def lse_dtype(dtype):
+    """lse's dtype for inputs of `dtype`: float32, but float64 for the float64 reference."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def check_call(pass_, arrays, softmax_scale, causal, given, varlen=None):
+    """The Call of a public function's arguments: `arrays` holds every array argument by name
+    (q, k, v; dout, out, lse for the backward; cu_seqlens; the options' arrays), `given` every
+    option of the function (defaults filled in)."""
+    caller = caller_of(**arrays)
+    if varlen is not None:
+        check_varlen_shapes(arrays["q"], arrays["k"], varlen)
+    shape = check_qkv(arrays["q"], arrays["k"], arrays["v"], varlen)
+    dtype = _arrays.dtype_name(arrays["q"])
+    allowed = NUMPY_DTYPES if caller.kind == "numpy" else GPU_DTYPES
+    if dtype not in allowed:
+        raise TypeError(f"q must have dtype {' or '.join(allowed)}, got {dtype}")
+    if pass_ == "bwd":
+        for name in ("dout", "out"):
+            check_like_q(name, arrays[name], arrays["q"])
+        check_lse(arrays["lse"], shape, dtype)
+    call = Call(pass_, caller, shape, dtype, check_scale(softmax_scale, shape.headdim), check_flag("causal", causal),
+                {}, varlen)
+    for option in options.for_call(pass_, varlen is not None):
+        call.checked[option.name] = option.check(given[option.name], call)
+    if varlen is not None:
+        check_varlen_values(varlen, arrays, caller)
+    return call
+
+
+def caller_of(**arrays):
+    """The Caller of arrays that must all be of one kind and on one device."""
+    kinds = {}
+    for name, array in arrays.items():
+        kind = _arrays.kind_of(array)
+        if kind is None:
+            raise TypeError(f"{name} must be a CuPy, PyTorch or JAX array (or any DLPack producer) on a "
+                            f"CUDA device, or a NumPy array; got {type(array).__module__}.{type(array).__name__}")
+        if kind != "numpy" and not _arrays.is_on_gpu(array):
+            raise ValueError(f"{name} is a {kind} array on the CPU; pass arrays on a CUDA device "
+                             f"(or NumPy arrays to run the NumPy reference)")
+        kinds[name] = kind
+    first = next(iter(arrays))
+    for name, kind in kinds.items():
+        if kind != kinds[first]:
+            raise TypeError(f"{name} is a {kind} array but {first} is a {kinds[first]} array; pass arrays of one kind")
+    kind = kinds[first]
+    if kind == "numpy":
+        return _arrays.Caller("numpy", -1)
+    devices = {name: _arrays.dlpack_device(array)[1] for name, array in arrays.items()}
+    for name, device in devices.items():
+        if device != devices[first]:
+            raise ValueError(f"{name} is on CUDA device {device} but {first} is on CUDA device "
+                             f"{devices[first]}; pass arrays on one device")
+    return _arrays.Caller(kind, devices[first])
+
+
+def check_qkv(q, k, v, varlen=None):
+    """Shape of q, k, v (their layout, dtypes agreeing, head dims, GQA, grid limits)."""
+    ndim = 3 if varlen is not None else 4
+    layout = "(total, nheads, headdim)" if varlen is not None else "(batch, seqlen, nheads, headdim)"
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(array).__name__}")
+        if len(array.shape) != ndim:
+            raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(array.shape)}")
+        if 0 in tuple(array.shape)[ndim - 2:] or (varlen is None and 0 in tuple(array.shape)):
+            raise ValueError(f"{name} has an empty dimension: shape {tuple(array.shape)}")
+    dtype = _arrays.dtype_name(q)
+    for name, array in (("k", k), ("v", v)):
+        if _arrays.dtype_name(array) != dtype:
+            raise TypeError(f"{name} has dtype {_arrays.dtype_name(array)} but q has dtype {dtype}")
+    nheads, headdim = q.shape[-2:]
+    if varlen is None:
+        shape = Shape(q.shape[0], nheads, k.shape[-2], q.shape[1], k.shape[1], headdim)
+    else:
+        shape = Shape(varlen.batch, nheads, k.shape[-2], varlen.max_seqlen_q, varlen.max_seqlen_k, headdim,
+                      True, q.shape[0], k.shape[0])
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if varlen is None and k.shape[0] != shape.batch:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {shape.batch}")
+    if k.shape[-1] != headdim:
+        raise ValueError(f"k has head dim {k.shape[-1]} but q has head dim {headdim}")
+    if nheads % shape.nheads_k:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k's nheads ({shape.nheads_k})")
+    if headdim > MAX_HEADDIM:
+        raise ValueError(f"head dim must be at most {MAX_HEADDIM}, got {headdim}")
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        check_last_dim_contiguous(name, array)
+    if shape.batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
+        raise ValueError(f"batch and nheads must be at most {MAX_GRID_YZ} (grid limits), got "
+                         f"batch {shape.batch}, nheads {nheads}")
+    return shape
+
+
+def check_like_q(name, array, q):
+    if tuple(array.shape) != tuple(q.shape):
+        raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(array.shape)}")
+    if _arrays.dtype_name(array) != _arrays.dtype_name(q):
+        raise TypeError(f"{name} has dtype {_arrays.dtype_name(array)} but q has dtype {_arrays.dtype_name(q)}")
+    check_last_dim_contiguous(name, array)
+
+
+def check_lse(lse, shape, dtype):
+    """lse as the forward returns it: shape.stats, in lse_dtype(q's dtype)."""
+    if tuple(lse.shape) != shape.stats:
+        names = "(nheads, total_q)" if shape.varlen else "(batch, nheads, seqlen_q)"
+        raise ValueError(f"lse must have shape {names} = {shape.stats}, got {tuple(lse.shape)}")
+    if _arrays.dtype_name(lse) != lse_dtype(dtype):
+        raise TypeError(f"lse must have dtype {lse_dtype(dtype)}, got {_arrays.dtype_name(lse)}")
+
+
+def check_last_dim_contiguous(name, array):
+    """The kernels read whole rows of the last dimension; the reference takes the same inputs."""
+    strides = _arrays.element_strides(array)
+    if strides is not None and array.shape[-1] > 1 and strides[-1] != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (headdim), got strides {strides} "
+                         f"(in elements)")
+
+
+def default_scale(headdim):
+    return headdim ** -0.5
+
+
+def check_scale(softmax_scale, headdim):
+    """The softmax scale: headdim ** -0.5 by default (the caller's head dim), else a positive finite number."""
+    if softmax_scale is None:
+        return default_scale(headdim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, numpy.number)):
+        raise TypeError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be finite and positive, got {softmax_scale!r}")
+    return scale
+
+
+def check_packed(name, array, ndim, count):
+    """A packed qkv (count 3) or kv (count 2) array of `ndim` dims: (batch, seqlen, count, nheads,
+    headdim), or (total, count, nheads, headdim) for varlen."""
+    shape = tuple(getattr(array, "shape", ()))
+    if len(shape) != ndim or shape[ndim - 3] != count:
+        where = "(batch, seqlen, " if ndim == 5 else "(total, "
+        raise ValueError(f"{name} must be {ndim}-D {where}{count}, nheads, headdim), got shape {shape}")
+
+
+# --------------------------------------------------------------------------------------------
+# Varlen: the shapes and dtypes (known at trace time), then the values (on the host).
+
+def check_varlen_shapes(q, k, varlen):
+    """What can be checked of a varlen call's packing without reading cu_seqlens' values."""
+    for side, cu, packed in (("q", varlen.cu_seqlens_q, q), ("k", varlen.cu_seqlens_k, k)):
+        if not hasattr(cu, "shape") or not hasattr(cu, "dtype"):
+            raise TypeError(f"cu_seqlens_{side} must be an int32 array, got {type(cu).__name__}")
+        if _arrays.dtype_name(cu) != "int32":
+            raise TypeError(f"cu_seqlens_{side} must be an int32 array, got dtype {_arrays.dtype_name(cu)}")
+        if len(cu.shape) != 1 or cu.shape[0] < 1:
+            raise ValueError(f"cu_seqlens_{side} must be 1-D (batch + 1,), got shape {tuple(cu.shape)}")
+        if len(getattr(packed, "shape", ())) != 3:
+            raise ValueError(f"{side} must be 3-D (total, nheads, headdim) for varlen, got shape "
+                             f"{tuple(getattr(packed, 'shape', ()))}")
+    if tuple(varlen.cu_seqlens_q.shape) != tuple(varlen.cu_seqlens_k.shape):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{varlen.cu_seqlens_q.shape[0]} and {varlen.cu_seqlens_k.shape[0]}")
+    for side in ("q", "k"):
+        value = getattr(varlen, f"max_seqlen_{side}")
+        if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"max_seqlen_{side} must be an int >= 0 (the longest sequence), got {value!r}")
+
+
+def check_varlen_values(varlen, arrays, caller):
+    """cu_seqlens read on the host (a GPU array waits for the work that computes it): each
+    non-decreasing from 0 to its packed total, max_seqlen at least every length."""
+    for side in ("q", "k"):
+        host = _arrays.to_host(getattr(varlen, f"cu_seqlens_{side}"), caller)
+        check_cu_seqlens(f"cu_seqlens_{side}", host, None, arrays[side].shape[0])
+        check_max_seqlen(f"max_seqlen_{side}", getattr(varlen, f"max_seqlen_{side}"), host)
+
+
+def check_cu_seqlens(name, cu_seqlens, batch, total):
+    """Checks the cumulative sequence lengths `name` (a host array); returns it as a NumPy array.
+
+    It must be a 1-D int32 array of length batch + 1 (any length >= 1 when batch is None) that
+    starts at 0, never decreases and ends at total, the packed length. TypeError for a wrong
+    type or dtype, ValueError for the rest."""
+    dtype = getattr(cu_seqlens, "dtype", None)
+    if dtype is None:
+        raise TypeError(f"{name} must be an int32 array, got {type(cu_seqlens).__name__}")
+    if dtype != numpy.int32:
+        raise TypeError(f"{name} must be an int32 array, got dtype {dtype}")
+    cu = numpy.asarray(cu_seqlens)
+    if cu.ndim != 1:
+        raise ValueError(f"{name} must be 1-D (batch + 1,), got shape {cu.shape}")
+    if batch is not None and cu.shape[0] != batch + 1:
+        raise ValueError(f"{name} must have length batch + 1 = {batch + 1}, got {cu.shape[0]}")
+    if cu.shape[0] < 1:
+        raise ValueError(f"{name} must have length batch + 1 >= 1, got an empty array")
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {cu[0]}")
+    lengths = numpy.diff(cu.astype(numpy.int64))  # int64: differences of extreme int32 values cannot wrap
+    if (lengths < 0).any():
+        b = int(numpy.argmax(lengths < 0))
+        raise ValueError(f"{name} must be non-decreasing, got {name}[{b}] = {cu[b]} > {name}[{b + 1}] = {cu[b + 1]}")
+    if cu[-1] != total:
+        raise ValueError(f"{name} must end at the packed length {total}, got {name}[-1] = {cu[-1]}")
+    return cu
+
+
+def check_max_seqlen(name, max_seqlen, cu_seqlens):
+    """Checks that the integer `name` bounds every sequence of cu_seqlens (as check_cu_seqlens passed it)."""
+    if isinstance(max_seqlen, (bool, numpy.bool_)) or not isinstance(max_seqlen, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {max_seqlen!r}")
+    lengths = numpy.diff(numpy.asarray(cu_seqlens, dtype=numpy.int64))
+    longest = int(lengths.max()) if lengths.size else 0
+    if max_seqlen < longest or max_seqlen < 0:
+        raise ValueError(f"{name} must be >= the longest sequence ({longest}), got {max_seqlen!r}")

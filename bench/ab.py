@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # bench/tiles.py
 
-from cupyflash import _compile, _config, _kernels, _sources, interface
+from cupyflash import _compile, _config, _kernels, _plan, _sources
 
 CASES = [("fwd", 128, (128, 32, 4, 1)), ("bwd", 64, (128, 128, 8, 2)), ("bwd", 128, (64, 128, 8, 2)),
          ("bwd", 256, (64, 64, 8, 1))]  # (pass, head dim, tile)
@@ -32,7 +32,7 @@ def use(source_dir):
     _sources._source_dir = _current_source_dir if source_dir is None else (lambda: source_dir)
     _sources.read.cache_clear()
     _compile._loaded.clear()
-    interface._plans.clear()
+    _plan._plans.clear()
 
 
 def compile_cases(versions):

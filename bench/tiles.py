@@ -7,7 +7,7 @@ Prints TFLOP/s (FLOPs as in ../shared/peers/README.md), timed as `python -m cupy
 """
 
 import cupyflash
-from cupyflash import _config, interface
+from cupyflash import _config, _plan
 
 CANDIDATES = {  # (block_m, block_n, warps, stages): the fourth session's round
     ("fwd", 128): [(128, 32, 4, 1), (128, 64, 8, 1), (64, 64, 4, 1)],
@@ -45,7 +45,7 @@ def main(seqlen=4096):
         original = table[pass_][hd]
         for tile in candidates:
             table[pass_][hd] = tile
-            interface._plans.clear()  # cached launch plans hold the previous tile
+            _plan._plans.clear()  # cached launch plans hold the previous tile
             row = [tflops(pass_, tensors, causal) for causal in (False, True)]
             print(f"{pass_:4} {hd:4d} {str(tile):>14} | {row[0]:8.1f} {row[1]:8.1f}", flush=True)
         table[pass_][hd] = original

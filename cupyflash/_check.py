@@ -222,10 +222,9 @@ def run_gpu_case(case, seed, wrap=None, unwrap=None, backward=True):
     `wrap` turns the CuPy inputs into another framework's arrays (e.g. torch.from_dlpack) and
     `unwrap` turns results back into something numpy.asarray accepts; by default CuPy in and out."""
     import cupy
-    from .interface import flash_attn_backward, flash_attn_func
+    from .api import flash_attn_backward, flash_attn_func, flash_attn_varlen_backward, flash_attn_varlen_func
     wrap = wrap or (lambda x: x)
     unwrap = unwrap or cupy.asnumpy
-    from . import interface
     inputs = random_inputs(case, seed)
     arrays = {name: wrap(a) for name, a in to_cupy_inputs(case, inputs).items()}
     scale = case.headdim ** -0.5
@@ -234,11 +233,11 @@ def run_gpu_case(case, seed, wrap=None, unwrap=None, backward=True):
     if case.varlen:
         cu = [wrap(cupy.asarray(c)) for c in case.cu_seqlens()]
         lengths = (case.seqlen_q, case.seqlen_k)
-        out, lse = interface.flash_attn_varlen_func(q, k, v, *cu, *lengths, scale, case.causal, return_lse=True,
+        out, lse = flash_attn_varlen_func(q, k, v, *cu, *lengths, scale, case.causal, return_lse=True,
                                                     **options)
         grads = None
         if backward:
-            grads = interface.flash_attn_varlen_backward(dout, q, k, v, out, lse, *cu, *lengths, scale, case.causal,
+            grads = flash_attn_varlen_backward(dout, q, k, v, out, lse, *cu, *lengths, scale, case.causal,
                                                          deterministic=case.deterministic, **options)
     else:
         out, lse = flash_attn_func(q, k, v, scale, case.causal, return_lse=True, **options)

@@ -11,10 +11,10 @@ without a GPU (and float32/float64 inputs work there).
     from cupyflash.jax import flash_attn
     out = jax.jit(flash_attn, static_argnames="causal")(q, k, v, causal=True)
 
-Options (the core's; see cupyflash.flash_attn_func): window_size, softcap, softmax_scale, causal,
-dropout_p and deterministic are static (Python values, part of the trace); alibi_slopes, attn_bias,
-dropout_seed and the varlen cu_seqlens are operands (traced arrays). attn_bias gets a gradient
-(dbias), alibi_slopes a zero one.
+Options (the core's, cupyflash.options): the pair, real and flag options are static (Python
+values, part of the trace, sent as custom call attributes); the array options, dropout_seed and the
+varlen cu_seqlens are operands (traced arrays). attn_bias gets a gradient (dbias), alibi_slopes a
+zero one.
 
 What goes through the host: the dropout seed and the cu_seqlens are read by the handler on the host
 (on the GPU a small device-to-host copy that waits for XLA's stream to reach the call), as the core
@@ -27,27 +27,43 @@ smaller XLA_PYTHON_CLIENT_MEM_FRACTION) leaves CuPy more.
 
 import dataclasses
 import functools
+import inspect
 import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy
 
-from . import _arrays, _xla_ffi, interface, reference
-from .interface import flash_attn_backward, flash_attn_func, flash_attn_varlen_backward, flash_attn_varlen_func
+from . import _arrays, _xla_ffi, api, options, validate
 
 __all__ = ["flash_attn", "flash_attn_varlen", "forward_with_lse", "varlen_forward_with_lse"]
 
 _FORWARD, _BACKWARD = "cupyflash_flash_attn_fwd", "cupyflash_flash_attn_bwd"
 _VARLEN_FORWARD, _VARLEN_BACKWARD = "cupyflash_flash_attn_varlen_fwd", "cupyflash_flash_attn_varlen_bwd"
 
-# The operands that follow q, k, v (after dout, q, k, v, out, lse in a backward), in this order,
-# those a call has: the varlen packing, then the options' arrays.
-_OPERANDS = ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "attn_bias", "seed")
+# JAX's name of the seed option (a key array rather than the core's int).
+_PUBLIC_NAMES = {"seed": "dropout_seed"}
 
 
-def flash_attn(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-               attn_bias=None, dropout_p=0.0, dropout_seed=None, deterministic=False):
+def _public_name(option):
+    return _PUBLIC_NAMES.get(option.name, option.name)
+
+
+def _takes_options(varlen):
+    """Gives a function the keyword options of cupyflash.options in its signature (every option of
+    either pass: the custom_vjp's backward uses the forward's)."""
+    def decorate(function):
+        own = inspect.signature(function)
+        params = [p for p in own.parameters.values() if p.kind != p.VAR_KEYWORD]
+        taken = options.for_call("bwd", varlen)
+        params += [inspect.Parameter(_public_name(o), inspect.Parameter.KEYWORD_ONLY, default=o.default) for o in taken]
+        function.__signature__ = own.replace(parameters=params)
+        return function
+    return decorate
+
+
+@_takes_options(varlen=False)
+def flash_attn(q, k, v, softmax_scale=None, causal=False, **given):
     """softmax(q k^T * softmax_scale) v for JAX arrays, differentiable in q, k, v and attn_bias.
 
     q is (batch, seqlen_q, nheads, headdim), k and v are (batch, seqlen_k, nheads_k, headdim),
@@ -55,26 +71,23 @@ def flash_attn(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1, -1
     is aligned bottom-right (query i sees key j iff j <= i + seqlen_k - seqlen_q). On the GPU,
     q, k and v must be float16 or bfloat16; on the CPU any float type runs the NumPy reference.
 
-    Static (Python values under jit): softmax_scale, causal, window_size (left, right), softcap,
-    dropout_p, deterministic (the backward adds dq in a fixed order: bitwise repeatable).
-    Arrays: alibi_slopes, float32 (nheads,) or (batch, nheads) (no gradient: its cotangent is 0);
-    attn_bias, an additive score bias broadcastable from (batch or 1, nheads or 1, seqlen_q,
-    seqlen_k), float32 or q's dtype, whose gradient is computed in every backward (pass it only
-    where it is wanted, or wrap it in jax.lax.stop_gradient and accept the cost).
-    dropout_seed, needed when dropout_p > 0: the Philox key of the dropout mask (the backward uses
-    the same), either a uint32 array of shape (2,) (low word, high word; e.g.
+    Options, as cupyflash.flash_attn_func takes them (cupyflash.options). Static (Python values
+    under jit): softmax_scale, causal, window_size, softcap, dropout_p, deterministic. Arrays:
+    alibi_slopes (no gradient: its cotangent is 0) and attn_bias, whose gradient is computed in
+    every backward (pass it only where it is wanted, or wrap it in jax.lax.stop_gradient and
+    accept the cost). dropout_seed, needed when dropout_p > 0: the Philox key of the dropout mask
+    (the backward uses the same), either a uint32 array of shape (2,) (low word, high word; e.g.
     jax.random.bits(key, (2,), jnp.uint32)): a traced operand, so a new seed each step does not
     retrace; or a Python int in [0, 2**64), which becomes a constant of the program. See the module
     docstring for how the seed reaches the kernels.
     """
-    static, operands = _prepare(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, attn_bias,
-                                dropout_p, dropout_seed, deterministic)
+    static, operands = _prepare(q, k, v, softmax_scale, causal, given, "flash_attn")
     return _flash_attn(q, k, v, operands, static)
 
 
+@_takes_options(varlen=True)
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                      causal=False, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                      dropout_seed=None, deterministic=False):
+                      causal=False, **given):
     """flash_attn over sequences of different lengths packed without padding, differentiable in q, k, v.
 
     q is (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim); sequence b is rows
@@ -82,74 +95,76 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     cu_seqlens_q and cu_seqlens_k are int32 arrays of length batch + 1 (operands: they may change
     without a retrace; the handler checks their values on the host when the call runs);
     max_seqlen_q and max_seqlen_k are static ints at least every length. Options as in flash_attn
-    (alibi_slopes (nheads,) or (batch, nheads); no attn_bias); masks and ALiBi are per sequence.
+    but those the varlen functions do not take (attn_bias); masks and ALiBi are per sequence.
     """
-    static, operands = _prepare(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, None, dropout_p,
-                                dropout_seed, deterministic, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    varlen = validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    static, operands = _prepare(q, k, v, softmax_scale, causal, given, "flash_attn_varlen", varlen)
     return _flash_attn(q, k, v, operands, static)
 
 
-def forward_with_lse(q, k, v, softmax_scale=None, causal=False, **options):
+@_takes_options(varlen=False)
+def forward_with_lse(q, k, v, softmax_scale=None, causal=False, **given):
     """(out, lse) of the forward custom call, not differentiable: lse is (batch, nheads, seqlen_q)
     float32. Options as in flash_attn (deterministic aside). For tests and for callers that merge
     partial attention results."""
-    static, operands = _prepare(q, k, v, softmax_scale, causal, **_option_arguments(options))
+    static, operands = _prepare(q, k, v, softmax_scale, causal, given, "forward_with_lse")
     return _forward(q, k, v, operands, static)
 
 
+@_takes_options(varlen=True)
 def varlen_forward_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                            causal=False, **options):
+                            causal=False, **given):
     """(out, lse) of flash_attn_varlen's forward, not differentiable: lse is (nheads, total_q) float32."""
-    static, operands = _prepare(q, k, v, softmax_scale, causal, **_option_arguments(options),
-                                varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    varlen = validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    static, operands = _prepare(q, k, v, softmax_scale, causal, given, "varlen_forward_with_lse", varlen)
     return _forward(q, k, v, operands, static)
-
-
-def _option_arguments(options):
-    allowed = ("window_size", "softcap", "alibi_slopes", "attn_bias", "dropout_p", "dropout_seed", "deterministic")
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise TypeError(f"unexpected keyword arguments {unknown}; options are {', '.join(allowed)}")
-    defaults = dict(window_size=(-1, -1), softcap=0.0, alibi_slopes=None, attn_bias=None, dropout_p=0.0,
-                    dropout_seed=None, deterministic=False)
-    return dict(defaults, **options)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    """The static part of a call (a nondiff argument of the custom_vjp)."""
+    """The static part of a call (a nondiff argument of the custom_vjp): the scale, causal, the
+    options that are Python values (by name, checked), the names of the operands after q, k, v,
+    and the varlen maxima."""
     softmax_scale: float
     causal: bool
-    window_size: tuple
-    softcap: float
-    dropout_p: float
-    deterministic: bool
-    operands: tuple            # names of the operands after q, k, v, in _OPERANDS order
+    values: tuple              # ((name, value), ...) of the pair, real and flag options
+    operands: tuple
     max_seqlens: tuple = None  # (max_seqlen_q, max_seqlen_k) for varlen
 
     def attributes(self, pass_):
-        """The typed FFI attributes: a float64 scale keeps it exact, a bool arrives as PRED. Options
-        that are off are left out (the handlers read them as off), so that a call without options
-        is the custom call it always was."""
+        """The custom call's attributes: a float64 scale keeps it exact, a bool arrives as PRED.
+        Options that are off are left out (the handlers read them as off), so that a call without
+        options is the custom call it always was."""
         attrs = {"softmax_scale": numpy.float64(self.softmax_scale), "causal": numpy.bool_(self.causal)}
-        if self.window_size != (-1, -1):
-            attrs.update(window_left=numpy.int64(self.window_size[0]), window_right=numpy.int64(self.window_size[1]))
-        if self.softcap:
-            attrs["softcap"] = numpy.float64(self.softcap)
-        if self.dropout_p:
-            attrs["dropout_p"] = numpy.float64(self.dropout_p)
-        for name in ("alibi_slopes", "attn_bias"):
-            if name in self.operands:
-                attrs[f"has_{name}"] = numpy.bool_(True)
+        taken = {o.name for o in options.for_call(pass_, self.max_seqlens is not None)}
+        for name, value in self.values:
+            option = options.by_name(name)
+            if name in taken and option.is_on(value):
+                attrs.update(_encode(option, value))
+        attrs.update({f"has_{name}": numpy.bool_(True) for name in self.operands
+                      if name in taken and options.by_name(name).kind == "array"})
         if self.max_seqlens is not None:
             attrs.update(max_seqlen_q=numpy.int64(self.max_seqlens[0]), max_seqlen_k=numpy.int64(self.max_seqlens[1]))
-        if pass_ == "bwd" and self.deterministic:
-            attrs["deterministic"] = numpy.bool_(True)
         return attrs
 
     @property
     def targets(self):
         return (_FORWARD, _BACKWARD) if self.max_seqlens is None else (_VARLEN_FORWARD, _VARLEN_BACKWARD)
+
+
+def _encode(option, value):
+    """The attributes of an option's value."""
+    if option.kind == "pair":
+        return {part: numpy.int64(side) for part, side in zip(option.parts, value)}
+    return {option.name: numpy.float64(value) if option.kind == "real" else numpy.bool_(value)}
+
+
+def _decode(option, attrs):
+    """An option's value from the attributes (its default where they leave it out)."""
+    if option.kind == "pair":
+        return tuple(int(attrs.get(part, side)) for part, side in zip(option.parts, option.default))
+    value = attrs.get(option.name, option.default)
+    return float(value) if option.kind == "real" else bool(value)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -165,13 +180,14 @@ def _flash_attn_fwd(q, k, v, operands, static):
 def _flash_attn_bwd(static, residuals, dout):
     q, k, v, operands, out, lse = residuals
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
-    if "attn_bias" in operands:
-        results.append(jax.ShapeDtypeStruct(operands["attn_bias"].shape, operands["attn_bias"].dtype))
+    gradients = [o.name for o in options.OPTIONS if o.gradient and o.name in static.operands]
+    results += [jax.ShapeDtypeStruct(operands[name].shape, operands[name].dtype) for name in gradients]
     call = jax.ffi.ffi_call(static.targets[1], results, vmap_method="sequential")
     grads = call(dout.astype(q.dtype), q, k, v, out, lse, *_operand_list(operands, static),
                  **static.attributes("bwd"))
-    # Cotangents of the operands: dbias for attn_bias; none (zero) for the slopes, the seed and the packing.
-    return (*grads[:3], {name: grads[3] if name == "attn_bias" else None for name in operands})
+    # Cotangents of the operands: their gradient where they have one; none (zero) for the rest.
+    by_name = dict(zip(gradients, grads[3:]))
+    return (*grads[:3], {name: by_name.get(name) for name in operands})
 
 
 _flash_attn.defvjp(_flash_attn_fwd, _flash_attn_bwd)
@@ -180,7 +196,8 @@ _flash_attn.defvjp(_flash_attn_fwd, _flash_attn_bwd)
 def _forward(q, k, v, operands, static):
     nheads = q.shape[-2]
     stats = (nheads, q.shape[0]) if static.max_seqlens is not None else (q.shape[0], nheads, q.shape[1])
-    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(stats, jnp.float32))
+    lse_dtype = validate.lse_dtype(numpy.dtype(q.dtype).name)
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(stats, lse_dtype))
     call = jax.ffi.ffi_call(static.targets[0], results, vmap_method="sequential")
     return tuple(call(q, k, v, *_operand_list(operands, static), **static.attributes("fwd")))
 
@@ -192,60 +209,46 @@ def _operand_list(operands, static):
 # --------------------------------------------------------------------------------------------
 # Checks at trace time (shapes and dtypes are known then); the core repeats them at run time.
 
-def _prepare(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, attn_bias, dropout_p, dropout_seed,
-             deterministic, varlen=None):
-    """(_Static, operands by name) of a call, after the core's own argument checks. The NumPy
-    caller's rules apply at trace time (any float dtype: CPU arrays run the reference); on the GPU
-    the core refuses what its kernels cannot take when the custom call runs. Values of traced
-    arrays (cu_seqlens, the seed) are checked when the call runs."""
-    caller = _arrays.Caller("numpy", -1)
-    operands, packing = {}, None
+def _prepare(q, k, v, softmax_scale, causal, given, function, varlen=None):
+    """(_Static, operands by name) of a call, after the core's argument checks. The NumPy path's
+    dtypes are allowed at trace time (CPU arrays run the reference); on the GPU the core refuses
+    what its kernels cannot take when the custom call runs. Values of traced arrays (cu_seqlens,
+    the seed) are checked when the call runs."""
+    taken = options.for_call("bwd", varlen is not None)
+    names = {_public_name(o): o for o in taken}
+    for name in given:
+        if name not in names:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+    operands = {}
     if varlen is not None:
-        packing = _check_packing(q, k, *varlen)
-        operands.update(cu_seqlens_q=varlen[0], cu_seqlens_k=varlen[1])
-    shape = interface._check_qkv(q, k, v, caller, packing)
-    scale = interface._check_scale(softmax_scale, shape.headdim)
-    causal = interface._check_flag("causal", causal)
-    arrays = {"q": q}
-    for name, value in (("alibi_slopes", alibi_slopes), ("attn_bias", attn_bias)):
-        if value is not None:
-            arrays[name] = operands[name] = _array(name, value)
-    window = reference.window_bounds(False, window_size)  # causal is its own attribute
-    opts = interface._check_options(shape, caller, causal, dict(
-        window_size=window, softcap=softcap, dropout_p=dropout_p, seed=0, deterministic=deterministic), arrays)
-    if opts.dropout_p:
-        operands["seed"] = _seed_operand(dropout_seed)
-    static = _Static(scale, causal, window, opts.softcap, opts.dropout_p, opts.deterministic,
-                     tuple(name for name in _OPERANDS if name in operands),
-                     None if packing is None else (packing.max_seqlen_q, packing.max_seqlen_k))
+        validate.check_varlen_shapes(q, k, varlen)
+        operands.update(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k)
+        varlen = validate.Varlen(varlen.cu_seqlens_q, varlen.cu_seqlens_k, int(varlen.max_seqlen_q),
+                                 int(varlen.max_seqlen_k))
+    shape = validate.check_qkv(q, k, v, varlen)
+    dtype = numpy.dtype(q.dtype).name
+    call = validate.Call("bwd", _arrays.Caller("numpy", -1), shape, dtype,
+                         validate.check_scale(softmax_scale, shape.headdim), validate.check_flag("causal", causal),
+                         {}, varlen)
+    values = []
+    for public, option in names.items():
+        value = given.get(public, option.default)
+        if option.kind == "seed":
+            continue
+        checked = option.check(value, call)
+        call.checked[option.name] = checked
+        if option.kind == "array":
+            if checked is not None:
+                operands[option.name] = checked
+        else:
+            # causal is an attribute of its own: the window travels as given (checked).
+            values.append((option.name, options.window_bounds(False, value) if option.kind == "pair" else checked))
+    for option in taken:
+        if "seed" in option.needs and call.checked.get(option.name):
+            operands["seed"] = _seed_operand(given.get(_PUBLIC_NAMES["seed"]))
+    static = _Static(call.scale, call.causal, tuple(values), tuple(name for name in operands),
+                     None if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k))
     return static, operands
-
-
-def _array(name, value):
-    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-        raise TypeError(f"{name} must be an array, got {type(value).__name__}")
-    return value
-
-
-def _check_packing(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """The core's _Varlen of a varlen call, from what is known at trace time: cu_seqlens' shapes and
-    dtypes and the static max_seqlen."""
-    for side, cu, packed in (("q", cu_seqlens_q, q), ("k", cu_seqlens_k, k)):
-        _array(f"cu_seqlens_{side}", cu)
-        if numpy.dtype(cu.dtype) != numpy.int32:
-            raise TypeError(f"cu_seqlens_{side} must have dtype int32, got {cu.dtype}")
-        if len(cu.shape) != 1 or cu.shape[0] < 1:
-            raise ValueError(f"cu_seqlens_{side} must be 1-D (batch + 1,), got shape {tuple(cu.shape)}")
-        if len(getattr(packed, "shape", ())) != 3:
-            raise ValueError(f"{side} must be 3-D (total, nheads, headdim) for varlen, got shape "
-                             f"{tuple(getattr(packed, 'shape', ()))}")
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
-                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
-    for side, value in (("q", max_seqlen_q), ("k", max_seqlen_k)):
-        if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Integral) or value < 0:
-            raise ValueError(f"max_seqlen_{side} must be a static int >= 0 (the longest sequence), got {value!r}")
-    return interface._Varlen(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
 
 
 def _seed_operand(seed):
@@ -274,50 +277,55 @@ class _Request:
     names: list
     scale: float
     causal: bool
-    options: dict
+    values: dict
+    varlen: bool
     max_seqlens: tuple
 
     @classmethod
     def of(cls, call, pass_, varlen):
         attrs = call.attrs
-        scale, causal = attrs["softmax_scale"], bool(attrs["causal"])
         names = ["dout", "q", "k", "v", "out", "lse"] if pass_ == "bwd" else ["q", "k", "v"]
         if varlen:
             names += ["cu_seqlens_q", "cu_seqlens_k"]
-        names += [name for name in ("alibi_slopes", "attn_bias") if attrs.get(f"has_{name}")]
-        options = dict(window_size=(int(attrs.get("window_left", -1)), int(attrs.get("window_right", -1))),
-                       softcap=attrs.get("softcap", 0.0), dropout_p=attrs.get("dropout_p", 0.0))
-        if options["dropout_p"]:
-            names.append("seed")
-        if pass_ == "bwd":
-            options["deterministic"] = bool(attrs.get("deterministic", False))
+        values = {}
+        taken = options.for_call(pass_, varlen)
+        for option in taken:
+            if option.kind == "array":
+                if attrs.get(f"has_{option.name}"):
+                    names.append(option.name)
+            elif option.kind != "seed":
+                values[option.name] = _decode(option, attrs)
+        # A seed operand comes last, there whenever an option that needs it is on.
+        names += [o.name for o in taken if o.kind == "seed" and any(
+            o.name in other.needs and other.is_on(values.get(other.name)) for other in taken)]
         if len(names) != len(call.args):
             raise ValueError(f"the custom call has {len(call.args)} operands, expected {len(names)}: "
                              f"{', '.join(names)}")
         max_seqlens = (int(attrs["max_seqlen_q"]), int(attrs["max_seqlen_k"])) if varlen else None
-        return cls(pass_, names, scale, causal, options, max_seqlens)
+        return cls(pass_, names, float(attrs["softmax_scale"]), bool(attrs["causal"]), values, varlen, max_seqlens)
 
     def run(self, args, read_seed):
         """The core's results for the operands `args` (NumPy or CuPy arrays, in self.names order);
         read_seed(array) gives the seed operand's two words on the host."""
         arrays = dict(zip(self.names, args))
-        options = dict(self.options, alibi_slopes=arrays.get("alibi_slopes"))
-        if "seed" in arrays:
-            low, high = (int(word) for word in read_seed(arrays["seed"]))
-            options["seed"] = low | high << 32
-        q, k, v = arrays["q"], arrays["k"], arrays["v"]
-        if self.max_seqlens is not None:
-            packing = (arrays["cu_seqlens_q"], arrays["cu_seqlens_k"], *self.max_seqlens)
-            if self.pass_ == "fwd":
-                return flash_attn_varlen_func(q, k, v, *packing, self.scale, self.causal, return_lse=True, **options)
-            return flash_attn_varlen_backward(*(arrays[n] for n in ("dout", "q", "k", "v", "out", "lse")), *packing,
-                                              self.scale, self.causal, **options)
-        bias = arrays.get("attn_bias")
+        given = dict(self.values)
+        for option in options.for_call(self.pass_, self.varlen):
+            if option.kind == "array":
+                given[option.name] = arrays.get(option.name)
+            elif option.kind == "seed" and option.name in arrays:
+                low, high = (int(word) for word in read_seed(arrays[option.name]))
+                given[option.name] = low | high << 32
+        leading = [arrays[n] for n in (("dout", "q", "k", "v", "out", "lse") if self.pass_ == "bwd" else ("q", "k", "v"))]
+        if self.varlen:
+            leading += [arrays["cu_seqlens_q"], arrays["cu_seqlens_k"], *self.max_seqlens]
         if self.pass_ == "fwd":
-            return flash_attn_func(q, k, v, self.scale, self.causal, attn_bias=bias, return_lse=True, **options)
-        grads = flash_attn_backward(*(arrays[n] for n in ("dout", "q", "k", "v", "out", "lse")), self.scale,
-                                    self.causal, attn_bias=bias, return_dbias=bias is not None, **options)
-        return grads  # (dq, dk, dv) and dbias with a bias: the custom call's results
+            function = api.flash_attn_varlen_func if self.varlen else api.flash_attn_func
+            return function(*leading, self.scale, self.causal, return_lse=True, **given)
+        if self.varlen:
+            return api.flash_attn_varlen_backward(*leading, self.scale, self.causal, **given)
+        gradients = [o.name for o in options.OPTIONS if o.gradient and o.name in arrays]
+        grads = api.flash_attn_backward(*leading, self.scale, self.causal, return_dbias=bool(gradients), **given)
+        return grads if gradients else grads[:3]  # (dq, dk, dv) and dbias with a bias: the custom call's results
 
 
 def _cpu_handler(pass_, varlen):

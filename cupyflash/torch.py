@@ -15,12 +15,13 @@ scalar tensor, and passed to the forward and backward ops as an explicit input: 
 regenerates the forward's mask from it, and the ops stay functional (opcheck-clean, traceable).
 """
 
+import inspect
 from typing import Optional
 
 import numpy
 import torch
 
-from . import interface, reference
+from . import api, options, validate
 from ._arrays import bfloat16_dtype
 
 if not hasattr(torch.library, "custom_op"):
@@ -61,100 +62,118 @@ def _empty(like, shape=None, dtype=None):
     return torch.empty(like.shape if shape is None else shape, dtype=dtype or like.dtype, device=like.device)
 
 
-def _options(window_left, window_right, softcap, alibi_slopes, dropout_p, seed):
-    """The core's keyword options from the ops' arguments (the seed tensor read as an int)."""
-    return dict(window_size=(window_left, window_right), softcap=softcap, alibi_slopes=_to_core(alibi_slopes),
-                dropout_p=dropout_p, seed=None if seed is None else int(seed))
-
-
 # --------------------------------------------------------------------------------------------
-# The custom ops. softmax_scale is always a number here: the Python functions resolve None.
-# Options default to "off", so calls written for the first versions of the ops still work.
-# `deterministic` is an argument of the forward ops only so that their autograd formula can pass
-# it to the backward op; the forward ignores it. `seed` is an int64 scalar tensor (any device;
-# read on the host), needed when dropout_p > 0.
+# The custom ops, their arguments derived from cupyflash.options: q, k, v (dout, q, k, v, out, lse
+# for a backward), the varlen packing, softmax_scale (always a number: the Python functions
+# resolve None), causal, then every option of either pass in table order (a forward op takes the
+# backward's options too, so that its autograd formula can pass them on), then the backward's
+# return_dbias. A pair travels as two ints, an array as a Tensor?, the dropout seed as an int64
+# scalar Tensor? (any device; read on the host). Each option defaults to off.
 
-@torch.library.custom_op("cupyflash::flash_attn_forward", mutates_args=())
-def _forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int = -1,
-             window_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-             attn_bias: Optional[Tensor] = None, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
-             deterministic: bool = False) -> tuple[Tensor, Tensor]:
-    out, lse = interface.flash_attn_func(
-        _to_core(q), _to_core(k), _to_core(v), softmax_scale, causal, attn_bias=_to_core(attn_bias),
-        return_lse=True, **_options(window_left, window_right, softcap, alibi_slopes, dropout_p, seed))
-    return _from_core(out), _from_core(lse)
+_KIND_ANNOTATIONS = {"flag": bool, "real": float, "array": Optional[Tensor], "seed": Optional[Tensor]}
 
 
-@_forward.register_fake
-def _(q, k, v, softmax_scale, causal, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-      attn_bias=None, dropout_p=0.0, seed=None, deterministic=False):
-    batch, seqlen_q, nheads, _ = q.shape
-    return _empty(q), _empty(q, (batch, nheads, seqlen_q), torch.float32)
+def _option_parameters(varlen):
+    """The ops' option arguments as inspect.Parameters, in table order."""
+    params = []
+    for option in options.OPTIONS:
+        if varlen and not option.varlen:
+            continue
+        if option.kind == "pair":
+            params += [_parameter(part, int, value) for part, value in zip(option.parts, option.default)]
+        else:
+            params.append(_parameter(option.name, _KIND_ANNOTATIONS[option.kind], option.default))
+    return params
 
 
-@torch.library.custom_op("cupyflash::flash_attn_backward", mutates_args=())
-def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, softmax_scale: float,
-              causal: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-              alibi_slopes: Optional[Tensor] = None, attn_bias: Optional[Tensor] = None, dropout_p: float = 0.0,
-              seed: Optional[Tensor] = None, deterministic: bool = False,
-              return_dbias: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dbias); dbias is attn_bias's gradient, in its shape and dtype, with return_dbias
-    (custom ops cannot return an optional tensor: without return_dbias it is an empty (0,) tensor)."""
-    # dout is often not contiguous (sum().backward() gives an expanded tensor); _to_core copies it then.
-    grads = interface.flash_attn_backward(
-        *(_to_core(t) for t in (dout, q, k, v, out, lse)), softmax_scale, causal, attn_bias=_to_core(attn_bias),
-        deterministic=deterministic, return_dbias=return_dbias,
-        **_options(window_left, window_right, softcap, alibi_slopes, dropout_p, seed))
-    dbias = grads[3] if return_dbias else None
-    return (*(_from_core(g) for g in grads[:3]), q.new_empty(0) if dbias is None else _from_core(dbias))
+def _parameter(name, annotation, default=inspect.Parameter.empty):
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation, default=default)
 
 
-@_backward.register_fake
-def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left=-1, window_right=-1, softcap=0.0,
-      alibi_slopes=None, attn_bias=None, dropout_p=0.0, seed=None, deterministic=False, return_dbias=False):
-    dbias = _empty(attn_bias) if return_dbias and attn_bias is not None else q.new_empty(0)
-    return _empty(q), _empty(k), _empty(v), dbias
+def _core_options(arguments, pass_, varlen):
+    """The core's keyword options from an op's bound arguments."""
+    result = {}
+    for option in options.for_call(pass_, varlen):
+        if option.kind == "pair":
+            result[option.name] = tuple(arguments[part] for part in option.parts)
+        elif option.kind == "array":
+            result[option.name] = _to_core(arguments[option.name])
+        elif option.kind == "seed":
+            seed = arguments[option.name]
+            result[option.name] = None if seed is None else int(seed)
+        else:
+            result[option.name] = arguments[option.name]
+    return result
 
 
-@torch.library.custom_op("cupyflash::flash_attn_varlen_forward", mutates_args=())
-def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                    max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int = -1,
-                    window_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-                    dropout_p: float = 0.0, seed: Optional[Tensor] = None,
-                    deterministic: bool = False) -> tuple[Tensor, Tensor]:
-    """(out, lse) of packed sequences: out like q (total_q, nheads, headdim), lse (nheads, total_q)."""
-    out, lse = interface.flash_attn_varlen_func(
-        _to_core(q), _to_core(k), _to_core(v), _to_core(cu_seqlens_q), _to_core(cu_seqlens_k), max_seqlen_q,
-        max_seqlen_k, softmax_scale, causal, return_lse=True,
-        **_options(window_left, window_right, softcap, alibi_slopes, dropout_p, seed))
-    return _from_core(out), _from_core(lse)
+class _Op:
+    """One custom op: its signature (and so its schema) from the options table, its real and fake
+    implementations, and the names of its arguments for autograd."""
+
+    def __init__(self, name, pass_, varlen, returns):
+        self.pass_, self.varlen = pass_, varlen
+        leading = ["dout", "q", "k", "v", "out", "lse"] if pass_ == "bwd" else ["q", "k", "v"]
+        params = [_parameter(n, Tensor) for n in leading]
+        if varlen:
+            params += [_parameter("cu_seqlens_q", Tensor), _parameter("cu_seqlens_k", Tensor),
+                       _parameter("max_seqlen_q", int), _parameter("max_seqlen_k", int)]
+        params += [_parameter("softmax_scale", float), _parameter("causal", bool)] + _option_parameters(varlen)
+        if pass_ == "bwd" and not varlen:
+            params.append(_parameter("return_dbias", bool, False))
+        self.signature = inspect.Signature(params, return_annotation=returns)
+        self.names = list(self.signature.parameters)
+        self.op = torch.library.custom_op(f"cupyflash::{name}", self._with_signature(self._run), mutates_args=())
+        self.op.register_fake(self._with_signature(self._fake))
+
+    def _with_signature(self, method):
+        def function(*args, **kwargs):
+            return method(self.bind(*args, **kwargs))
+        function.__signature__ = self.signature
+        return function
+
+    def bind(self, *args, **kwargs):
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
+    def _run(self, a):
+        varlen = self.varlen
+        arrays = [_to_core(a[n]) for n in (["dout", "q", "k", "v", "out", "lse"] if self.pass_ == "bwd" else
+                                           ["q", "k", "v"])]
+        if varlen:
+            arrays += [_to_core(a["cu_seqlens_q"]), _to_core(a["cu_seqlens_k"]), a["max_seqlen_q"], a["max_seqlen_k"]]
+        opts = _core_options(a, self.pass_, varlen)
+        if self.pass_ == "fwd":
+            function = api.flash_attn_varlen_func if varlen else api.flash_attn_func
+            out, lse = function(*arrays, a["softmax_scale"], a["causal"], return_lse=True, **opts)
+            return _from_core(out), _from_core(lse)
+        if varlen:
+            return tuple(_from_core(g) for g in api.flash_attn_varlen_backward(*arrays, a["softmax_scale"],
+                                                                                a["causal"], **opts))
+        # (dq, dk, dv, dbias); custom ops cannot return an optional tensor: without return_dbias
+        # (or attn_bias) dbias is an empty (0,) tensor.
+        grads = api.flash_attn_backward(*arrays, a["softmax_scale"], a["causal"], return_dbias=a["return_dbias"],
+                                        **opts)
+        dbias = grads[3] if a["return_dbias"] else None
+        return (*(_from_core(g) for g in grads[:3]), a["q"].new_empty(0) if dbias is None else _from_core(dbias))
+
+    def _fake(self, a):
+        q = a["q"]
+        if self.pass_ == "fwd":
+            stats = (q.shape[1], q.shape[0]) if self.varlen else (q.shape[0], q.shape[2], q.shape[1])
+            lse_dtype = getattr(torch, validate.lse_dtype(str(q.dtype).replace("torch.", "")))
+            return _empty(q), _empty(q, stats, lse_dtype)
+        grads = (_empty(q), _empty(a["k"]), _empty(a["v"]))
+        if self.varlen:
+            return grads
+        bias = a["attn_bias"]
+        return (*grads, _empty(bias) if a["return_dbias"] and bias is not None else q.new_empty(0))
 
 
-@_varlen_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left=-1,
-      window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None, deterministic=False):
-    total_q, nheads, _ = q.shape
-    return _empty(q), _empty(q, (nheads, total_q), torch.float32)
-
-
-@torch.library.custom_op("cupyflash::flash_attn_varlen_backward", mutates_args=())
-def _varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
-                     cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-                     window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                     alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0, seed: Optional[Tensor] = None,
-                     deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    grads = interface.flash_attn_varlen_backward(
-        *(_to_core(t) for t in (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)), max_seqlen_q, max_seqlen_k,
-        softmax_scale, causal, deterministic=deterministic,
-        **_options(window_left, window_right, softcap, alibi_slopes, dropout_p, seed))
-    return tuple(_from_core(g) for g in grads)
-
-
-@_varlen_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-      window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, seed=None,
-      deterministic=False):
-    return _empty(q), _empty(k), _empty(v)
+_forward = _Op("flash_attn_forward", "fwd", False, tuple[Tensor, Tensor])
+_backward = _Op("flash_attn_backward", "bwd", False, tuple[Tensor, Tensor, Tensor, Tensor])
+_varlen_forward = _Op("flash_attn_varlen_forward", "fwd", True, tuple[Tensor, Tensor])
+_varlen_backward = _Op("flash_attn_varlen_backward", "bwd", True, tuple[Tensor, Tensor, Tensor])
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,61 +182,36 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 # cannot be silently wrong. alibi_slopes get no gradient (as in flash_attn); attn_bias gets dbias
 # when it requires grad (asked of the backward only then: it costs an extra accumulation).
 
-# The arguments of the forward ops after q, k, v (and the varlen packing), in schema order.
-_OPTION_NAMES = ("softmax_scale", "causal", "window_left", "window_right", "softcap", "alibi_slopes", "attn_bias",
-                 "dropout_p", "seed", "deterministic")
-_VARLEN_OPTION_NAMES = tuple(n for n in _OPTION_NAMES if n != "attn_bias")
+def _autograd(forward, backward):
+    """Registers `backward` (an _Op) as the gradient of `forward`: the backward op gets the forward's
+    tensors and options by name."""
+    tensors = [n for n in forward.names if n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
+    tensors += [o.name for o in options.OPTIONS if o.kind in ("array", "seed") and o.name in forward.names]
+
+    def setup_context(ctx, inputs, output):
+        arguments = dict(zip(forward.names, inputs))
+        bias = arguments.get("attn_bias")
+        ctx.return_dbias = bias is not None and bias.requires_grad
+        ctx.save_for_backward(*(arguments[n] for n in tensors), *output)
+        ctx.others = {n: v for n, v in arguments.items() if n not in tensors}
+        ctx.mark_non_differentiable(output[1])
+
+    def gradient(ctx, dout, _dlse):
+        *saved, out, lse = ctx.saved_tensors
+        arguments = dict(ctx.others, **dict(zip(tensors, saved)), dout=dout, out=out, lse=lse)
+        if "return_dbias" in backward.names:
+            arguments["return_dbias"] = ctx.return_dbias
+        grads = backward.op(**{n: arguments[n] for n in backward.names})
+        by_input = dict(zip(("q", "k", "v"), grads[:3]))
+        if ctx.return_dbias:
+            by_input["attn_bias"] = grads[3]
+        return tuple(by_input.get(n) for n in forward.names)  # one per forward argument
+
+    forward.op.register_autograd(gradient, setup_context=setup_context)
 
 
-def _save(ctx, tensors, options):
-    """Saves the forward's tensors (q, k, v, out, lse and the packing) and its options for the backward."""
-    options = dict(options)
-    ctx.tensor_options = [name for name in ("alibi_slopes", "attn_bias", "seed") if name in options]
-    ctx.save_for_backward(*tensors, *(options.pop(name) for name in ctx.tensor_options))
-    ctx.options = options
-
-
-def _saved(ctx, count):
-    """(the first `count` saved tensors, the options with the saved option tensors put back)."""
-    saved = ctx.saved_tensors
-    return saved[:count], dict(ctx.options, **dict(zip(ctx.tensor_options, saved[count:])))
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, *rest = inputs
-    options = dict(zip(_OPTION_NAMES, rest))
-    bias = options["attn_bias"]
-    ctx.return_dbias = bias is not None and bias.requires_grad
-    out, lse = output
-    _save(ctx, (q, k, v, out, lse), options)
-    ctx.mark_non_differentiable(lse)
-
-
-def _autograd_backward(ctx, dout, _dlse):
-    tensors, options = _saved(ctx, 5)
-    dq, dk, dv, dbias = _backward(dout, *tensors, **options, return_dbias=ctx.return_dbias)
-    # One gradient per forward argument: q, k, v, then the options (all None but attn_bias's).
-    return dq, dk, dv, *(dbias if name == "attn_bias" and ctx.return_dbias else None for name in _OPTION_NAMES)
-
-
-_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
-
-
-def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest = inputs
-    out, lse = output
-    _save(ctx, (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), dict(zip(_VARLEN_OPTION_NAMES, rest)))
-    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
-    ctx.mark_non_differentiable(lse)
-
-
-def _varlen_autograd_backward(ctx, dout, _dlse):
-    tensors, options = _saved(ctx, 7)
-    dq, dk, dv = _varlen_backward(dout, *tensors, *ctx.max_seqlens, **options)
-    return dq, dk, dv, *(None for _ in range(4 + len(_VARLEN_OPTION_NAMES)))
-
-
-_varlen_forward.register_autograd(_varlen_autograd_backward, setup_context=_varlen_setup_context)
+_autograd(_forward, _backward)
+_autograd(_varlen_forward, _varlen_backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,21 +241,30 @@ def _number(name, value):
     return float(value)
 
 
-def _op_options(q, softmax_scale, causal, dropout_p, window_size, softcap, alibi_slopes, deterministic):
-    """The ops' option arguments from a drop-in call's (checked here where the op's schema would
-    give a less helpful message; the core checks the rest)."""
-    _check_tensor("alibi_slopes", alibi_slopes)
-    left, right = reference.window_bounds(False, window_size)  # a pair of ints >= -1
-    deterministic = interface._check_flag("deterministic", deterministic)
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    dropout_p, softcap = _number("dropout_p", dropout_p), _number("softcap", softcap)
-    # flash_attn applies dropout whenever dropout_p > 0 (modules pass 0.0 in eval mode). A seed is
-    # drawn only then, so calls without dropout leave torch's generator alone, as flash_attn's do.
-    seed = draw_dropout_seed() if dropout_p > 0 else None
-    return dict(softmax_scale=float(softmax_scale), causal=bool(causal), window_left=left, window_right=right,
-                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
-                deterministic=deterministic)
+def _op_arguments(q, softmax_scale, causal, given, varlen=False):
+    """The ops' arguments after the packing from a drop-in call's (checked here where the op's
+    schema would give a less helpful message; the core checks the rest). The dropout seed is drawn
+    only when dropout is on, so calls without it leave torch's generator alone, as flash_attn's do
+    (flash_attn applies dropout whenever dropout_p > 0; modules pass 0.0 in eval mode)."""
+    arguments = dict(softmax_scale=validate.check_scale(softmax_scale, q.shape[-1]),
+                     causal=validate.check_flag("causal", causal))
+    for option in options.OPTIONS:
+        if varlen and not option.varlen:
+            continue
+        value = given.get(option.name, option.default)
+        if option.kind == "pair":
+            arguments.update(zip(option.parts, options.window_bounds(False, value)))
+        elif option.kind == "real":
+            arguments[option.name] = _number(option.name, value)
+        elif option.kind == "flag":
+            arguments[option.name] = validate.check_flag(option.name, value)
+        elif option.kind == "array":
+            _check_tensor(option.name, value)
+            arguments[option.name] = value
+    for option in options.OPTIONS:
+        if "seed" in option.needs and arguments.get(option.name):
+            arguments["seed"] = draw_dropout_seed()
+    return arguments
 
 
 def _result(out, lse, return_attn_probs):
@@ -284,9 +287,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k), float32 or q's dtype, added
     after softcap and with ALiBi; its gradient is computed when it requires grad.
     """
-    _check_tensor("attn_bias", attn_bias)
-    options = _op_options(q, softmax_scale, causal, dropout_p, window_size, softcap, alibi_slopes, deterministic)
-    out, lse = _forward(q, k, v, attn_bias=attn_bias, **options)
+    arguments = _op_arguments(q, softmax_scale, causal, dict(
+        dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        deterministic=deterministic, attn_bias=attn_bias))
+    out, lse = _forward.op(q, k, v, **arguments)
     return _result(out, lse, return_attn_probs)
 
 
@@ -295,7 +299,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               attn_bias=None):
     """flash_attn.flash_attn_qkvpacked_func: qkv is (batch, seqlen, 3, nheads, headdim); q, k, v are
     views of it (no copies)."""
-    interface._check_packed("qkv", qkv, 5, 3)
+    validate.check_packed("qkv", qkv, 5, 3)
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs, attn_bias=attn_bias)
 
@@ -304,7 +308,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                              attn_bias=None):
     """flash_attn.flash_attn_kvpacked_func: kv is (batch, seqlen_k, 2, nheads_k, headdim)."""
-    interface._check_packed("kv", kv, 5, 2)
+    validate.check_packed("kv", kv, 5, 2)
     return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal,
                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs, attn_bias=attn_bias)
 
@@ -328,8 +332,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(value).__name__}")
-    options = _op_options(q, softmax_scale, causal, dropout_p, window_size, softcap, alibi_slopes, deterministic)
-    out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options)
+    arguments = _op_arguments(q, softmax_scale, causal, dict(
+        dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        deterministic=deterministic), varlen=True)
+    out, lse = _varlen_forward.op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **arguments)
     return _result(out, lse, return_attn_probs)
 
 
@@ -338,7 +344,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      return_attn_probs=False):
     """flash_attn.flash_attn_varlen_qkvpacked_func: qkv is (total, 3, nheads, headdim); q, k, v are
     views of it, and cu_seqlens and max_seqlen serve both sides."""
-    interface._check_packed("qkv", qkv, 4, 3)
+    validate.check_packed("qkv", qkv, 4, 3)
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs)
@@ -348,7 +354,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash_attn.flash_attn_varlen_kvpacked_func: kv is (total_k, 2, nheads_k, headdim)."""
-    interface._check_packed("kv", kv, 4, 2)
+    validate.check_packed("kv", kv, 4, 2)
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs)

@@ -92,11 +92,9 @@ def check_call(pass_, arrays, softmax_scale, causal, given, varlen=None):
     caller = caller_of(**arrays)
     if varlen is not None:
         check_varlen_shapes(arrays["q"], arrays["k"], varlen)
-    shape = check_qkv(arrays["q"], arrays["k"], arrays["v"], varlen)
+    shape = check_qkv(arrays["q"], arrays["k"], arrays["v"], varlen,
+                      NUMPY_DTYPES if caller.kind == "numpy" else GPU_DTYPES)
     dtype = _arrays.dtype_name(arrays["q"])
-    allowed = NUMPY_DTYPES if caller.kind == "numpy" else GPU_DTYPES
-    if dtype not in allowed:
-        raise TypeError(f"q must have dtype {' or '.join(allowed)}, got {dtype}")
     if pass_ == "bwd":
         for name in ("dout", "out"):
             check_like_q(name, arrays[name], arrays["q"])
@@ -137,8 +135,9 @@ def caller_of(**arrays):
     return _arrays.Caller(kind, devices[first])
 
 
-def check_qkv(q, k, v, varlen=None):
-    """Shape of q, k, v (their layout, dtypes agreeing, head dims, GQA, grid limits)."""
+def check_qkv(q, k, v, varlen=None, dtypes=NUMPY_DTYPES):
+    """Shape of q, k, v (their layout, q's dtype one of `dtypes` and k's and v's the same, head
+    dims, GQA, grid limits)."""
     ndim = 3 if varlen is not None else 4
     layout = "(total, nheads, headdim)" if varlen is not None else "(batch, seqlen, nheads, headdim)"
     for name, array in (("q", q), ("k", k), ("v", v)):
@@ -149,6 +148,8 @@ def check_qkv(q, k, v, varlen=None):
         if 0 in tuple(array.shape)[ndim - 2:] or (varlen is None and 0 in tuple(array.shape)):
             raise ValueError(f"{name} has an empty dimension: shape {tuple(array.shape)}")
     dtype = _arrays.dtype_name(q)
+    if dtype not in dtypes:
+        raise TypeError(f"q must have dtype {' or '.join(dtypes)}, got {dtype}")
     for name, array in (("k", k), ("v", v)):
         if _arrays.dtype_name(array) != dtype:
             raise TypeError(f"{name} has dtype {_arrays.dtype_name(array)} but q has dtype {dtype}")
@@ -235,7 +236,7 @@ def check_varlen_shapes(q, k, varlen):
         if not hasattr(cu, "shape") or not hasattr(cu, "dtype"):
             raise TypeError(f"cu_seqlens_{side} must be an int32 array, got {type(cu).__name__}")
         if _arrays.dtype_name(cu) != "int32":
-            raise TypeError(f"cu_seqlens_{side} must be an int32 array, got dtype {_arrays.dtype_name(cu)}")
+            raise TypeError(f"cu_seqlens_{side} must have dtype int32, got {_arrays.dtype_name(cu)}")
         if len(cu.shape) != 1 or cu.shape[0] < 1:
             raise ValueError(f"cu_seqlens_{side} must be 1-D (batch + 1,), got shape {tuple(cu.shape)}")
         if len(getattr(packed, "shape", ())) != 3:

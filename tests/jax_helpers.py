@@ -18,6 +18,12 @@ from cupyflash.jax import (flash_attn, flash_attn_varlen, forward_with_lse,  # n
 import option_cases  # noqa: E402
 
 
+# The option matrix (tests/option_cases.py) as cupyflash.jax spells it.
+OPTIONS = option_cases.jax_options()
+VARLEN_OPTIONS = option_cases.varlen_options(OPTIONS)
+OPTION_SHAPES, LENGTHS = option_cases.OPTION_SHAPES, option_cases.LENGTHS
+
+
 FLOAT32_EPS = float(numpy.finfo(numpy.float32).eps)
 
 
@@ -190,9 +196,3 @@ def _run_gpu_case(case, seed, jit):
 
     assert numpy.array_equal(host(out), host(out_vjp))  # same kernel, same inputs (and seed)
     return _check.compare(case, inputs, host(out), host(lse), [host(g) for g in grads]), grads
-
-
-# The option matrix (tests/option_cases.py) as cupyflash.jax spells it.
-OPTIONS = option_cases.jax_options()
-VARLEN_OPTIONS = option_cases.varlen_options(OPTIONS)
-OPTION_SHAPES, LENGTHS = option_cases.OPTION_SHAPES, option_cases.LENGTHS

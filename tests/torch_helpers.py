@@ -14,6 +14,12 @@ from cupyflash import _check
 import option_cases
 
 
+# The option matrix (tests/option_cases.py) as cupyflash.torch spells it.
+OPTIONS = option_cases.torch_options()
+VARLEN_OPTIONS = option_cases.varlen_options(OPTIONS)
+OPTION_SHAPES, LENGTHS = option_cases.OPTION_SHAPES, option_cases.LENGTHS
+
+
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 DEVICES = ["cpu", CUDA]
 UNIT_ROUNDOFF = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
@@ -193,9 +199,3 @@ def _run_gpu_case(case, seed, torch_seed=0):
 
 def cupyflash_attention(q, k, v):
     return cft.flash_attn_func(q, k, v, causal=True)
-
-
-# The option matrix (tests/option_cases.py) as cupyflash.torch spells it.
-OPTIONS = option_cases.torch_options()
-VARLEN_OPTIONS = option_cases.varlen_options(OPTIONS)
-OPTION_SHAPES, LENGTHS = option_cases.OPTION_SHAPES, option_cases.LENGTHS

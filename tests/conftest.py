@@ -16,6 +16,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+    config.addinivalue_line("markers", "smoke: the quick GPU tier covering every kernel family (tests/test_smoke.py)")
 
 
 @pytest.fixture

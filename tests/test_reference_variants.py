@@ -7,8 +7,9 @@ import pytest
 
 from cupyflash import reference as ref
 
-from test_reference import (assert_lse_close, numerical_gradient, random_inputs, reference_calls, rel_error,
-                            representable)
+pytest.register_assert_rewrite("reference_helpers")
+from reference_helpers import (assert_lse_close, numerical_gradient, random_inputs,  # noqa: E402
+                               reference_calls, rel_error, representable)
 
 WORD = 0xFFFFFFFF
 

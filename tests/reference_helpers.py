@@ -1,0 +1,80 @@
+"""Helpers shared by the test_reference*.py files (CPU tests of cupyflash/reference.py): random inputs,
+relative errors, finite differences, the compact option specs and every reference call."""
+
+import numpy as np
+
+from cupyflash import reference as ref
+
+
+def random_inputs(seed, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim):
+    """q, k, v and dout in flash_attn's layout, float64 standard normal."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, seqlen_q, nheads, headdim))
+    k = rng.standard_normal((batch, seqlen_k, nheads_k, headdim))
+    v = rng.standard_normal((batch, seqlen_k, nheads_k, headdim))
+    dout = rng.standard_normal((batch, seqlen_q, nheads, headdim))
+    return q, k, v, dout
+
+
+def rel_error(actual, expected):
+    """Largest absolute error relative to the largest magnitude of expected."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    scale = np.abs(expected).max()
+    return np.abs(actual - expected).max() / (scale if scale > 0 else 1.0)
+
+
+def assert_lse_close(actual, expected, rtol):
+    """Same -inf rows, finite rows close."""
+    np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected))
+    finite = np.isfinite(expected)
+    assert np.isfinite(actual[finite]).all()
+    assert rel_error(actual[finite], expected[finite]) < rtol
+
+
+def numerical_gradient(loss, x, eps=1e-5):
+    """Central finite differences of the scalar loss() with respect to every entry of x."""
+    grad = np.zeros_like(x)
+    for index in np.ndindex(x.shape):
+        saved = x[index]
+        x[index] = saved + eps
+        plus = loss()
+        x[index] = saved - eps
+        minus = loss()
+        x[index] = saved
+        grad[index] = (plus - minus) / (2 * eps)
+    return grad
+
+
+def representable(x, dtype):
+    return np.array_equal(ref.round_to(x, dtype), x)
+
+
+def make_options(seed, spec, batch, nheads, seqlen_q, seqlen_k):
+    """Keyword arguments for the attention functions from a compact spec.
+
+    spec keys: causal, window_size, softcap as is; alibi "h" for slopes (nheads,) or "bh" for
+    (batch, nheads); bias a shape whose letters b, h, q, k stand for batch, nheads, seqlen_q,
+    seqlen_k (1 broadcasts). Slopes and bias are fresh random values, never zeros.
+    """
+    rng = np.random.default_rng(seed)
+    sizes = {"b": batch, "h": nheads, "q": seqlen_q, "k": seqlen_k, 1: 1}
+    kwargs = {key: spec[key] for key in ("causal", "window_size", "softcap") if key in spec}
+    if "alibi" in spec:
+        kwargs["alibi_slopes"] = rng.uniform(0.05, 0.6, tuple(sizes[c] for c in spec["alibi"]))
+    if "bias" in spec:
+        kwargs["attn_bias"] = rng.standard_normal(tuple(sizes[c] for c in spec["bias"]))
+    return kwargs
+
+
+def reference_calls(q, k, v, dout, options):
+    """Every dense reference function called with `options`, each as a thunk (for the argument checks)."""
+    out, lse = ref.attention_forward(q, k, v)
+    return [
+        lambda: ref.attention_forward(q, k, v, **options),
+        lambda: ref.attention_backward(dout, q, k, v, **options),
+        lambda: ref.attention_forward_tiled(q, k, v, **options),
+        lambda: ref.attention_backward_tiled(dout, q, k, v, out, lse, **options),
+        lambda: ref.attention_forward_lowp(q, k, v, "float16", **options),
+        lambda: ref.attention_backward_lowp(dout, q, k, v, "bfloat16", **options),
+    ]

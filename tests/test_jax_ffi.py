@@ -1,0 +1,174 @@
+"""cupyflash.jax, the XLA typed FFI: the ctypes structures against the installed jaxlib's header, the
+custom calls and their attributes in the lowered program, handler errors reaching Python, the API
+functions reached from a probe target, and float16/bfloat16 buffers crossing the FFI (CPU backend).
+(The test_jax_*.py files are split by concern; test_jax_grad.py lists them.)
+"""
+
+import functools
+import os
+import re
+
+import numpy
+import pytest
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to CuPy
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+pytest.register_assert_rewrite("jax_helpers")
+
+from cupyflash import _xla_ffi, reference  # noqa: E402
+from cupyflash.jax import flash_attn  # noqa: E402
+from jax_helpers import _random, on_cpu  # noqa: E402, F401
+
+# --------------------------------------------------------------------------------------------
+# The ctypes structures against the header of the installed jaxlib.
+
+
+def _header():
+    path = os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")
+    with open(path) as f:
+        return re.sub(r"//[^\n]*", "", f.read())
+
+
+def _header_fields(text, struct):
+    body = re.search(r"struct %s \{(.*?)\}" % struct, text, re.S)  # no struct here nests braces
+    assert body, f"struct {struct} not found in c_api.h"
+    if struct == "XLA_FFI_Api":
+        functions = re.findall(r"_XLA_FFI_API_STRUCT_FIELD\(XLA_FFI_(\w+)\)", body.group(1))
+        return ["struct_size", "extension_start", "api_version", "internal_api"] + functions
+    return [re.search(r"(\w+)(\[\d*\])?$", decl.strip()).group(1)
+            for decl in body.group(1).split(";") if decl.strip()]
+
+
+def _header_constant(text, name):
+    return int(re.search(r"\b%s\s*=\s*(\d+)" % name, text).group(1))
+
+
+def test_ctypes_structures_follow_the_installed_header():
+    text = _header()
+    assert int(re.search(r"#define XLA_FFI_API_MAJOR (\d+)", text).group(1)) == 0  # ABI-compatible family
+    minor = int(re.search(r"#define XLA_FFI_API_MINOR (\d+)", text).group(1))
+    assert minor >= _xla_ffi.API_VERSION[1], "jaxlib older than the FFI header these structures follow"
+    for ours, struct in [(_xla_ffi.CallFrame, "XLA_FFI_CallFrame"), (_xla_ffi.Buffer, "XLA_FFI_Buffer"),
+                         (_xla_ffi.Args, "XLA_FFI_Args"), (_xla_ffi.Rets, "XLA_FFI_Rets"),
+                         (_xla_ffi.Attrs, "XLA_FFI_Attrs"), (_xla_ffi.Metadata, "XLA_FFI_Metadata"),
+                         (_xla_ffi.MetadataExtension, "XLA_FFI_Metadata_Extension"),
+                         (_xla_ffi.ApiVersion, "XLA_FFI_Api_Version"),
+                         (_xla_ffi.ErrorCreateArgs, "XLA_FFI_Error_Create_Args"),
+                         (_xla_ffi.StreamGetArgs, "XLA_FFI_Stream_Get_Args"),
+                         (_xla_ffi.DeviceOrdinalGetArgs, "XLA_FFI_DeviceOrdinal_Get_Args")]:
+        assert [name for name, _ in ours._fields_] == _header_fields(text, struct), struct
+    for ours, struct in [(_xla_ffi.ByteSpan, "XLA_FFI_ByteSpan"), (_xla_ffi.Scalar, "XLA_FFI_Scalar")]:
+        assert [name for name, _ in ours._fields_] == _header_fields(text, struct), struct
+    base = "XLA_FFI_InternalExtension" if "struct XLA_FFI_InternalExtension {" in text else "XLA_FFI_Extension_Base"
+    assert [n for n, _ in _xla_ffi.ExtensionBase._fields_] == _header_fields(text, base)
+    # The API's function table may grow at its end and rename entries; the three called must keep their places.
+    functions = _header_fields(text, "XLA_FFI_Api")
+    ours = [name for name, _ in _xla_ffi.Api._fields_]
+    assert len(functions) >= len(ours)
+    for name in ("Error_Create", "Stream_Get", "DeviceOrdinal_Get"):
+        assert functions[ours.index(name)] == name
+    for name, value in [("XLA_FFI_Extension_Metadata", 1), ("XLA_FFI_ExecutionStage_EXECUTE", 3),
+                        ("XLA_FFI_ArgType_BUFFER", 1), ("XLA_FFI_RetType_BUFFER", 1), ("XLA_FFI_AttrType_SCALAR", 3),
+                        ("XLA_FFI_DataType_F16", 10), ("XLA_FFI_DataType_F32", 11), ("XLA_FFI_DataType_F64", 12),
+                        ("XLA_FFI_DataType_BF16", 16), ("XLA_FFI_DataType_PRED", 1), ("XLA_FFI_DataType_S32", 4),
+                        ("XLA_FFI_DataType_U32", 8), ("XLA_FFI_Error_Code_INTERNAL", 13)]:
+        assert _header_constant(text, name) == value, name
+
+
+def test_cpu_program_calls_the_ffi_targets(on_cpu):
+    """Under jit the attention is an XLA custom call of the typed FFI, forward and backward."""
+    q = _random((1, 8, 2, 16), 12)
+    hlo = jax.jit(jax.grad(lambda q: flash_attn(q, q, q).sum())).lower(q).as_text()
+    assert re.search(r"custom_call.*cupyflash_flash_attn_fwd", hlo)
+    assert re.search(r"custom_call.*cupyflash_flash_attn_bwd", hlo)
+    # The options travel as typed FFI attributes (mhlo.backend_config as a dictionary), the scale as f64.
+    assert re.search(r"causal = false, softmax_scale = 2\.50*e-01 : f64", hlo)
+    assert "callback" not in hlo  # no host callback in the program
+
+
+def test_cpu_handler_errors_reach_python(on_cpu):
+    """A Python exception in the handler becomes an XLA error carrying its message."""
+    from cupyflash import jax as cfjax
+    q = _random((1, 8, 2, 16), 13)
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((1, 2, 8), jnp.float32))
+    call = jax.ffi.ffi_call(cfjax._FORWARD, results)
+    with pytest.raises(Exception, match="cupyflash: KeyError: 'causal'"):
+        jax.block_until_ready(call(q, q, q, softmax_scale=numpy.float64(0.25)))
+    with pytest.raises(Exception, match="softmax_scale must be finite and positive"):
+        jax.block_until_ready(call(q, q, q, softmax_scale=numpy.float64(-1.0), causal=numpy.bool_(False)))
+
+
+@functools.cache
+def _probe_target():
+    """Registers (once per process: XLA refuses a second handler under one name) a CPU target that
+    records what it gets and then asks for a CUDA stream."""
+    seen = {}
+
+    def probe(call):
+        seen.update(ordinal=call.device_ordinal(), attrs=dict(call.attrs), shapes=[a.shape for a in call.args])
+        call.cuda_stream()
+
+    jax.ffi.register_ffi_target("cupyflash_test_probe", _xla_ffi.handler_capsule(probe), platform="cpu")
+    return seen
+
+
+def test_cpu_api_functions_and_attributes(on_cpu):
+    """The API table entries the CUDA handlers call, reached from a probe target on the CPU backend:
+    DeviceOrdinal_Get answers 0, Stream_Get answers XLA's own error (no GPU context), which the
+    handler hands back to XLA as it is; scalar attributes of several types arrive decoded."""
+    seen = _probe_target()
+    seen.clear()
+    x = jnp.ones((2, 3, 5), jnp.float32)
+    call = jax.ffi.ffi_call("cupyflash_test_probe", jax.ShapeDtypeStruct((2,), jnp.float32))
+    with pytest.raises(Exception, match="GPU context is not available"):
+        jax.block_until_ready(call(x, x[0], i=numpy.int32(-7), f=numpy.float32(0.5), d=numpy.float64(0.1), b=True))
+    assert seen == {"ordinal": 0, "attrs": {"b": True, "d": 0.1, "f": 0.5, "i": -7}, "shapes": [(2, 3, 5), (3, 5)]}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cpu_low_precision_buffers(on_cpu, dtype):
+    """float16 and bfloat16 buffers cross the FFI with the right dtype: on the CPU the result is the
+    float64 reference of the same inputs rounded to the dtype (within one ulp: eps relative, or the
+    smallest subnormal)."""
+    import ml_dtypes
+    rng = numpy.random.default_rng(14)
+    q, k, v = (reference.round_to(rng.standard_normal((1, 19, 2, 16)), dtype) for _ in range(3))
+    got = jax.jit(functools.partial(flash_attn, causal=True))(*(jnp.asarray(x).astype(dtype) for x in (q, k, v)))
+    assert got.dtype == jnp.dtype(dtype)
+    want = reference.attention_forward(q, k, v, causal=True)[0]
+    info = ml_dtypes.finfo(dtype)
+    error = numpy.abs(numpy.asarray(got.astype(jnp.float32), numpy.float64) - want)
+    assert numpy.all(error <= float(info.eps) * numpy.abs(want) + float(info.smallest_subnormal))
+
+
+def test_cpu_options_travel_as_attributes_and_operands(on_cpu):
+    """Static options are FFI attributes (only those that are on), arrays are operands in a fixed order."""
+    q = _random((1, 8, 2, 16), 40)
+    bias, slopes, seed = jnp.zeros((2, 8, 8), jnp.float32), jnp.ones(2, jnp.float32), jnp.ones(2, jnp.uint32)
+
+    def loss(q, bias, slopes, seed):
+        return flash_attn(q, q, q, 0.25, True, window_size=(4, -1), softcap=3.0, alibi_slopes=slopes, attn_bias=bias,
+                          dropout_p=0.5, dropout_seed=seed, deterministic=True).sum()
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, bias, slopes, seed).as_text()
+    forward = re.search(r"custom_call @cupyflash_flash_attn_fwd\((.*?)\) \{.*?mhlo.backend_config = \{(.*?)\}", hlo)
+    backward = re.search(r"custom_call @cupyflash_flash_attn_bwd\((.*?)\) \{.*?mhlo.backend_config = \{(.*?)\}", hlo)
+    assert forward and backward, hlo
+    assert forward.group(2) == ("causal = true, dropout_p = 5.000000e-01 : f64, has_alibi_slopes = true, "
+                                "has_attn_bias = true, softcap = 3.000000e+00 : f64, softmax_scale = 2.500000e-01 : f64, "
+                                "window_left = 4 : i64, window_right = -1 : i64")
+    assert backward.group(2) == forward.group(2).replace("causal = true, ", "causal = true, deterministic = true, ")
+    assert forward.group(1).count("%") == 6 and backward.group(1).count("%") == 9  # q, k, v, slopes, bias, seed
+    plain = jax.jit(lambda q: flash_attn(q, q, q)).lower(q).as_text()
+    assert re.search(r"mhlo.backend_config = \{causal = false, softmax_scale = 2\.50*e-01 : f64\}", plain)
+
+
+def test_cpu_handler_checks_its_operand_count(on_cpu):
+    from cupyflash import jax as cfjax
+    q = _random((1, 8, 2, 16), 41)
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((1, 2, 8), jnp.float32))
+    call = jax.ffi.ffi_call(cfjax._FORWARD, results)
+    with pytest.raises(Exception, match="3 operands, expected 4: q, k, v, attn_bias"):
+        jax.block_until_ready(call(q, q, q, softmax_scale=numpy.float64(0.25), causal=numpy.bool_(False),
+                                   has_attn_bias=numpy.bool_(True)))

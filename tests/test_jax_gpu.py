@@ -1,0 +1,219 @@
+"""cupyflash.jax on the GPU (marked `gpu`): the kernels on XLA's stream, eager and under jit, under
+cupyflash/_check.py's rule against the float64 reference: plain, the options and varlen, ordering
+with XLA's own work, the deterministic backward, the dropout seed and cu_seqlens computed in the
+program, and grad against jax.nn with a bias and a mask.
+(The test_jax_*.py files are split by concern; test_jax_grad.py lists them.)
+"""
+
+import functools
+import os
+
+import numpy
+import pytest
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to CuPy
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+pytest.register_assert_rewrite("jax_helpers")
+
+from cupyflash import _check, reference  # noqa: E402
+from cupyflash._check import Case  # noqa: E402
+from cupyflash.jax import flash_attn, forward_with_lse, varlen_forward_with_lse  # noqa: E402
+from jax_helpers import _gpu, _mask_and_bias, _poison_xla_memory, _run_gpu_case, _seed_int  # noqa: E402
+
+# --------------------------------------------------------------------------------------------
+# GPU: the kernels on XLA's stream, eager and under jit.
+
+
+GPU_CASES = [Case(113, 113, 40, "bfloat16", True), Case(113, 113, 40, "float16", False),
+             Case(17, 113, 64, "float16", True, nheads=6, nheads_k=2),
+             Case(113, 17, 128, "bfloat16", True, nheads=4, nheads_k=1),   # rows that see no key
+             Case(257, 300, 96, "bfloat16", False, batch=3, nheads=4, nheads_k=4),
+             Case(1, 1000, 256, "float16", True, batch=1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_matches_reference(case, jit):
+    """out, lse and the vjp's (dq, dk, dv) under _check.py's rule (2x / 3x the naive low-precision error)."""
+    inputs = _check.random_inputs(case, 17)
+    dtype = jnp.bfloat16 if case.dtype == "bfloat16" else jnp.float16
+    with jax.default_device(_gpu()):
+        q, k, v, dout = (jnp.asarray(inputs[n]).astype(dtype) for n in ("q", "k", "v", "dout"))
+        forward = functools.partial(forward_with_lse, causal=case.causal)
+        attention = functools.partial(flash_attn, causal=case.causal)
+        if jit:
+            forward, attention = jax.jit(forward), jax.jit(attention)
+        _poison_xla_memory()
+        out, lse = forward(q, k, v)
+        out_vjp, vjp = jax.vjp(attention, q, k, v)
+        grads = vjp(dout)
+    assert all(x.devices() == {_gpu()} for x in (out, lse, *grads))
+
+    def host(x):
+        return numpy.asarray(x.astype(jnp.float32), numpy.float64)
+
+    assert numpy.array_equal(host(out), host(out_vjp))  # same kernel, same inputs
+    result = _check.compare(case, inputs, host(out), host(lse), [host(g) for g in grads])
+    assert result.ok, f"{case}: {result.describe()}"
+
+
+@pytest.mark.gpu
+def test_gpu_jit_orders_with_xla_work_on_its_stream():
+    """q comes out of a long XLA computation and out goes into another: a launch on any stream other
+    than XLA's would read q before it is written or let XLA read out before it is."""
+    case = Case(256, 256, 64, "bfloat16", True, batch=2, nheads=4, nheads_k=4)
+    inputs = _check.random_inputs(case, 23)
+
+    @jax.jit
+    def program(q, k, v, m):
+        for _ in range(30):  # ~30 dependent 4096^3 matmuls before q is ready
+            m = jnp.tanh(m @ m)
+        q = q + (m[0, 0] * 0).astype(q.dtype)  # depends on all of it (x * 0 is not folded for floats)
+        out, lse = forward_with_lse(q, k, v, causal=True)
+        return out * 2, lse + 1  # XLA work that reads the results
+
+    with jax.default_device(_gpu()):
+        q, k, v = (jnp.asarray(inputs[n]).astype(jnp.bfloat16) for n in ("q", "k", "v"))
+        m = jax.random.normal(jax.random.PRNGKey(0), (4096, 4096), jnp.float32) * 4096 ** -0.5
+        _poison_xla_memory()
+        out2, lse1 = program(q, k, v, m)
+    out = numpy.asarray(out2.astype(jnp.float32), numpy.float64) / 2  # exact: powers of two
+    result = _check.compare(case, inputs, out, numpy.asarray(lse1, numpy.float64) - 1, None)
+    assert result.ok, result.describe()
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_float32_with_the_core_message():
+    """An error raised by the core inside the CUDA handler comes back through XLA with its message."""
+    with jax.default_device(_gpu()):
+        q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+        with pytest.raises(Exception, match="q must have dtype float16 or bfloat16"):
+            jax.block_until_ready(jax.jit(flash_attn)(q, q, q))
+
+
+GPU_OPTION_CASES = [
+    Case(113, 200, 96, "float16", False, nheads=4, nheads_k=4, window=(37, 11)),
+    Case(200, 113, 64, "bfloat16", True, nheads=4, nheads_k=2, softcap=1.5),
+    Case(113, 200, 64, "bfloat16", True, nheads=4, nheads_k=1, alibi=True),
+    Case(113, 150, 64, "bfloat16", False, bias="full"),
+    Case(113, 150, 64, "float16", True, nheads=4, nheads_k=2, bias="heads"),
+    Case(113, 150, 128, "bfloat16", False, batch=3, bias="keys", deterministic=True),
+    Case(113, 200, 64, "float16", True, nheads=4, nheads_k=2, dropout_p=0.17),
+    Case(257, 300, 128, "bfloat16", True, window=(100, 20), softcap=3.0, alibi=True, bias="full", dropout_p=0.1,
+         deterministic=True),
+    Case.packed((0, 1, 17, 113, 5), (3, 0, 17, 200, 5), 64, "bfloat16", True, nheads=4, nheads_k=2),
+    Case.packed((0, 1, 17, 113, 5), (3, 0, 17, 200, 5), 64, "float16", False, nheads=4, nheads_k=2, window=(20, 5),
+                alibi=True, dropout_p=0.2),
+    Case.packed((1000, 17), (113, 1000), 128, "bfloat16", True, nheads=4, nheads_k=4, softcap=1.5,
+                deterministic=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", GPU_OPTION_CASES, ids=str)
+def test_gpu_options_match_reference(case, jit):
+    result, _ = _run_gpu_case(case, 44, jit)
+    assert result.ok, f"{case}: {result.describe()}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [Case(300, 300, 128, "bfloat16", True, nheads=8, nheads_k=2, deterministic=True,
+                                       alibi=True, bias="keys"),
+                                  Case.packed((300, 17, 200), (300, 500, 17), 64, "float16", False, nheads=4,
+                                              nheads_k=1, deterministic=True)], ids=str)
+def test_gpu_deterministic_backward_is_bitwise_repeatable(case):
+    runs = [_run_gpu_case(case, 45, jit=True)[1] for _ in range(3)]
+    for first, *others in zip(*runs):
+        assert all(numpy.array_equal(first, other) for other in others)
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_seed_is_a_traced_operand():
+    """A seed computed inside the program (XLA writes it just before the call) reaches the kernels: the
+    same seed gives the same result, bit for bit, another seed another, with one trace."""
+    case = Case(113, 200, 64, "bfloat16", True, nheads=4, nheads_k=2, dropout_p=0.2)
+    inputs = _check.random_inputs(case, 46)
+    traces = []
+
+    @jax.jit
+    def attention(q, k, v, key):
+        traces.append(key)
+        seed = jax.random.bits(key, (2,), jnp.uint32)
+        return forward_with_lse(q, k, v, case.headdim ** -0.5, True, dropout_p=0.2, dropout_seed=seed), seed
+
+    with jax.default_device(_gpu()):
+        q, k, v = (jnp.asarray(inputs[n]).astype(jnp.bfloat16) for n in ("q", "k", "v"))
+        ((first, lse), seed), ((again, _), _), ((other, _), _) = (attention(q, k, v, jax.random.PRNGKey(s))
+                                                                 for s in (1, 1, 2))
+    assert len(traces) == 1
+    assert numpy.array_equal(first, again) and not numpy.array_equal(first, other)
+    inputs["seed"] = _seed_int(seed)  # the seed the program computed
+    result = _check.compare(case, inputs, numpy.asarray(first.astype(jnp.float32), numpy.float64),
+                            numpy.asarray(lse, numpy.float64), None)
+    assert result.ok, result.describe()
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_cu_seqlens_computed_by_xla():
+    """cu_seqlens that XLA computes on the GPU in the same program, right before the call: the handler's
+    host read waits for them (reading them early would see garbage or the previous packing)."""
+    case = Case.packed((300, 17, 200), (250, 500, 17), 64, "bfloat16", True, nheads=4, nheads_k=2)
+    inputs = _check.random_inputs(case, 47)
+
+    @jax.jit
+    def attention(q, k, v, lengths_q, lengths_k, m):
+        for _ in range(30):  # ~30 dependent 4096^3 matmuls before the lengths are ready
+            m = jnp.tanh(m @ m)
+        delay = (m[0, 0] * 0).astype(jnp.int32)
+        cu_q, cu_k = (jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(x + delay).astype(jnp.int32)])
+                      for x in (lengths_q, lengths_k))
+        return varlen_forward_with_lse(q, k, v, cu_q, cu_k, case.seqlen_q, case.seqlen_k, case.headdim ** -0.5, True)
+
+    with jax.default_device(_gpu()):
+        q, k, v = (jnp.asarray(inputs[n]).astype(jnp.bfloat16) for n in ("q", "k", "v"))
+        lengths = [jnp.asarray(x, jnp.int32) for x in case.varlen]
+        m = jax.random.normal(jax.random.PRNGKey(0), (4096, 4096), jnp.float32) * 4096 ** -0.5
+        out, lse = attention(q, k, v, *lengths, m)
+    result = _check.compare(case, inputs, numpy.asarray(out.astype(jnp.float32), numpy.float64),
+                            numpy.asarray(lse, numpy.float64), None)
+    assert result.ok, result.describe()
+
+
+@pytest.mark.gpu
+def test_gpu_grad_matches_dot_product_attention_with_bias_and_mask():
+    """jax.grad (q, k, v and attn_bias) against jax.nn.dot_product_attention with the window as its mask
+    and ALiBi plus the bias as its bias, in _check.py's rule: cupyflash in bfloat16 may be 2x (value)
+    or 3x (gradients) farther from jax.nn in float32 than jax.nn in bfloat16 is, plus one bfloat16
+    ulp at the result's scale and 1/64 of one at unit scale."""
+    batch, sq, sk, h, hk, d, window = 2, 200, 300, 4, 2, 64, (64, 16)
+    rng = numpy.random.default_rng(48)
+    with jax.default_device(_gpu()):
+        q, k, v = (jnp.asarray(reference.round_to(rng.standard_normal(s), "bfloat16"), jnp.float32)
+                   for s in ((batch, sq, h, d), (batch, sk, hk, d), (batch, sk, hk, d)))
+        bias = jnp.asarray(reference.round_to(rng.standard_normal((h, sq, sk)), "bfloat16"), jnp.float32)
+        slopes = jnp.asarray(rng.uniform(0.01, 0.1, (batch, h)).astype(numpy.float32))
+
+        def loss_ours(q, k, v, bias):
+            out = flash_attn(q, k, v, 0.125, True, window_size=window, alibi_slopes=slopes, attn_bias=bias)
+            return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+        def loss_theirs(q, k, v, bias):
+            mask, full_bias = _mask_and_bias(sq, sk, True, window, slopes, bias)
+            out = jax.nn.dot_product_attention(q, k, v, bias=full_bias.astype(q.dtype), mask=mask, scale=0.125,
+                                               implementation="xla")
+            return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+        grad = functools.partial(jax.grad, argnums=(0, 1, 2, 3))
+        bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v, bias)]
+        ours = jax.jit(grad(loss_ours))(*bf16)
+        naive = jax.jit(grad(loss_theirs))(*bf16)
+        with jax.default_matmul_precision("highest"):
+            truth = jax.jit(grad(loss_theirs))(q, k, v, bias)
+    for name, x, n, t in zip(("dq", "dk", "dv", "dbias"), ours, naive, truth):
+        x, n, t = (numpy.asarray(a.astype(jnp.float32), numpy.float64) for a in (x, n, t))
+        floor = 2.0 ** -7 * (numpy.abs(t).max() + 2.0 ** -6)
+        error, naive_error = numpy.abs(x - t).max(), numpy.abs(n - t).max()
+        assert error <= 3 * naive_error + floor, f"{name}: error {error:.3g}, naive {naive_error:.3g}"

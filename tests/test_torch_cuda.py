@@ -1,0 +1,138 @@
+"""cupyflash.torch on CUDA tensors only (marked `gpu`): the options and varlen under the project's rule
+(cupyflash/_check.py), dropout's seed and the deterministic backward, packed varlen views, the
+caller's stream and torch's allocator.
+(The test_torch_*.py files are split by concern; test_torch_autograd.py lists them.)
+"""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.register_assert_rewrite("torch_helpers")
+
+import cupyflash.torch as cft  # noqa: E402
+from cupyflash._check import Case  # noqa: E402
+from torch_helpers import (RESULT_NAMES, _dropin, _inputs, _max_error, _run, _run_gpu_case,  # noqa: E402
+                           _varlen_call, _varlen_inputs, cupyflash_attention, sdpa_reference)
+
+
+GPU_OPTION_CASES = [
+    Case(113, 200, 96, "float16", False, nheads=4, nheads_k=4, window=(37, 11)),
+    Case(200, 113, 64, "bfloat16", True, nheads=4, nheads_k=2, softcap=1.5),
+    Case(113, 200, 64, "bfloat16", True, nheads=4, nheads_k=1, alibi=True),
+    Case(113, 150, 64, "bfloat16", False, bias="full"),
+    Case(113, 150, 64, "float16", True, nheads=4, nheads_k=2, bias="heads"),
+    Case(113, 150, 128, "bfloat16", False, batch=3, bias="keys", deterministic=True),
+    Case(113, 200, 64, "float16", True, nheads=4, nheads_k=2, dropout_p=0.17),
+    Case(200, 113, 128, "bfloat16", False, deterministic=True),
+    Case(257, 300, 128, "bfloat16", True, window=(100, 20), softcap=3.0, alibi=True, bias="full", dropout_p=0.1,
+         deterministic=True),
+    Case.packed((0, 1, 17, 113, 5), (3, 0, 17, 200, 5), 64, "bfloat16", True, nheads=4, nheads_k=2),
+    Case.packed((0, 1, 17, 113, 5), (3, 0, 17, 200, 5), 64, "float16", False, nheads=4, nheads_k=2, window=(20, 5),
+                alibi=True, dropout_p=0.2),
+    Case.packed((1000, 17), (113, 1000), 128, "bfloat16", True, nheads=4, nheads_k=4, softcap=1.5,
+                deterministic=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_OPTION_CASES, ids=str)
+def test_gpu_options_match_reference(case):
+    result, _ = _run_gpu_case(case, seed=41)
+    assert result.ok, f"{case}: {result.describe()}"
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_follows_torch_manual_seed():
+    case = Case(113, 200, 64, "bfloat16", True, nheads=4, nheads_k=2, dropout_p=0.2)
+    (_, first), (_, again), (_, other) = (_run_gpu_case(case, seed=42, torch_seed=s) for s in (1, 1, 2))
+    for name, x, y, z in zip(RESULT_NAMES[:5], first, again, other):
+        assert torch.equal(x, y), name  # the dropout mask and the deterministic parts are repeatable...
+        assert torch.equal(x, z) if name == "lse" else not torch.equal(x, z), name  # ...and the seed matters
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [Case(300, 300, 128, "bfloat16", True, nheads=8, nheads_k=2, deterministic=True,
+                                       alibi=True, bias="keys"),
+                                  Case.packed((300, 17, 200), (300, 500, 17), 64, "float16", False, nheads=4,
+                                              nheads_k=1, deterministic=True)], ids=str)
+def test_gpu_deterministic_backward_is_bitwise_repeatable(case):
+    runs = [_run_gpu_case(case, seed=43)[1] for _ in range(3)]
+    for name, *values in zip(RESULT_NAMES, *runs):
+        if values[0] is not None:
+            assert all(torch.equal(values[0], x) for x in values[1:]), name
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_packed_forms_take_views():
+    """qkvpacked and kvpacked varlen calls equal the separate call on the same views, bit for bit."""
+    lengths = ((77, 3, 150), (77, 3, 150))
+    q, k, v, dout, cu, _ = _varlen_inputs(lengths, 4, 4, 64, torch.bfloat16, "cuda", seed=44)
+    qkv = torch.stack([q, k, v], dim=1)
+    options = dict(window_size=(9, 0), softcap=2.0, dropout_p=0.1)
+    separate, _ = _dropin(_varlen_call(cu, cu, lengths, None, True), qkv[:, 0], qkv[:, 1], qkv[:, 2], dout, options)
+    for packed_call in (lambda qkv: cft.flash_attn_varlen_qkvpacked_func(qkv, cu, 150, causal=True, **options),
+                        lambda qkv: cft.flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu, cu, 150, 150,
+                                                                        causal=True, **options)):
+        leaf = qkv.detach().clone().requires_grad_()
+        torch.manual_seed(0)
+        out = packed_call(leaf)
+        (grad,) = torch.autograd.grad(out, leaf, dout)
+        assert torch.equal(out, separate[0])
+        for i in range(3):
+            assert torch.equal(grad[:, i], separate[2 + i])
+
+
+def _poison_torch_cache(shapes, copies=6):
+    """Leave NaN in the blocks torch caches for the current stream, in the sizes about to be
+    allocated, so that memory read before it is written shows up."""
+    junk = [torch.full(shape, math.nan, device="cuda", dtype=torch.bfloat16) for shape in shapes for _ in range(copies)]
+    del junk
+
+
+@pytest.mark.gpu
+def test_side_stream_ordering():
+    """Forward and backward issued on a side stream, whose inputs are written only after a long sleep,
+    while the default stream sleeps even longer: a kernel launched on any stream but the current
+    one reads the inputs before they are written (other streams) or finishes after the side stream's
+    results were read (the default stream)."""
+    shape = (2, 256, 256, 4, 2, 64, True)
+    # Pinned bfloat16 host tensors: copies from them are truly asynchronous (a pageable or converting
+    # copy would make the host wait for the side stream's sleep, and hide a wrong stream).
+    host = [x.pin_memory() for x in _inputs(shape, torch.bfloat16, "cpu", seed=10)]
+    _run(cupyflash_attention, *(x.cuda() for x in host))  # compile and load the kernels outside the timed part
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU cycles on the default stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        _poison_torch_cache([x.shape for x in host])  # torch caches blocks per stream: the side stream's
+        q, k, v, dout = (torch.empty(x.shape, device="cuda", dtype=torch.bfloat16) for x in host)
+        torch.cuda._sleep(200_000_000)
+        for dst, src in zip((q, k, v, dout), host):
+            dst.copy_(src, non_blocking=True)
+        q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+        out = cft.flash_attn_func(q, k, v, causal=True)
+        out.backward(dout)
+        results = [torch.full(x.shape, math.nan, dtype=torch.bfloat16).pin_memory() for x in (q, q, k, v)]
+        for dst, src in zip(results, (out, q.grad, k.grad, v.grad)):
+            dst.copy_(src, non_blocking=True)
+    side.synchronize()  # not the device: only what was ordered on the side stream is complete
+    ref = _run(lambda q, k, v: sdpa_reference(q, k, v, causal=True), *(x.double() for x in host))
+    for name, x, r in zip(("out", "dq", "dk", "dv"), results, ref):
+        error = _max_error(x, r)
+        assert error <= 0.05 * r.abs().max().item(), f"{name}: error {error:.3g}"  # NaN fails too
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_outputs_come_from_torch_allocator():
+    q, k, v, dout = _inputs((2, 128, 128, 4, 2, 64, True), torch.bfloat16, "cuda", seed=11)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    before = torch.cuda.memory_allocated()
+    out, lse, _ = cft.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.cuda.memory_allocated() - before >= out.nbytes + lse.nbytes
+    before = torch.cuda.memory_allocated()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert torch.cuda.memory_allocated() - before >= dq.nbytes + dk.nbytes + dv.nbytes
+    assert all(g.device == q.device and g.dtype == q.dtype for g in (dq, dk, dv))

@@ -1,0 +1,95 @@
+"""cupyflash.torch, the varlen drop-in functions on CPU tensors: against the float64 reference with each
+option of the matrix (tests/option_cases.py), as dense attention per sequence, in their packed
+forms, and their argument checks.
+(The test_torch_*.py files are split by concern; test_torch_autograd.py lists them.)
+"""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.register_assert_rewrite("torch_helpers")
+
+import cupyflash.torch as cft  # noqa: E402
+from cupyflash import reference  # noqa: E402
+from torch_helpers import (LENGTHS, RESULT_NAMES, VARLEN_OPTIONS, _assert_matches, _causal_call,  # noqa: E402
+                           _dropin, _make_options, _max_error, _numpy, _reference_options, _varlen_call,
+                           _varlen_inputs)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", VARLEN_OPTIONS)
+def test_cpu_varlen_matches_reference(name, causal):
+    q, k, v, dout, cu_q, cu_k = _varlen_inputs(LENGTHS, 4, 2, 16, torch.float64, "cpu", seed=30)
+    shape = (len(LENGTHS[0]), max(LENGTHS[0]), max(LENGTHS[1]), 4)
+    options = _make_options(VARLEN_OPTIONS[name], shape, torch.float64, "cpu", seed=31)
+    got, seed = _dropin(_varlen_call(cu_q, cu_k, LENGTHS, 0.3, causal), q, k, v, dout, options)
+    args = [_numpy(x) for x in (q, k, v)]
+    opts = _reference_options(options, seed)
+    ref_out, ref_lse = reference.attention_forward_varlen(*args, cu_q.numpy(), cu_k.numpy(), 0.3, causal, **opts)
+    ref_grads = reference.attention_backward_varlen(_numpy(dout), *args, cu_q.numpy(), cu_k.numpy(), 0.3, causal,
+                                                    **opts)
+    assert got[1].shape == (4, sum(LENGTHS[0]))  # lse is (nheads, total_q)
+    _assert_matches(got, [ref_out, ref_lse, *ref_grads, None])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cpu_varlen_is_dense_attention_per_sequence(causal):
+    """Each sequence of a varlen call is a batch-1 flash_attn_func call on its rows (ALiBi slopes of its
+    batch row, masks aligned to its own corner); rows of sequences without keys get zeros."""
+    q, k, v, dout, cu_q, cu_k = _varlen_inputs(LENGTHS, 4, 2, 16, torch.float64, "cpu", seed=32)
+    options = _make_options(dict(window_size=(2, 1), softcap=1.5, alibi_slopes="(batch, nheads)"),
+                            (len(LENGTHS[0]), 0, 0, 4), torch.float64, "cpu", seed=33)
+    got, _ = _dropin(_varlen_call(cu_q, cu_k, LENGTHS, None, causal), q, k, v, dout, options)
+    expected = [torch.zeros_like(got[0]), torch.full_like(got[1], -math.inf), *(torch.zeros_like(g) for g in got[2:5])]
+    for b in range(len(LENGTHS[0])):
+        rows_q, rows_k = slice(*cu_q[b:b + 2].tolist()), slice(*cu_k[b:b + 2].tolist())
+        if rows_q.start == rows_q.stop or rows_k.start == rows_k.stop:
+            continue
+        dense_options = dict(options, alibi_slopes=options["alibi_slopes"][b:b + 1])
+        dense, _ = _dropin(_causal_call(cft.flash_attn_func, None, causal), q[None, rows_q], k[None, rows_k],
+                           v[None, rows_k], dout[None, rows_q], dense_options)
+        expected[0][rows_q], expected[1][:, rows_q] = dense[0][0], dense[1][0]
+        expected[2][rows_q], expected[3][rows_k], expected[4][rows_k] = (g[0] for g in dense[2:5])
+    for name, x, r in zip(RESULT_NAMES, got, expected):
+        assert torch.equal(torch.isneginf(x), torch.isneginf(r)), name
+        finite = torch.isfinite(r)
+        assert _max_error(x[finite], r[finite]) <= 1e-12 * (1 + r[finite].abs().max().item()), name
+
+
+def test_cpu_varlen_packed_forms_match_separate_ones():
+    lengths = ((3, 6, 1), (3, 6, 1))
+    q, k, v, dout, cu, _ = _varlen_inputs(lengths, 4, 4, 16, torch.float64, "cpu", seed=34)
+    options = dict(window_size=(2, 0), softcap=1.5, dropout_p=0.2)
+    ref, _ = _dropin(_varlen_call(cu, cu, lengths, None, True), q, k, v, dout, options, torch_seed=5)
+
+    qkv = torch.stack([q, k, v], dim=1).requires_grad_()
+    torch.manual_seed(5)
+    out = cft.flash_attn_varlen_qkvpacked_func(qkv, cu, 6, causal=True, **options)
+    (out * dout).sum().backward()
+    for x, r in zip([out, *qkv.grad.unbind(1)], ref[:1] + ref[2:5]):
+        assert torch.equal(x, r)
+
+    kv = torch.stack([k, v], dim=1).requires_grad_()
+    qq = q.clone().requires_grad_()
+    torch.manual_seed(5)
+    out = cft.flash_attn_varlen_kvpacked_func(qq, kv, cu, cu, 6, 6, causal=True, **options)
+    (out * dout).sum().backward()
+    for x, r in zip([out, qq.grad, *kv.grad.unbind(1)], ref[:1] + ref[2:5]):
+        assert torch.equal(x, r)
+
+
+def test_varlen_refusals():
+    q, k, v, _, cu_q, cu_k = _varlen_inputs(LENGTHS, 2, 2, 16, torch.float32, "cpu", seed=36)
+    max_q, max_k = max(LENGTHS[0]), max(LENGTHS[1])
+    with pytest.raises(NotImplementedError, match="block_table"):
+        cft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, block_table=torch.zeros(4, 1, dtype=torch.int32))
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an int32"):
+        cft.flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k, max_q, max_k)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be an int32 torch.Tensor"):
+        cft.flash_attn_varlen_func(q, k, v, cu_q, cu_k.tolist(), max_q, max_k)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        cft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q - 1, max_k)
+    with pytest.raises(ValueError, match="qkv must be 4-D"):
+        cft.flash_attn_varlen_qkvpacked_func(q, cu_q, max_q)

@@ -236,7 +236,7 @@ def check_varlen_shapes(q, k, varlen):
         if not hasattr(cu, "shape") or not hasattr(cu, "dtype"):
             raise TypeError(f"cu_seqlens_{side} must be an int32 array, got {type(cu).__name__}")
         if _arrays.dtype_name(cu) != "int32":
-            raise TypeError(f"cu_seqlens_{side} must have dtype int32, got {_arrays.dtype_name(cu)}")
+            raise TypeError(f"cu_seqlens_{side} must be an int32 array, got dtype {_arrays.dtype_name(cu)}")
         if len(cu.shape) != 1 or cu.shape[0] < 1:
             raise ValueError(f"cu_seqlens_{side} must be 1-D (batch + 1,), got shape {tuple(cu.shape)}")
         if len(getattr(packed, "shape", ())) != 3:

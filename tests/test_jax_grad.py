@@ -80,7 +80,7 @@ def test_cpu_vmap_over_an_extra_axis(on_cpu):
 @pytest.mark.parametrize("args, error, match", [
     (((1, 8, 2, 16), (1, 8, 2), (1, 8, 2)), ValueError, "k must be 4-D"),
     (((1, 8, 3, 16), (1, 8, 2, 16), (1, 8, 2, 16)), ValueError, "multiple of k's nheads"),
-    (((1, 8, 2, 12), (1, 8, 2, 12), (1, 8, 2, 12)), ValueError, "multiple of 8"),
+    (((1, 8, 2, 264), (1, 8, 2, 264), (1, 8, 2, 264)), ValueError, "at most 256, got 264"),
     (((1, 8, 2, 16), (1, 8, 2, 16), (1, 9, 2, 16)), ValueError, "same shape"),
     (((1, 0, 2, 16), (1, 8, 2, 16), (1, 8, 2, 16)), ValueError, "q has an empty dimension"),
 ])

@@ -117,5 +117,5 @@ def test_bad_option_values_are_refused(on_cpu, options, error, match):
     q = jnp.zeros((1, 8, 2, 16), jnp.float32)
     with pytest.raises(error, match=match):
         jax.jit(lambda q: flash_attn(q, q, q, **options))(q)
-    with pytest.raises(TypeError, match="unexpected keyword arguments"):
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
         forward_with_lse(q, q, q, window=(1, 1))

@@ -105,12 +105,12 @@ def test_block_ranges_hand_checked():
 ])
 def test_block_ranges_are_exact(seqlen_q, seqlen_k, window, causal, block_m, block_n):
     mask = ref.visible(seqlen_q, seqlen_k, causal, window_size=window)
-    for m, rows in enumerate(ref._blocks(seqlen_q, block_m)):
-        expected = [n for n, cols in enumerate(ref._blocks(seqlen_k, block_n)) if mask[rows, cols].any()]
+    for m, rows in enumerate(ref.tiled._blocks(seqlen_q, block_m)):
+        expected = [n for n, cols in enumerate(ref.tiled._blocks(seqlen_k, block_n)) if mask[rows, cols].any()]
         got = ref.key_block_range(rows, seqlen_q, seqlen_k, block_n, causal, window_size=window)
         assert list(got) == expected
-    for n, cols in enumerate(ref._blocks(seqlen_k, block_n)):
-        expected = [m for m, rows in enumerate(ref._blocks(seqlen_q, block_m)) if mask[rows, cols].any()]
+    for n, cols in enumerate(ref.tiled._blocks(seqlen_k, block_n)):
+        expected = [m for m, rows in enumerate(ref.tiled._blocks(seqlen_q, block_m)) if mask[rows, cols].any()]
         got = ref.query_block_range(cols, seqlen_q, seqlen_k, block_m, causal, window_size=window)
         assert list(got) == expected
 
@@ -119,7 +119,7 @@ def test_tiled_functions_skip_tiles_outside_the_window(monkeypatch):
     seqlen, block = 64, 16
     q, k, v, dout = random_inputs(531, 1, seqlen, seqlen, 2, 2, 8)
     visited = []
-    monkeypatch.setattr(ref, "tile_hook", lambda pass_name, rows, cols: visited.append(
+    monkeypatch.setattr(ref.tiled, "tile_hook", lambda pass_name, rows, cols: visited.append(
         (pass_name, rows.start // block, cols.start // block)))
 
     def tiles(pass_name, **opts):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from cupyflash import reference as ref
+from cupyflash import validate
 
 pytest.register_assert_rewrite("reference_helpers")
 from reference_helpers import (assert_lse_close, numerical_gradient, random_inputs,  # noqa: E402
@@ -456,17 +457,17 @@ def test_varlen_with_equal_lengths_is_the_dense_batch():
 ])
 def test_check_cu_seqlens_rejects(cu_seqlens, batch, error, message):
     with pytest.raises(error, match=message):
-        ref.check_cu_seqlens("cu_seqlens_q", cu_seqlens, batch, 5)
+        validate.check_cu_seqlens("cu_seqlens_q", cu_seqlens, batch, 5)
 
 
 def test_check_cu_seqlens_and_max_seqlen_accept_good_values():
     cu = np.array([0, 0, 3, 3, 10], dtype=np.int32)
-    np.testing.assert_array_equal(ref.check_cu_seqlens("cu_seqlens_k", cu, 4, 10), cu)
-    np.testing.assert_array_equal(ref.check_cu_seqlens("cu_seqlens_k", cu, None, 10), cu)
-    ref.check_cu_seqlens("cu", np.zeros(1, dtype=np.int32), 0, 0)
+    np.testing.assert_array_equal(validate.check_cu_seqlens("cu_seqlens_k", cu, 4, 10), cu)
+    np.testing.assert_array_equal(validate.check_cu_seqlens("cu_seqlens_k", cu, None, 10), cu)
+    validate.check_cu_seqlens("cu", np.zeros(1, dtype=np.int32), 0, 0)
     for max_seqlen in (7, 8, np.int32(7), 10**6):
-        ref.check_max_seqlen("max_seqlen_k", max_seqlen, cu)
-    ref.check_max_seqlen("max_seqlen_q", 0, np.zeros(3, dtype=np.int32))
+        validate.check_max_seqlen("max_seqlen_k", max_seqlen, cu)
+    validate.check_max_seqlen("max_seqlen_q", 0, np.zeros(3, dtype=np.int32))
 
 
 @pytest.mark.parametrize("max_seqlen, message", [
@@ -479,7 +480,7 @@ def test_check_cu_seqlens_and_max_seqlen_accept_good_values():
 ])
 def test_check_max_seqlen_rejects(max_seqlen, message):
     with pytest.raises(ValueError, match=message):
-        ref.check_max_seqlen("max_seqlen_k", max_seqlen, np.array([0, 0, 3, 3, 10], dtype=np.int32))
+        validate.check_max_seqlen("max_seqlen_k", max_seqlen, np.array([0, 0, 3, 3, 10], dtype=np.int32))
 
 
 def test_varlen_functions_reject_bad_arguments():

@@ -25,6 +25,11 @@ DEVICES = ["cpu", CUDA]
 UNIT_ROUNDOFF = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 
 
+def _lse_dtype(dtype):
+    """lse's dtype: float32, float64 for float64 inputs (the NumPy path keeps them)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _ids(shape):
     b, sq, sk, h, hk, d, causal = shape
     return f"b{b}-sq{sq}-sk{sk}-h{h}/{hk}-d{d}{'-causal' if causal else ''}"
@@ -117,7 +122,7 @@ def _dropin(call, q, k, v, dout, options, torch_seed=0):
     seed = int(cft.draw_dropout_seed()) if options.get("dropout_p") else None
     torch.manual_seed(torch_seed)
     out, lse, probs = call(*leaves, return_attn_probs=True, **options)
-    assert probs is None and out.requires_grad and not lse.requires_grad and lse.dtype == torch.float32
+    assert probs is None and out.requires_grad and not lse.requires_grad and lse.dtype == _lse_dtype(q.dtype)
     grads = torch.autograd.grad(out, leaves + ([] if bias is None else [bias]), dout)
     return [out.detach(), lse, *grads, *([None] if bias is None else [])], seed
 

@@ -76,7 +76,7 @@ def dropout_keep_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k):
     positions inside the sequence.) This applies the rule even at dropout_p = 0, where the
     attention functions apply no dropout at all.
     """
-    threshold = dropout_keep_threshold(dropout_p)
+    threshold = dropout_keep_threshold(check_dropout_p(dropout_p))
     seed = check_seed(seed, dropout_p)
     for name, size in (("batch", batch), ("nheads", nheads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:

@@ -14,46 +14,53 @@ import math
 
 import numpy
 
-from . import reference
+from . import options, reference
 
 _UNIT_ROUNDOFF = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Case:
+    """One correctness case: sizes, dtype, causal, layout, and the options by cupyflash.options'
+    names (keyword arguments; an array option's setting is its form, see options.Option.forms, or
+    True for the usual one). For varlen, batch is the number of sequences and seqlen_* their maxima."""
     seqlen_q: int
     seqlen_k: int
     headdim: int
-    dtype: str = "bfloat16"
-    causal: bool = False
-    batch: int = 2
-    nheads: int = 2
-    nheads_k: int = 2
-    layout: str = "separate"   # or 'qkvpacked': q, k, v are views of one (b, s, 3, h, d) array;
-                               # or 'misaligned': every input starts 2 bytes past a 16-byte boundary
-    # Options (see flash_attn_func); alibi gives random slopes of shape (batch, nheads); bias is the
-    # shape of a random attn_bias: 'full' (b, h, sq, sk), 'heads' (h, sq, sk) or 'keys' (sq, sk).
-    window: tuple = (-1, -1)
-    softcap: float = 0.0
-    alibi: bool = False
-    bias: str = ""
-    dropout_p: float = 0.0
-    deterministic: bool = False
-    # Varlen: per-sequence lengths (q, k); then batch is their number and seqlen_* their maxima.
-    varlen: tuple = ()
-    # k's rows scaled from key_scale[0] (first key) to key_scale[1] (last), geometrically: scores
-    # that grow or shrink along the keys move a row's running maximum block after block.
-    key_scale: tuple = (1.0, 1.0)
+    dtype: str
+    causal: bool
+    batch: int
+    nheads: int
+    nheads_k: int
+    layout: str      # 'separate'; 'qkvpacked': q, k, v are views of one (b, s, 3, h, d) array;
+                     # 'misaligned': every input starts 2 bytes past a 16-byte boundary
+    varlen: tuple    # per-sequence lengths (q, k), or ()
+    key_scale: tuple  # k's rows scaled from key_scale[0] (first key) to key_scale[1] (last), geometrically:
+                      # scores that grow or shrink along the keys move a row's running maximum block after block
+    options: tuple   # ((name, setting), ...) in the options table's order, those that are on
+
+    def __init__(self, seqlen_q, seqlen_k, headdim, dtype="bfloat16", causal=False, batch=2, nheads=2, nheads_k=2,
+                 layout="separate", varlen=(), key_scale=(1.0, 1.0), **settings):
+        for name in settings:
+            options.by_name(name)  # KeyError for a name that is no option
+        on = tuple((o.name, o.forms[0] if settings[o.name] is True and o.forms else settings[o.name])
+                   for o in options.OPTIONS if settings.get(o.name) not in (None, False, "", 0, o.default))
+        for field, value in dict(seqlen_q=seqlen_q, seqlen_k=seqlen_k, headdim=headdim, dtype=dtype, causal=causal,
+                                 batch=batch, nheads=nheads, nheads_k=nheads_k, layout=layout, varlen=tuple(varlen),
+                                 key_scale=tuple(key_scale), options=on).items():
+            object.__setattr__(self, field, value)
+
+    def setting(self, name):
+        """The option's setting, or None when it is off."""
+        return dict(self.options).get(name)
 
     def __str__(self):
         text = (f"{self.dtype} b{self.batch} sq{self.seqlen_q} sk{self.seqlen_k} h{self.nheads}/{self.nheads_k} "
                 f"d{self.headdim}{' causal' if self.causal else ''}{' ' + self.layout if self.layout != 'separate' else ''}")
-        options = [f"window{self.window}" if self.window != (-1, -1) else "", f"softcap{self.softcap}" * bool(self.softcap),
-                   "alibi" * self.alibi, f"bias-{self.bias}" * bool(self.bias),
-                   f"dropout{self.dropout_p}" * bool(self.dropout_p), "deterministic" * self.deterministic,
-                   f"varlen{self.varlen}" * bool(self.varlen),
-                   f"key_scale{self.key_scale}" * (self.key_scale != (1.0, 1.0))]
-        return " ".join([text] + [o for o in options if o])
+        extras = [f"{name}={value}" for name, value in self.options]
+        extras += [f"varlen{self.varlen}"] * bool(self.varlen)
+        extras += [f"key_scale{self.key_scale}"] * (self.key_scale != (1.0, 1.0))
+        return " ".join([text] + extras)
 
     @staticmethod
     def packed(lengths_q, lengths_k, headdim, dtype="bfloat16", causal=False, **fields):
@@ -92,8 +99,8 @@ class Result:
 
 def random_inputs(case, seed):
     """q, k, v, dout as float32 NumPy arrays whose values are exactly representable in case.dtype,
-    and the case's options: alibi_slopes, attn_bias, and the dropout seed. (A 'heads' bias is
-    representable in case.dtype and reaches the kernels in that dtype; the others are float32.)"""
+    and the case's option arrays (options.Option.example) and seed. (A 'heads' bias is representable
+    in case.dtype and reaches the kernels in that dtype; the others are float32.)"""
     rng = numpy.random.default_rng(seed)
     b, sq, sk, h, hk, d = case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k, case.headdim
     shapes = {"q": (b, sq, h, d), "k": (b, sk, hk, d), "v": (b, sk, hk, d), "dout": (b, sq, h, d)}
@@ -105,26 +112,31 @@ def random_inputs(case, seed):
         ramp = numpy.geomspace(*case.key_scale, shapes["k"][-3], dtype=numpy.float32)
         inputs["k"] *= ramp[:, None, None]
     inputs = {name: reference.round_to(x, case.dtype) for name, x in inputs.items()}
-    if case.alibi:
-        inputs["alibi_slopes"] = rng.uniform(0.01, 0.5, (b, h)).astype(numpy.float32)
-    if case.bias:
-        bias_shape = {"full": (b, h, sq, sk), "heads": (h, sq, sk), "keys": (sq, sk)}[case.bias]
-        inputs["attn_bias"] = rng.standard_normal(bias_shape).astype(numpy.float32)
-        if case.bias == "heads":
-            inputs["attn_bias"] = reference.round_to(inputs["attn_bias"], case.dtype)
-    if case.dropout_p:
-        inputs["seed"] = int(rng.integers(0, 2 ** 63)) * 2 + 1  # use the high key word too
+    sizes = (b, h, sq, sk)
+    for name, setting in case.options:
+        option = options.by_name(name)
+        if option.kind == "array":
+            inputs[name] = option.example(rng, sizes, setting)
+        for needed in option.needs:
+            inputs[needed] = options.by_name(needed).example(rng, sizes, None)
+    if case.setting("attn_bias") == "heads":
+        inputs["attn_bias"] = reference.round_to(inputs["attn_bias"], case.dtype)
     return inputs
 
 
 def options_of(case, inputs):
-    """The keyword options of flash_attn_func for `case`, with `inputs`' arrays (any kind)."""
-    options = dict(window_size=case.window, softcap=case.softcap, dropout_p=case.dropout_p,
-                   seed=inputs.get("seed"))
-    for name in ("alibi_slopes", "attn_bias"):
-        if name in inputs:
-            options[name] = inputs[name]
-    return options
+    """The keyword options of flash_attn_func (or, with deterministic, its backward) for `case`,
+    with `inputs`' arrays and seed (any kind)."""
+    result = {name: inputs[name] if options.by_name(name).kind == "array" else setting
+              for name, setting in case.options}
+    result.update({name: inputs[name] for name in inputs if name in ("seed",)})
+    return result
+
+
+def forward_options(case, inputs):
+    """options_of without the backward's own options."""
+    taken = {o.name for o in options.for_call("fwd", bool(case.varlen))}
+    return {name: value for name, value in options_of(case, inputs).items() if name in taken}
 
 
 def to_cupy_inputs(case, inputs):
@@ -146,10 +158,9 @@ def to_cupy_inputs(case, inputs):
             arrays[name][...] = cupy.asarray(inputs[name].astype(dtype))
     else:
         arrays = {name: cupy.asarray(inputs[name].astype(dtype)) for name in ("q", "k", "v", "dout")}
-    if "alibi_slopes" in inputs:
-        arrays["alibi_slopes"] = cupy.asarray(inputs["alibi_slopes"])
-    if "attn_bias" in inputs:
-        arrays["attn_bias"] = cupy.asarray(inputs["attn_bias"].astype(dtype if case.bias == "heads" else numpy.float32))
+    for name, setting in case.options:
+        if options.by_name(name).kind == "array":  # float32, but a 'heads' bias in q's dtype
+            arrays[name] = cupy.asarray(inputs[name].astype(dtype if setting == "heads" else numpy.float32))
     return arrays
 
 
@@ -170,25 +181,25 @@ def _references(case, inputs, backward):
     when the case has a bias."""
     q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
     scale = case.headdim ** -0.5
-    options = options_of(case, inputs)
+    kwargs = {name: value for name, value in options_of(case, inputs).items() if options.by_name(name).reference}
     if case.varlen:
         cu = case.cu_seqlens()
-        ref = reference.attention_forward_varlen(q, k, v, *cu, scale, case.causal, **options)
+        ref = reference.attention_forward_varlen(q, k, v, *cu, scale, case.causal, **kwargs)
         lowp = reference.attention_forward_varlen_lowp(q, k, v, *cu, case.dtype, scale, case.causal, return_lse=True,
-                                                      **options)
+                                                      **kwargs)
         ref_grads = lowp_grads = None
         if backward:
-            ref_grads = reference.attention_backward_varlen(dout, q, k, v, *cu, scale, case.causal, **options)
+            ref_grads = reference.attention_backward_varlen(dout, q, k, v, *cu, scale, case.causal, **kwargs)
             lowp_grads = reference.attention_backward_varlen_lowp(dout, q, k, v, *cu, case.dtype, scale, case.causal,
-                                                                  **options)
+                                                                  **kwargs)
         return (*ref, ref_grads), (*lowp, lowp_grads)
-    dbias = dict(return_dbias=True) if case.bias else {}
-    ref = reference.attention_forward(q, k, v, scale, case.causal, **options)
-    lowp = reference.attention_forward_lowp(q, k, v, case.dtype, scale, case.causal, return_lse=True, **options)
+    dbias = dict(return_dbias=True) if case.setting("attn_bias") else {}
+    ref = reference.attention_forward(q, k, v, scale, case.causal, **kwargs)
+    lowp = reference.attention_forward_lowp(q, k, v, case.dtype, scale, case.causal, return_lse=True, **kwargs)
     ref_grads = lowp_grads = None
     if backward:
-        ref_grads = reference.attention_backward(dout, q, k, v, scale, case.causal, **options, **dbias)
-        lowp_grads = reference.attention_backward_lowp(dout, q, k, v, case.dtype, scale, case.causal, **options, **dbias)
+        ref_grads = reference.attention_backward(dout, q, k, v, scale, case.causal, **kwargs, **dbias)
+        lowp_grads = reference.attention_backward_lowp(dout, q, k, v, case.dtype, scale, case.causal, **kwargs, **dbias)
     return (*ref, ref_grads), (*lowp, lowp_grads)
 
 
@@ -228,23 +239,22 @@ def run_gpu_case(case, seed, wrap=None, unwrap=None, backward=True):
     inputs = random_inputs(case, seed)
     arrays = {name: wrap(a) for name, a in to_cupy_inputs(case, inputs).items()}
     scale = case.headdim ** -0.5
-    options = options_of(case, dict(arrays, seed=inputs.get("seed")))
+    given = dict(arrays, seed=inputs.get("seed"))
+    forward, backward_options = forward_options(case, given), options_of(case, given)
     q, k, v, dout = (arrays[n] for n in ("q", "k", "v", "dout"))
+    grads = None
     if case.varlen:
         cu = [wrap(cupy.asarray(c)) for c in case.cu_seqlens()]
         lengths = (case.seqlen_q, case.seqlen_k)
-        out, lse = flash_attn_varlen_func(q, k, v, *cu, *lengths, scale, case.causal, return_lse=True,
-                                                    **options)
-        grads = None
+        out, lse = flash_attn_varlen_func(q, k, v, *cu, *lengths, scale, case.causal, return_lse=True, **forward)
         if backward:
             grads = flash_attn_varlen_backward(dout, q, k, v, out, lse, *cu, *lengths, scale, case.causal,
-                                                         deterministic=case.deterministic, **options)
+                                               **backward_options)
     else:
-        out, lse = flash_attn_func(q, k, v, scale, case.causal, return_lse=True, **options)
-        grads = None
+        out, lse = flash_attn_func(q, k, v, scale, case.causal, return_lse=True, **forward)
         if backward:
-            grads = flash_attn_backward(dout, q, k, v, out, lse, scale, case.causal, deterministic=case.deterministic,
-                                        return_dbias=bool(case.bias), **options)
+            grads = flash_attn_backward(dout, q, k, v, out, lse, scale, case.causal,
+                                        return_dbias=bool(case.setting("attn_bias")), **backward_options)
     if grads is not None:
         grads = [_to_float64(unwrap(g)) for g in grads]
     return compare(case, inputs, _to_float64(unwrap(out)), _to_float64(unwrap(lse)), grads)

@@ -45,7 +45,8 @@ class Option:
     passes: tuple = ("fwd", "bwd")
     varlen: bool = True           # whether the varlen functions take it
     parts: tuple = ()             # a pair's two ints, as named in torch op schemas and JAX attributes
-    example: Callable = None      # example(rng, shape) -> a value that turns it on (test grids)
+    example: Callable = None      # example(rng, sizes, form) -> a value that turns it on (test grids)
+    forms: tuple = ()             # an array's shapes in test grids (its example's `form`), the first the usual
     needs: tuple = ()             # options that must be given with it (dropout_p: its seed)
     gradient: bool = False        # whether the backward can return its gradient
     reference: bool = True        # whether the reference takes it (not options that only order the sums)
@@ -64,11 +65,21 @@ def by_name(name):
     return _BY_NAME[name]
 
 
-def examples(rng, shape, names=None):
-    """One setting per option (or per option of `names`) that turns it on, with what it needs:
-    [{name: value, ...}], the test matrix of the options."""
-    chosen = [o for o in OPTIONS if o.kind != "seed" and (names is None or o.name in names)]
-    return [{n: by_name(n).example(rng, shape) for n in (o.name, *o.needs)} for o in chosen]
+def settings(varlen=False, every_form=True):
+    """The test matrix of the options: {case name: {option name: setting}}, one case per option (per
+    form for arrays, whose setting is the form; only the usual form without every_form) and one
+    with every option on. An array's setting becomes an array through example(rng, sizes, form);
+    seeds are left to each caller."""
+    matrix, every = {}, {}
+    for option in OPTIONS:
+        if option.kind == "seed" or (varlen and not option.varlen):
+            continue
+        for form in (option.forms if every_form else option.forms[:1]) or (None,):
+            setting = form if option.kind == "array" else option.example(None, None, None)
+            matrix[option.name if form is None else f"{option.name}-{form}"] = {option.name: setting}
+            every.setdefault(option.name, setting)
+    matrix["all"] = every
+    return matrix
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,15 +232,18 @@ def _check_array(name, value, call):
 
 
 # --------------------------------------------------------------------------------------------
-# Examples that turn each option on, for the check grid and the tests: shape is validate.Shape-like
-# (batch, nheads, seqlen_q, seqlen_k); arrays are float32 NumPy arrays.
+# Examples that turn each option on, for the check grid and the tests: sizes is (batch, nheads,
+# seqlen_q, seqlen_k); arrays are float32 NumPy arrays of the form asked for.
 
-def _example_alibi(rng, shape):
-    return rng.uniform(0.01, 0.5, (shape.batch, shape.nheads)).astype(numpy.float32)
+def _example_alibi(rng, sizes, form):
+    batch, nheads = sizes[:2]
+    return rng.uniform(0.05, 0.55, {"batch": (batch, nheads), "heads": (nheads,)}[form]).astype(numpy.float32)
 
 
-def _example_bias(rng, shape):
-    return rng.standard_normal((shape.nheads, shape.seqlen_q, shape.seqlen_k)).astype(numpy.float32)
+def _example_bias(rng, sizes, form):
+    batch, nheads, seqlen_q, seqlen_k = sizes
+    shape = {"full": sizes, "heads": (nheads, seqlen_q, seqlen_k), "keys": (seqlen_q, seqlen_k)}[form]
+    return rng.standard_normal(shape).astype(numpy.float32)
 
 
 OPTIONS = (
@@ -237,27 +251,28 @@ OPTIONS = (
            "(left, right): query i sees keys [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]; "
            "-1 leaves a side unbounded. Blocks outside the window are skipped, not computed.",
            lambda value, call: window_bounds(call.causal, value), _fill_window, kernels="local", parts=("window_left", "window_right"),
-           example=lambda rng, shape: (9, 3)),
+           example=lambda rng, sizes, form: (3, 1)),
     Option("softcap", "real", 0.0, "> 0: scores become softcap * tanh(scores / softcap)",
-           _check_softcap, _fill_softcap, kernels="score", example=lambda rng, shape: 1.5),
+           _check_softcap, _fill_softcap, kernels="score", example=lambda rng, sizes, form: 1.5),
     Option("alibi_slopes", "array", None,
            "float32 (nheads,) or (batch, nheads): head h adds -slope * |i + seqlen_k - seqlen_q - j| (no gradient)",
-           _check_alibi, _fill_alibi, kernels="score", example=_example_alibi),
+           _check_alibi, _fill_alibi, kernels="score", example=_example_alibi, forms=("batch", "heads")),
     Option("attn_bias", "array", None,
            "an additive bias broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k), float32 or q's "
            "dtype; its gradient is dbias",
-           _check_bias, _fill_bias, kernels="score", varlen=False, example=_example_bias, gradient=True),
+           _check_bias, _fill_bias, kernels="score", varlen=False, example=_example_bias, forms=("full", "heads", "keys"),
+           gradient=True),
     Option("dropout_p", "real", 0.0,
            "probability of dropping an attention probability, in [0, 1); needs `seed`",
-           check_dropout_p, _fill_dropout, kernels="dropout", needs=("seed",), example=lambda rng, shape: 0.17),
+           check_dropout_p, _fill_dropout, kernels="dropout", needs=("seed",), example=lambda rng, sizes, form: 0.17),
     Option("seed", "seed", None,
            "an int in [0, 2**64): the Philox key of the dropout mask. The backward must get the same seed, "
            "and regenerates the mask instead of storing it.",
-           _check_seed, example=lambda rng, shape: int(rng.integers(0, 2 ** 63)) * 2 + 1),
+           _check_seed, example=lambda rng, sizes, form: int(rng.integers(0, 2 ** 63)) * 2 + 1),
     Option("deterministic", "flag", False,
            "the backward adds dq in a fixed order: bitwise reproducible (the default adds by atomics)",
            lambda value, call: check_flag("deterministic", value), kernels="deterministic", passes=("bwd",),
-           example=lambda rng, shape: True, reference=False),
+           example=lambda rng, sizes, form: True, reference=False),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 

@@ -11,6 +11,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU mem
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
+import cupyflash.options  # noqa: E402
 from cupyflash import _check, reference  # noqa: E402
 from cupyflash.jax import (flash_attn, flash_attn_varlen, forward_with_lse,  # noqa: E402
                            varlen_forward_with_lse)
@@ -67,13 +68,10 @@ def _make_options(spec, shape, seed):
     batch, seqlen_q, seqlen_k, nheads = shape[:4]
     rng = numpy.random.default_rng(seed)
     options = dict(spec)
-    if "alibi_slopes" in options:
-        size = (nheads,) if options["alibi_slopes"] == "(nheads,)" else (batch, nheads)
-        options["alibi_slopes"] = jnp.asarray(rng.uniform(0.05, 0.55, size).astype(numpy.float32))
-    if "attn_bias" in options:
-        size = {"full": (batch, nheads, seqlen_q, seqlen_k), "heads": (nheads, seqlen_q, seqlen_k),
-                "keys": (seqlen_q, seqlen_k)}[options["attn_bias"]]
-        options["attn_bias"] = jnp.asarray(rng.standard_normal(size).astype(numpy.float32))
+    for name, form in spec.items():
+        if name in [o.name for o in cupyflash.options.OPTIONS] and cupyflash.options.by_name(name).kind == "array":
+            options[name] = jnp.asarray(cupyflash.options.by_name(name).example(rng, (batch, nheads, seqlen_q, seqlen_k),
+                                                                                 form))
     if options.get("dropout_seed") == "array":
         options["dropout_seed"] = jnp.asarray(rng.integers(0, 2 ** 32, 2, dtype=numpy.uint32))
     return options
@@ -158,14 +156,16 @@ def _gpu_case_call(case, inputs):
     GPU: the dropout seed is the int of `inputs` (a constant of the program), the rest are operands."""
     dtype = jnp.bfloat16 if case.dtype == "bfloat16" else jnp.float16
     arrays = {n: jnp.asarray(inputs[n]).astype(dtype) for n in ("q", "k", "v", "dout")}
-    options = dict(window_size=case.window, softcap=case.softcap, dropout_p=case.dropout_p,
-                   deterministic=case.deterministic)
-    if case.alibi:
-        options["alibi_slopes"] = jnp.asarray(inputs["alibi_slopes"])
-    if case.dropout_p:
+    options = {}
+    for name, setting in case.options:  # arrays float32, but 'heads' biases (values of case.dtype) in it
+        if cupyflash.options.by_name(name).kind != "array":
+            options[name] = setting
+        else:
+            array = jnp.asarray(inputs[name]).astype(dtype if setting == "heads" else jnp.float32)
+            # attn_bias is differentiated: an argument of the attention function, the others options
+            (arrays if cupyflash.options.by_name(name).gradient else options)[name] = array
+    if "seed" in inputs:
         options["dropout_seed"] = inputs["seed"]
-    if case.bias:  # 'heads' biases hold values of case.dtype and go in it; the others in float32
-        arrays["attn_bias"] = jnp.asarray(inputs["attn_bias"]).astype(dtype if case.bias == "heads" else jnp.float32)
     scale = case.headdim ** -0.5
     if case.varlen:
         packing = (*(jnp.asarray(c) for c in case.cu_seqlens()), case.seqlen_q, case.seqlen_k)

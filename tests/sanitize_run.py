@@ -20,11 +20,11 @@ CASES = [Case(113, 113, 72, "float16", True, batch=1),
          Case(65, 129, 128, "float16", True, batch=1, nheads=2, nheads_k=1),
          Case(200, 233, 120, "bfloat16", False, batch=1, nheads=2),  # the two-stage forward (hd128), partial last block
          # the options: window (LOCAL kernels), every EXTRAS option with dbias, deterministic, varlen
-         Case(113, 150, 64, "bfloat16", False, batch=1, nheads=2, window=(20, 7)),
-         Case(70, 90, 96, "float16", True, batch=2, nheads=2, nheads_k=1, softcap=2.0, alibi=True, bias="full",
+         Case(113, 150, 64, "bfloat16", False, batch=1, nheads=2, window_size=(20, 7)),
+         Case(70, 90, 96, "float16", True, batch=2, nheads=2, nheads_k=1, softcap=2.0, alibi_slopes=True, attn_bias="full",
               dropout_p=0.2),
-         Case(70, 90, 64, "bfloat16", True, batch=1, nheads=2, bias="keys", deterministic=True),
-         Case.packed((0, 37, 5), (9, 0, 70), 128, "float16", True, nheads=2, nheads_k=1, window=(11, -1),
+         Case(70, 90, 64, "bfloat16", True, batch=1, nheads=2, attn_bias="keys", deterministic=True),
+         Case.packed((0, 37, 5), (9, 0, 70), 128, "float16", True, nheads=2, nheads_k=1, window_size=(11, -1),
                      dropout_p=0.1, deterministic=True)]
 
 def plant_out_of_bounds_write():

@@ -53,7 +53,7 @@ def test_every_tile_table(family, case, monkeypatch):
 
 @pytest.mark.parametrize("block_major", [False, True])
 @pytest.mark.parametrize("case", [Case(300, 300, 64, "bfloat16", True, batch=3, nheads=4, nheads_k=2),
-                                  Case(300, 260, 128, "float16", False, batch=3, nheads=4, nheads_k=2, window=(70, 20)),
+                                  Case(300, 260, 128, "float16", False, batch=3, nheads=4, nheads_k=2, window_size=(70, 20)),
                                   Case.packed((300, 17, 250), (300, 17, 250), 64, "bfloat16", True, nheads=4, nheads_k=2,
                                               deterministic=True)], ids=str)
 def test_local_kernels_in_either_grid_order(block_major, case, monkeypatch):

@@ -9,19 +9,14 @@ import zlib
 import numpy
 import pytest
 
-from cupyflash import _check, reference
+from cupyflash import _check, options, reference
 from cupyflash._check import Case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_allocations")]
 
-OPTIONS = {
-    "window": dict(window=(37, 11)),
-    "softcap": dict(softcap=1.5),
-    "alibi": dict(alibi=True),
-    "bias": dict(bias="full"),
-    "dropout": dict(dropout_p=0.17),
-    "deterministic": dict(deterministic=True),
-}
+# Each option once (cupyflash.options' examples), a window wider than its example's.
+OPTIONS = {name: spec for name, spec in options.settings(every_form=False).items() if name != "all"}
+OPTIONS["window_size"] = dict(window_size=(37, 11))
 
 
 def _seed(case):
@@ -43,22 +38,22 @@ PAIRS = [Case(113 + 8 * i, 150, 72 if i % 2 else 128, ("float16", "bfloat16")[i 
               nheads=4, nheads_k=(4, 2, 1)[i % 3], **a, **b)
          for i, (a, b) in enumerate((OPTIONS[x], OPTIONS[y]) for x, y in itertools.combinations(OPTIONS, 2))]
 # Windows at their edges; bias shapes that broadcast (and a bias in q's dtype: 'heads').
-EDGES = [Case(113, 113, 64, "bfloat16", False, window=(0, 0)),
-         Case(200, 113, 64, "float16", False, window=(-1, 0)),     # the same mask as causal
-         Case(113, 200, 64, "float16", True, window=(5, -1)),      # causal with a left window
-         Case(113, 113, 64, "bfloat16", False, window=(500, 500)),  # wider than the sequence
-         Case(300, 300, 256, "bfloat16", True, window=(64, 0)),
-         Case(113, 150, 64, "bfloat16", True, bias="heads", nheads=4, nheads_k=2),
-         Case(113, 150, 160, "float16", False, bias="keys", batch=3),
-         Case(113, 150, 64, "bfloat16", True, bias="keys", deterministic=True),
-         Case(1, 1, 64, "float16", False, softcap=0.5, alibi=True, bias="full", dropout_p=0.5),
-         Case(257, 1000, 256, "bfloat16", True, softcap=3.0, alibi=True, dropout_p=0.1, window=(100, 20))]
+EDGES = [Case(113, 113, 64, "bfloat16", False, window_size=(0, 0)),
+         Case(200, 113, 64, "float16", False, window_size=(-1, 0)),     # the same mask as causal
+         Case(113, 200, 64, "float16", True, window_size=(5, -1)),      # causal with a left window
+         Case(113, 113, 64, "bfloat16", False, window_size=(500, 500)),  # wider than the sequence
+         Case(300, 300, 256, "bfloat16", True, window_size=(64, 0)),
+         Case(113, 150, 64, "bfloat16", True, attn_bias="heads", nheads=4, nheads_k=2),
+         Case(113, 150, 160, "float16", False, attn_bias="keys", batch=3),
+         Case(113, 150, 64, "bfloat16", True, attn_bias="keys", deterministic=True),
+         Case(1, 1, 64, "float16", False, softcap=0.5, alibi_slopes=True, attn_bias="full", dropout_p=0.5),
+         Case(257, 1000, 256, "bfloat16", True, softcap=3.0, alibi_slopes=True, dropout_p=0.1, window_size=(100, 20))]
 # Varlen, with empty sequences on either side, alone and with each option but attn_bias.
 VARLEN = [Case.packed(lq, lk, d, dtype, causal, nheads=4, nheads_k=hk, **fields)
           for (lq, lk), (dtype, d, hk), causal, fields in itertools.product(
               [((0, 1, 17, 113, 5), (3, 0, 17, 200, 5)), ((1000, 17), (113, 1000))],
               [("bfloat16", 64, 2), ("float16", 128, 4)], (False, True),
-              [{}] + [f for name, f in OPTIONS.items() if name != "bias"])]
+              [{}] + [f for f in OPTIONS.values() if all(options.by_name(n).varlen for n in f)])]
 
 
 @pytest.mark.parametrize("case", SINGLE + PAIRS + EDGES + VARLEN, ids=str)
@@ -126,7 +121,7 @@ def test_deterministic_backward_is_bitwise_reproducible():
     import cupy
     from cupyflash import flash_attn_backward, flash_attn_func
     for causal, hk, bias in ((False, 4, None), (True, 1, "keys")):
-        case = Case(1000, 1000, 64, "bfloat16", causal, batch=2, nheads=4, nheads_k=hk, bias=bias or "")
+        case = Case(1000, 1000, 64, "bfloat16", causal, batch=2, nheads=4, nheads_k=hk, attn_bias=bias or None)
         arrays = _check.to_cupy_inputs(case, _check.random_inputs(case, 8))
         q, k, v, dout = (arrays[n] for n in ("q", "k", "v", "dout"))
         options = dict(attn_bias=arrays["attn_bias"], return_dbias=True) if bias else {}

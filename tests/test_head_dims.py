@@ -45,8 +45,8 @@ def test_float64_lse_stays_float64_and_is_taken_back():
 GPU_CASES = [Case(113, 200, d, dtype, causal, nheads=4, nheads_k=hk)
              for d, dtype, causal, hk in [(1, "float16", False, 4), (3, "bfloat16", True, 2), (59, "bfloat16", True, 1),
                                           (111, "float16", False, 2), (250, "bfloat16", True, 4)]]
-GPU_CASES += [Case(200, 113, 59, "bfloat16", True, nheads=4, nheads_k=2, window=(37, 11), softcap=1.5),
-              Case(113, 113, 111, "float16", False, alibi=True, bias="heads", deterministic=True),
+GPU_CASES += [Case(200, 113, 59, "bfloat16", True, nheads=4, nheads_k=2, window_size=(37, 11), softcap=1.5),
+              Case(113, 113, 111, "float16", False, alibi_slopes=True, attn_bias="heads", deterministic=True),
               Case(113, 113, 59, "bfloat16", True, dropout_p=0.17),
               Case.packed((0, 17, 113), (5, 40, 113), 59, "bfloat16", True, nheads=4, nheads_k=2),
               Case.packed((17, 113), (40, 113), 111, "float16", False, nheads=2, nheads_k=2, softcap=2.0)]

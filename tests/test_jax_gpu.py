@@ -18,6 +18,7 @@ pytest.register_assert_rewrite("jax_helpers")
 
 from cupyflash import _check, reference  # noqa: E402
 from cupyflash._check import Case  # noqa: E402
+import option_cases  # noqa: E402
 from cupyflash.jax import flash_attn, forward_with_lse, varlen_forward_with_lse  # noqa: E402
 from jax_helpers import _gpu, _mask_and_bias, _poison_xla_memory, _run_gpu_case, _seed_int  # noqa: E402
 
@@ -93,22 +94,8 @@ def test_gpu_refuses_float32_with_the_core_message():
             jax.block_until_ready(jax.jit(flash_attn)(q, q, q))
 
 
-GPU_OPTION_CASES = [
-    Case(113, 200, 96, "float16", False, nheads=4, nheads_k=4, window=(37, 11)),
-    Case(200, 113, 64, "bfloat16", True, nheads=4, nheads_k=2, softcap=1.5),
-    Case(113, 200, 64, "bfloat16", True, nheads=4, nheads_k=1, alibi=True),
-    Case(113, 150, 64, "bfloat16", False, bias="full"),
-    Case(113, 150, 64, "float16", True, nheads=4, nheads_k=2, bias="heads"),
-    Case(113, 150, 128, "bfloat16", False, batch=3, bias="keys", deterministic=True),
-    Case(113, 200, 64, "float16", True, nheads=4, nheads_k=2, dropout_p=0.17),
-    Case(257, 300, 128, "bfloat16", True, window=(100, 20), softcap=3.0, alibi=True, bias="full", dropout_p=0.1,
-         deterministic=True),
-    Case.packed((0, 1, 17, 113, 5), (3, 0, 17, 200, 5), 64, "bfloat16", True, nheads=4, nheads_k=2),
-    Case.packed((0, 1, 17, 113, 5), (3, 0, 17, 200, 5), 64, "float16", False, nheads=4, nheads_k=2, window=(20, 5),
-                alibi=True, dropout_p=0.2),
-    Case.packed((1000, 17), (113, 1000), 128, "bfloat16", True, nheads=4, nheads_k=4, softcap=1.5,
-                deterministic=True),
-]
+# The torch tests run one more case (a deterministic backward alone).
+GPU_OPTION_CASES = [case for case in option_cases.GPU_CASES if case.options != (("deterministic", True),)]
 
 
 @pytest.mark.gpu
@@ -121,7 +108,7 @@ def test_gpu_options_match_reference(case, jit):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [Case(300, 300, 128, "bfloat16", True, nheads=8, nheads_k=2, deterministic=True,
-                                       alibi=True, bias="keys"),
+                                       alibi_slopes=True, attn_bias="keys"),
                                   Case.packed((300, 17, 200), (300, 500, 17), 64, "float16", False, nheads=4,
                                               nheads_k=1, deterministic=True)], ids=str)
 def test_gpu_deterministic_backward_is_bitwise_repeatable(case):

@@ -57,7 +57,7 @@ def test_cpu_window_alibi_bias_match_dot_product_attention(on_cpu, window, causa
     under jit, with jax.grad of a nonlinear loss. Every row sees a key."""
     batch, sq, sk, h, hk, d = 2, 9, 12, 4, 2, 16
     q, k, v = _random((batch, sq, h, d), 25), _random((batch, sk, hk, d), 26), _random((batch, sk, hk, d), 27)
-    options = _make_options(dict(alibi_slopes="(batch, nheads)", attn_bias="heads"), (batch, sq, sk, h), 28)
+    options = _make_options(dict(alibi_slopes="batch", attn_bias="heads"), (batch, sq, sk, h), 28)
     slopes, bias = options["alibi_slopes"], options["attn_bias"]
 
     def ours(q, k, v, bias):

@@ -28,15 +28,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.smoke]
 PLAIN = Case(200, 257, 64, "bfloat16", False, nheads=4, nheads_k=2)
 CAUSAL = Case(257, 200, 40, "float16", True, nheads=6, nheads_k=1)
 VARLEN = Case.packed((0, 17, 257, 113), (3, 150, 200, 0), 72, "bfloat16", False, nheads=4, nheads_k=2,
-                     window=(37, 11), softcap=1.5, alibi=True, dropout_p=0.17, deterministic=True)
-BIAS = Case(113, 200, 128, "float16", False, nheads=4, nheads_k=2, softcap=2.0, bias="heads", deterministic=True)
+                     window_size=(37, 11), softcap=1.5, alibi_slopes=True, dropout_p=0.17, deterministic=True)
+BIAS = Case(113, 200, 128, "float16", False, nheads=4, nheads_k=2, softcap=2.0, attn_bias="heads", deterministic=True)
 # CUPYFLASH_TILES forces an older family's tile table on this GPU.
 FORCED = {"sm80": Case(150, 257, 64, "bfloat16", False, nheads=4, nheads_k=2),
           "sm86": Case(200, 200, 128, "float16", True, nheads=4, nheads_k=1)}
 # 3 key blocks x 2 kv heads x batch 2 = 12 CTAs of 6 query steps; with 8 resident, _tail_split splits the
 # last 4 in 2 pieces each.
 TAIL_SPLIT = (Case(257, 257, 64, "bfloat16", False, nheads=4, nheads_k=2), 8)
-TORCH_CASE = Case(113, 200, 128, "float16", False, nheads=4, nheads_k=2, bias="heads", dropout_p=0.17)
+TORCH_CASE = Case(113, 200, 128, "float16", False, nheads=4, nheads_k=2, attn_bias="heads", dropout_p=0.17)
 
 
 def _seed(case):

@@ -13,27 +13,12 @@ pytest.register_assert_rewrite("torch_helpers")
 
 import cupyflash.torch as cft  # noqa: E402
 from cupyflash._check import Case  # noqa: E402
+import option_cases  # noqa: E402
 from torch_helpers import (RESULT_NAMES, _dropin, _inputs, _max_error, _run, _run_gpu_case,  # noqa: E402
                            _varlen_call, _varlen_inputs, cupyflash_attention, sdpa_reference)
 
 
-GPU_OPTION_CASES = [
-    Case(113, 200, 96, "float16", False, nheads=4, nheads_k=4, window=(37, 11)),
-    Case(200, 113, 64, "bfloat16", True, nheads=4, nheads_k=2, softcap=1.5),
-    Case(113, 200, 64, "bfloat16", True, nheads=4, nheads_k=1, alibi=True),
-    Case(113, 150, 64, "bfloat16", False, bias="full"),
-    Case(113, 150, 64, "float16", True, nheads=4, nheads_k=2, bias="heads"),
-    Case(113, 150, 128, "bfloat16", False, batch=3, bias="keys", deterministic=True),
-    Case(113, 200, 64, "float16", True, nheads=4, nheads_k=2, dropout_p=0.17),
-    Case(200, 113, 128, "bfloat16", False, deterministic=True),
-    Case(257, 300, 128, "bfloat16", True, window=(100, 20), softcap=3.0, alibi=True, bias="full", dropout_p=0.1,
-         deterministic=True),
-    Case.packed((0, 1, 17, 113, 5), (3, 0, 17, 200, 5), 64, "bfloat16", True, nheads=4, nheads_k=2),
-    Case.packed((0, 1, 17, 113, 5), (3, 0, 17, 200, 5), 64, "float16", False, nheads=4, nheads_k=2, window=(20, 5),
-                alibi=True, dropout_p=0.2),
-    Case.packed((1000, 17), (113, 1000), 128, "bfloat16", True, nheads=4, nheads_k=4, softcap=1.5,
-                deterministic=True),
-]
+GPU_OPTION_CASES = option_cases.GPU_CASES
 
 
 @pytest.mark.gpu
@@ -54,7 +39,7 @@ def test_gpu_dropout_follows_torch_manual_seed():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [Case(300, 300, 128, "bfloat16", True, nheads=8, nheads_k=2, deterministic=True,
-                                       alibi=True, bias="keys"),
+                                       alibi_slopes=True, attn_bias="keys"),
                                   Case.packed((300, 17, 200), (300, 500, 17), 64, "float16", False, nheads=4,
                                               nheads_k=1, deterministic=True)], ids=str)
 def test_gpu_deterministic_backward_is_bitwise_repeatable(case):

@@ -71,7 +71,7 @@ def test_cpu_window_alibi_bias_match_sdpa(window, causal):
     shape = (2, 9, 12, 4, 2, 16, causal)
     b, sq, sk, h = shape[:4]
     q, k, v, dout = _inputs(shape, torch.float64, "cpu", seed=25)
-    options = _make_options(dict(window_size=window, alibi_slopes="(batch, nheads)", attn_bias="heads"), shape,
+    options = _make_options(dict(window_size=window, alibi_slopes="batch", attn_bias="heads"), shape,
                             torch.float64, "cpu", seed=26)
     got, _ = _dropin(_causal_call(cft.flash_attn_func, 0.3, causal), q, k, v, dout, options)
 

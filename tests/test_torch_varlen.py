@@ -39,7 +39,7 @@ def test_cpu_varlen_is_dense_attention_per_sequence(causal):
     """Each sequence of a varlen call is a batch-1 flash_attn_func call on its rows (ALiBi slopes of its
     batch row, masks aligned to its own corner); rows of sequences without keys get zeros."""
     q, k, v, dout, cu_q, cu_k = _varlen_inputs(LENGTHS, 4, 2, 16, torch.float64, "cpu", seed=32)
-    options = _make_options(dict(window_size=(2, 1), softcap=1.5, alibi_slopes="(batch, nheads)"),
+    options = _make_options(dict(window_size=(2, 1), softcap=1.5, alibi_slopes="batch"),
                             (len(LENGTHS[0]), 0, 0, 4), torch.float64, "cpu", seed=33)
     got, _ = _dropin(_varlen_call(cu_q, cu_k, LENGTHS, None, causal), q, k, v, dout, options)
     expected = [torch.zeros_like(got[0]), torch.full_like(got[1], -math.inf), *(torch.zeros_like(g) for g in got[2:5])]

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cupyflash.torch as cft
+import cupyflash.options  # noqa: E402
 from cupyflash import _check
 
 import option_cases
@@ -82,20 +83,19 @@ def _option_args(shape, dtype, device, seed):
 
 
 def _make_options(spec, shape, dtype, device, seed):
-    """The keyword options of a drop-in call: alibi_slopes float32 in [0.05, 0.55); attn_bias of the named
-    shape in `dtype` ('keys-float32': float32), requiring grad."""
+    """The keyword options of a drop-in call for a matrix entry (option_cases): arrays from the options'
+    examples in the named form; attn_bias in `dtype` ('keys-float32': float32), requiring grad."""
     batch, seqlen_q, seqlen_k, nheads = shape[:4]
-    gen = torch.Generator().manual_seed(seed)
+    rng = numpy.random.default_rng(seed)
     options = dict(spec)
-    if "alibi_slopes" in options:
-        size = (nheads,) if options["alibi_slopes"] == "(nheads,)" else (batch, nheads)
-        options["alibi_slopes"] = (torch.rand(size, generator=gen) * 0.5 + 0.05).to(device)
-    if "attn_bias" in options:
-        kind = options["attn_bias"]
-        size = {"full": (batch, nheads, seqlen_q, seqlen_k), "heads": (nheads, seqlen_q, seqlen_k),
-                "keys-float32": (seqlen_q, seqlen_k)}[kind]
-        bias = torch.randn(size, generator=gen, dtype=torch.float64).to(torch.float32 if "float32" in kind else dtype)
-        options["attn_bias"] = bias.to(device).requires_grad_()
+    for name, form in spec.items():
+        option = cupyflash.options.by_name(name)
+        if option.kind == "array":
+            array = torch.from_numpy(option.example(rng, (batch, nheads, seqlen_q, seqlen_k),
+                                                    form.removesuffix("-float32"))).to(device)
+            if option.gradient:  # in q's dtype but for the '-float32' form, requiring grad
+                array = array.to(torch.float32 if form.endswith("-float32") else dtype).requires_grad_()
+            options[name] = array
     return options
 
 
@@ -174,13 +174,13 @@ def _run_gpu_case(case, seed, torch_seed=0):
     inputs = _check.random_inputs(case, seed)
     dtype = getattr(torch, case.dtype)
     q, k, v, dout = (torch.from_numpy(inputs[n]).to("cuda", dtype) for n in ("q", "k", "v", "dout"))
-    options = dict(softmax_scale=case.headdim ** -0.5, causal=case.causal, window_size=case.window,
-                   softcap=case.softcap, dropout_p=case.dropout_p, deterministic=case.deterministic)
-    if case.alibi:
-        options["alibi_slopes"] = torch.from_numpy(inputs["alibi_slopes"]).cuda()
-    if case.bias:  # 'heads' biases hold values of case.dtype and go in it; the others in float32
-        bias_dtype = dtype if case.bias == "heads" else torch.float32
-        options["attn_bias"] = torch.from_numpy(inputs["attn_bias"]).to("cuda", bias_dtype).requires_grad_()
+    options = dict(softmax_scale=case.headdim ** -0.5, causal=case.causal)
+    for name, setting in case.options:  # arrays float32, but 'heads' biases (values of case.dtype) in it
+        if cupyflash.options.by_name(name).kind == "array":
+            array = torch.from_numpy(inputs[name]).to("cuda", dtype if setting == "heads" else torch.float32)
+            options[name] = array.requires_grad_() if cupyflash.options.by_name(name).gradient else array
+        else:
+            options[name] = setting
     if case.varlen:
         cu_q, cu_k = (torch.from_numpy(c).cuda() for c in case.cu_seqlens())
         call = lambda q, k, v, **kw: cft.flash_attn_varlen_func(  # noqa: E731
@@ -188,11 +188,11 @@ def _run_gpu_case(case, seed, torch_seed=0):
     else:
         call = cft.flash_attn_func
     got, drawn = _dropin(call, q, k, v, dout, options, torch_seed)
-    if case.dropout_p:
+    if case.setting("dropout_p"):
         inputs["seed"] = drawn
     assert all(x.device == q.device for x in got if x is not None)
     assert got[0].dtype == dtype and all(g.dtype == x.dtype for g, x in zip(got[2:5], (q, k, v)))
-    if case.bias:
+    if case.setting("attn_bias"):
         assert got[5].dtype == options["attn_bias"].dtype and got[5].shape == options["attn_bias"].shape
 
     def host(x):

@@ -7,7 +7,7 @@ one unit per block pair it computes plus one for its prologue and epilogue. Unde
 CTA's work follows its block index, so the order decides how the grid ends: head-major (blocks
 fastest, the grid (blocks, heads, batch)) ends on the last head's heaviest CTA; block-major (heads
 fastest, the LOCAL kernels' grid since v13) ends on light ones. Prints the share of slot time
-that does work (1.0: no tail) for the benchmark's shapes; the prediction of v13 in NOTES.md.
+that does work (1.0: no tail) for the benchmark's shapes; the prediction in bench/notes/v13-block-major-grids.md.
 """
 
 import heapq

@@ -13,7 +13,7 @@ block_until_ready, and its backward is (fwd+bwd) - fwd. Fresh random inputs per 
 fails or is missing gives a blank cell, never a crash. With cupyflash in the run, each peer's output
 and gradients are first compared with cupyflash's: a pass whose results are wrong is left blank.
 Peers: PyTorch SDPA with each backend, JAX's cuDNN attention, and FlashAttention-3 through the
-flash_attn3_jax package where it is installed (a wheel; see bench/NOTES.md).
+flash_attn3_jax package where it is installed (a wheel; see bench/notes/v08-two-stage-forward-and-heavy-blocks-first.md).
 
 Memory: peak device memory of fwd+bwd beyond the inputs, batch 1, 16 heads, head dim 128, against
 seqlen, for cupyflash and for naive attention (PyTorch's math backend, which builds the full score

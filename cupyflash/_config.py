@@ -14,7 +14,7 @@ MAX_HEADDIM = HEADDIMS[-1]
 
 # (block_m, block_n, warps, stages) per family, pass and head dim. `stages` is the number of buffers
 # for the tiles a CTA streams through (bwd: Q, dO, lse, D; fwd: K and V).
-# Shared memory per CTA (row = row_bytes(hd), cuda_src/tile.cuh):
+# Shared memory per CTA (row = row_bytes(hd), cuda_src/sm80/tile.cuh):
 #   fwd: (block_m + 2 block_n stages) row                                        (Q, K, V)
 #   bwd: 2 block_n row + stages (2 block_m row + 8 block_m) + 2 block_m row_bytes(block_n)
 # and it must fit the family's opt-in limit: sm80 163 KiB, sm86/sm89 99 KiB, sm90 227 KiB.
@@ -119,7 +119,7 @@ class Tile:
 
 def row_bytes(cols):
     """Bytes per shared-memory row of a tile `cols` 16-bit elements wide: as TileLayout in
-    cuda_src/tile.cuh, swizzled (unpadded) at 64, 128 and 256, else padded by 16 elements."""
+    cuda_src/sm80/tile.cuh, swizzled (unpadded) at 64, 128 and 256, else padded by 16 elements."""
     return 2 * (cols if cols in (64, 128, 256) else cols + 16)
 
 

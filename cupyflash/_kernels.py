@@ -11,10 +11,9 @@ from typing import Optional
 from . import _config, _params, _sources
 
 DTYPES = ("float16", "bfloat16")
-ROW_KERNEL_ROWS, ROW_KERNEL_THREADS = 64, 256  # the backward's row kernels (RowKernel in flash_bwd.cuh)
+ROW_KERNEL_ROWS, ROW_KERNEL_THREADS = 64, 256  # the backward's row kernels (RowKernel in sm80/bwd_schedule.cuh)
 
-_HEADER = {"fwd": "flash_fwd.cuh", "bwd": "flash_bwd.cuh", "bwd_dot": "flash_bwd.cuh",
-           "bwd_convert_dq": "flash_bwd.cuh"}
+_HEADER = {"fwd": "sm80/fwd.cuh", "bwd": "sm80/bwd.cuh", "bwd_dot": "sm80/bwd.cuh", "bwd_convert_dq": "sm80/bwd.cuh"}
 
 
 @dataclasses.dataclass(frozen=True)

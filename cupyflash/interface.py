@@ -450,7 +450,7 @@ _plans = {}
 _MAX_PLANS = 4096  # shapes seen by one process; past this the cache starts afresh
 
 
-_UNBOUNDED = 1 << 30   # a window side with no bound, as cuda_src/mask.cuh expects
+_UNBOUNDED = 1 << 30   # a window side with no bound, as cuda_src/common/mask.cuh expects
 _MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions
 _TILE_INPUTS = ("q", "k", "v", "out", "dout")  # 16-bit tensors read by 16-byte cp.async
 
@@ -645,7 +645,7 @@ def _param_block(shape, tile, scale, strides, opts, inputs, block_major, semapho
 
 def _dq_accum_rows(shape):
     """dq_accum's rows per head (per batch entry and head without varlen): every sequence starts at a
-    multiple of 8 (Sequence::dq_accum_row0 in cuda_src/mask.cuh), the padding and the gaps included."""
+    multiple of 8 (Sequence::dq_accum_row0 in cuda_src/common/mask.cuh), the padding and the gaps included."""
     round8 = lambda n: -(-n // 8) * 8  # noqa: E731
     return round8(shape.total_q) + 8 * (shape.batch + 1) if shape.varlen else round8(shape.seqlen_q)
 
@@ -659,13 +659,13 @@ def _broadcast_strides(shape, strides):
 def _block_grid(blocks, heads, batch, local):
     """(grid, block_major) of a forward or backward kernel: (blocks, heads, batch), or for the LOCAL
     kernels (heads, blocks, batch), which starts every head's heavy causal blocks first
-    (cuda_src/mask.cuh grid_slot), where the grid's y dimension can hold the blocks."""
+    (cuda_src/common/mask.cuh grid_slot), where the grid's y dimension can hold the blocks."""
     block_major = local and blocks <= _MAX_GRID_YZ
     return ((heads, blocks, batch) if block_major else (blocks, heads, batch)), block_major
 
 
 def _split_last_wave(kernel, device, shape, grid, params, outputs):
-    """The grid of a plain backward whose last partial wave is split (flash_bwd.cuh TailSplit;
+    """The grid of a plain backward whose last partial wave is split (cuda_src/sm80/bwd_schedule.cuh TailSplit;
     `params` and `outputs` get the split's fields and buffers), or `grid` where it is not."""
     blocks, heads_k, batch = grid
     tile = kernel.tile
@@ -696,7 +696,7 @@ def _resident_ctas(kernel, device):
 def _tail_split(units, steps, resident):
     """(tail_units, tail_parts) for a plain backward of `units` CTAs of `steps` query steps each,
     `resident` of them running at once: the last units % resident CTAs would run while the other
-    slots idle, so each may be split into `tail_parts` pieces (flash_bwd.cuh TailSplit) that run as
+    slots idle, so each may be split into `tail_parts` pieces (cuda_src/sm80/bwd_schedule.cuh TailSplit) that run as
     one or more waves of shorter CTAs. Costs in steps: a CTA's own loads and stores count as one
     step more, a piece's adds and sums as two. A split must save a fifth of the last wave."""
     tail = units % resident

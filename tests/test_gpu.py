@@ -57,7 +57,7 @@ def test_every_tile_table(family, case, monkeypatch):
                                   Case.packed((300, 17, 250), (300, 17, 250), 64, "bfloat16", True, nheads=4, nheads_k=2,
                                               deterministic=True)], ids=str)
 def test_local_kernels_in_either_grid_order(block_major, case, monkeypatch):
-    """The LOCAL kernels' grids (cuda_src/mask.cuh grid_slot): block-major, and head-major (taken
+    """The LOCAL kernels' grids (cuda_src/common/mask.cuh grid_slot): block-major, and head-major (taken
     where the blocks exceed the grid's y limit); the deterministic backward's turns come in launch
     order in both."""
     from cupyflash import interface
@@ -78,7 +78,7 @@ def test_local_kernels_in_either_grid_order(block_major, case, monkeypatch):
     (Case(113, 300, 96, "float16", batch=1, nheads=3, nheads_k=1), 40),     # every key block split
 ], ids=str)
 def test_backward_with_its_last_wave_split(case, resident, monkeypatch):
-    """The plain backward's last partial wave split into pieces (flash_bwd.cuh TailSplit), as if the
+    """The plain backward's last partial wave split into pieces (cuda_src/sm80/bwd_schedule.cuh TailSplit), as if the
     GPU ran `resident` CTAs at once: the split key blocks include a partial one, and pieces that
     start and end inside a head's query blocks."""
     from cupyflash import interface
@@ -165,7 +165,7 @@ def test_params_layout_matches_numpy():
     from cupyflash import _params, _sources
     dtype = _params.params_dtype()
     body = "\n".join(f"    offsets[{i}] = (unsigned long long)&ptr->{name};" for i, name in enumerate(dtype.names))
-    source = (_sources.translation_unit("params.cuh")
+    source = (_sources.translation_unit("common/params.cuh")
               + 'extern "C" __global__ void layout(unsigned long long* offsets) {\n'
               + "    const FlashParams* ptr = nullptr;\n" + body + "\n}\n")
     offsets = cupy.zeros(len(dtype.names), dtype=numpy.uint64)

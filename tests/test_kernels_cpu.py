@@ -102,7 +102,7 @@ def test_params_parser_refuses_what_it_cannot_map():
 # -------------------------------------------------------------------------------- sources, cache
 
 def test_headers_are_inlined_once():
-    text = _sources.translation_unit("flash_bwd.cuh")
+    text = _sources.translation_unit("sm80/bwd.cuh")
     assert "#include" not in text
     assert text.count("struct FlashParams {") == 1
 
@@ -113,7 +113,7 @@ def test_editing_a_header_changes_the_compiled_binary(tmp_path, monkeypatch):
     kernel = _kernels.Kernel("bwd_dot", "float16")
     first, _ = _compile.compile_kernel(kernel, "80")
     read = _sources.read
-    monkeypatch.setattr(_sources, "read", lambda name: read(name) + ("\n// edited\n" if name == "ptx.cuh" else ""))
+    monkeypatch.setattr(_sources, "read", lambda name: read(name) + ("\n// edited\n" if name == "common/ptx.cuh" else ""))
     second, _ = _compile.compile_kernel(kernel, "80")
     assert first != second and first.exists() and second.exists()
 

@@ -20,7 +20,7 @@
 // 16*mt + {g, g+8} and columns 8*nt + 2*t + {0, 1}, where g = lane / 4 and t = lane % 4;
 // elements 0,1 are row g and elements 2,3 are row g + 8.
 #pragma once
-#include "ptx.cuh"
+#include "../common/ptx.cuh"
 
 template <int COLS>
 struct TileLayout {
@@ -60,6 +60,30 @@ struct TileLayout {
         return true;
     }
     static_assert(sector_aligned_and_conflict_free(), "tile rows must be 32-byte aligned and ldmatrix conflict-free");
+};
+
+// A ROWS x COLS product split over WARPS warps. Each warp takes 32 rows (two m16 tiles) where the
+// columns then split evenly, else 16: with two m16 tiles every B fragment read from shared memory
+// feeds two mma instead of one, and shared-memory bandwidth, not the tensor cores, is what
+// limits these products.
+__host__ __device__ constexpr bool even_split(int rows, int cols, int warps, int warp_rows) {
+    return rows % warp_rows == 0 && warps % (rows / warp_rows) == 0 && rows / warp_rows <= warps
+           && cols % (8 * (warps / (rows / warp_rows))) == 0;
+}
+
+template <int ROWS, int COLS, int WARPS>
+struct WarpGrid {
+    static constexpr int kWarpRows = even_split(ROWS, COLS, WARPS, 32) ? 32 : 16;
+    static constexpr int kWarpsM = ROWS / kWarpRows;
+    static constexpr int kWarpsN = WARPS / kWarpsM;
+    static constexpr int MT = kWarpRows / 16;
+    static constexpr int NT = COLS / kWarpsN / 8;
+    static_assert(even_split(ROWS, COLS, WARPS, kWarpRows), "warps must tile the product evenly");
+    // Column offsets are multiples of a warp's span, 8 NT; with NT a power of two the XOR steps of
+    // TileLayout::moved inside a swizzled tile never carry into them.
+    static_assert(!TileLayout<COLS>::kSwizzled || (NT & (NT - 1)) == 0, "a warp's columns in a swizzled tile span a power of two");
+    __device__ static int row0() { return (threadIdx.x / 32) % kWarpsM * kWarpRows; }
+    __device__ static int col0() { return (threadIdx.x / 32) / kWarpsM * (8 * NT); }
 };
 
 // Thread layout of a tile copy: each thread moves one 16-byte column chunk of a row at each of

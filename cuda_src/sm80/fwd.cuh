@@ -12,9 +12,35 @@
 // LOCAL kernels bound each row's keys (causal, sliding window); EXTRAS kernels add the score
 // options of score.cuh (softcap, ALiBi, attn_bias) and dropout. Varlen is a run-time property.
 #pragma once
-#include "mask.cuh"
-#include "score.cuh"
+#include "../common/mask.cuh"
+#include "../common/math.cuh"
+#include "../common/score.cuh"
 #include "tile.cuh"
+
+// Sets the elements of a warp's accumulator fragment (tile origin row0, col0) that their row does
+// not see to `hidden`. Per row, the visible keys are a range [lo, hi] relative to the lane's first
+// column, so each element costs two compares against compile-time column offsets.
+template <bool LOCAL, int MT, int NT>
+__device__ __forceinline__ void mask_fragment(float (&s)[MT][NT][4], const FlashParams& p, const Sequence& seq,
+                                              int row0, int col0, float hidden) {
+    const int lane_col0 = col0 + fragment_col(0, 0);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + fragment_row(mt, 2 * half);
+            int hi = seq.seqlen_k - 1 - lane_col0, lo = -lane_col0;
+            if (LOCAL) {
+                hi = min(hi, seq.diagonal(row) + p.window_right - lane_col0);
+                lo = max(lo, seq.diagonal(row) - p.window_left - lane_col0);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                    if (8 * nt + j > hi || (LOCAL && 8 * nt + j < lo)) s[mt][nt][2 * half + j] = hidden;
+        }
+}
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES>
 struct FwdTile {

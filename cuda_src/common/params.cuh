@@ -70,7 +70,7 @@ struct FlashParams {
     long long stats_batch_stride;
     long long stats_head_stride;
     // dq_accum's rows are the same with every sequence starting at a multiple of 8 rows
-    // (Sequence::dq_accum_row0; its layout is dq_accum_index in flash_bwd.cuh).
+    // (Sequence::dq_accum_row0; its layout is dq_accum_index in sm80/bwd.cuh).
     long long dq_accum_batch_stride;
     long long dq_accum_head_stride;
 
@@ -105,7 +105,7 @@ struct FlashParams {
     int* dq_semaphore;              // deterministic backward: one zeroed counter per (batch, head, query block)
     int dq_semaphore_blocks;        // query blocks per (batch, head)
 
-    // The plain backward's last partial wave (TailSplit in flash_bwd.cuh): the last tail_units
+    // The plain backward's last partial wave (TailSplit in sm80/bwd_schedule.cuh): the last tail_units
     // CTAs of the (blocks, nheads_k, batch) grid are done by tail_parts pieces each, CTAs of the
     // grid's z slices past the batch; 0 when not split.
     int tail_units;

@@ -5,7 +5,7 @@
 // as x / scale, on s directly.
 #pragma once
 #include "mask.cuh"
-#include "tile.cuh"
+#include "../sm80/tile.cuh"
 
 // tanh(x) = 1 - 2 / (e^2x + 1): two MUFU ops (ex2, rcp) and three FMA-class ops, within ~1e-7
 // absolute of tanh (the libdevice tanhf costs about five times as many instructions).

@@ -1,11 +1,16 @@
-// The options of the EXTRAS kernels, applied per score element: softcap, ALiBi, an additive
-// bias, dropout. The same transform as the reference's (cupyflash/reference.py, scaled_scores):
+// The score options: modifiers of the scores (softcap, ALiBi, an additive bias) and dropout of the
+// probabilities. The modifiers make the reference's transform (cupyflash/reference.py, scaled_scores)
 //     x = s * scale;   x = softcap * tanh(x / softcap);   x += alibi + attn_bias
-// The kernels keep scores in raw units (the scale is folded into exp2 later), so this is done
-// as x / scale, on s directly.
+// on the raw score s = q . k itself, as x / scale: the kernels fold the scale into exp2 later.
+//
+// Each modifier is one functor, built per (batch, head): on() says whether the call uses it, and
+// apply(s, row, col, grad) returns the modified score and multiplies grad by d(result)/d(s). The
+// forward and the backward both call apply (the forward drops grad, which costs it nothing), so a
+// new modifier is one FlashParams field, one functor here and its place in ScoreMods::for_each.
 #pragma once
 #include "mask.cuh"
-#include "../sm80/tile.cuh"
+#include "params.cuh"
+#include "ptx.cuh"
 
 // tanh(x) = 1 - 2 / (e^2x + 1): two MUFU ops (ex2, rcp) and three FMA-class ops, within ~1e-7
 // absolute of tanh (the libdevice tanhf costs about five times as many instructions).
@@ -15,69 +20,85 @@ __device__ __forceinline__ float fast_tanh(float x) {
     return fmaf(-2.f, r, 1.f);
 }
 
-// Per (batch, head): the ALiBi slope and the bias matrix. The rest of the options stay in the
-// parameter block, where instructions read them as constant operands, costing no registers.
-struct ScoreOptions {
+// softcap: s becomes softcap_outer * tanh(s * softcap_inner), with d/ds = 1 - tanh^2 (the
+// outer and inner factors cancel). Its factors stay in the parameter block, where instructions
+// read them as constant operands, costing no registers.
+struct Softcap {
     const FlashParams& p;
-    float alibi_raw;   // ALiBi slope / softmax_scale (raw units), 0 without ALiBi
-    const void* bias;  // this (batch, head)'s bias matrix, or null
+    __device__ __forceinline__ Softcap(const FlashParams& params, const Sequence&, int, int) : p(params) {}
+    __device__ __forceinline__ bool on() const { return p.softcap_inner != 0.f; }
+    __device__ __forceinline__ float apply(float s, int, int, float& grad) const {
+        const float t = fast_tanh(s * p.softcap_inner);
+        grad *= 1.f - t * t;
+        return p.softcap_outer * t;
+    }
+};
 
-    __device__ __forceinline__ ScoreOptions(const FlashParams& params, int batch, int head) : p(params) {
-        alibi_raw = p.alibi_slopes != nullptr ? p.alibi_slopes[batch * p.alibi_batch_stride + head] * p.inv_softmax_scale
-                                              : 0.f;
-        bias = nullptr;
+// ALiBi: s - slope / scale * |col - diagonal(row)|; d/ds = 1.
+struct Alibi {
+    const Sequence& seq;
+    float slope;  // ALiBi slope / softmax_scale (raw units), 0 without ALiBi
+    __device__ __forceinline__ Alibi(const FlashParams& p, const Sequence& sequence, int batch, int head) : seq(sequence) {
+        slope = p.alibi_slopes != nullptr ? p.alibi_slopes[batch * p.alibi_batch_stride + head] * p.inv_softmax_scale
+                                          : 0.f;
+    }
+    __device__ __forceinline__ bool on() const { return slope != 0.f; }
+    __device__ __forceinline__ float apply(float s, int row, int col, float&) const {
+        return fmaf(-slope, static_cast<float>(abs(col - seq.diagonal(row))), s);
+    }
+};
+
+// attn_bias: s + bias[row][col] / scale; d/ds = 1. The bias is fp32 or the inputs' 16-bit type;
+// rows and columns past the sequence are never read.
+template <bool BF16>
+struct Bias {
+    const FlashParams& p;
+    const Sequence& seq;
+    const void* matrix;  // this (batch, head)'s bias, or null
+    __device__ __forceinline__ Bias(const FlashParams& params, const Sequence& sequence, int batch, int head)
+        : p(params), seq(sequence), matrix(nullptr) {
         if (p.attn_bias != nullptr) {
             const long long offset = batch * p.bias_batch_stride + head * p.bias_head_stride;
-            bias = p.bias_is_float32 ? static_cast<const void*>(static_cast<const float*>(p.attn_bias) + offset)
-                                     : static_cast<const void*>(static_cast<const uint16*>(p.attn_bias) + offset);
+            matrix = p.bias_is_float32 ? static_cast<const void*>(static_cast<const float*>(p.attn_bias) + offset)
+                                       : static_cast<const void*>(static_cast<const uint16*>(p.attn_bias) + offset);
         }
     }
-
-    template <bool BF16>
-    __device__ __forceinline__ float bias_at(int row, int col) const {
-        const long long at = row * p.bias_row_stride + col;
-        return p.bias_is_float32 ? static_cast<const float*>(bias)[at] : to_float<BF16>(static_cast<const uint16*>(bias)[at]);
-    }
-
-    // The transformed raw score s = q . k at (row, col), in raw units; `slope` receives
-    // d(result)/d(s), which softcap makes 1 - tanh^2 (1 without it). Rows and columns past the
-    // sequence must not reach the bias, so the caller passes in_bounds.
-    template <bool BF16>
-    __device__ __forceinline__ float apply(float s, const Sequence& seq, int row, int col, bool in_bounds,
-                                           float& slope) const {
-        slope = 1.f;
-        if (p.softcap_inner != 0.f) {
-            const float t = fast_tanh(s * p.softcap_inner);
-            s = p.softcap_outer * t;
-            slope = 1.f - t * t;
+    __device__ __forceinline__ bool on() const { return matrix != nullptr; }
+    __device__ __forceinline__ float apply(float s, int row, int col, float&) const {
+        if (row < seq.seqlen_q && col < seq.seqlen_k) {
+            const long long at = row * p.bias_row_stride + col;
+            const float bias = p.bias_is_float32 ? static_cast<const float*>(matrix)[at]
+                                                 : to_float<BF16>(static_cast<const uint16*>(matrix)[at]);
+            s = fmaf(bias, p.inv_softmax_scale, s);
         }
-        s = fmaf(-alibi_raw, static_cast<float>(abs(col - seq.diagonal(row))), s);
-        if (bias != nullptr && in_bounds) s = fmaf(bias_at<BF16>(row, col), p.inv_softmax_scale, s);
         return s;
     }
+};
 
-    // The same transform over a warp's whole S fragment (tile at row0, col0), one option at a time:
-    // each pass is a branch-free unrolled loop, where per-element branches would stall the schedule.
-    template <bool BF16, int MT, int NT>
-    __device__ __forceinline__ void apply(float (&s)[MT][NT][4], const Sequence& seq, int row0, int col0) const {
-        if (p.softcap_inner != 0.f) {
-            for_each_element<MT, NT>([&](int mt, int nt, int e) {
-                s[mt][nt][e] = p.softcap_outer * fast_tanh(s[mt][nt][e] * p.softcap_inner);
-            });
-        }
-        if (alibi_raw != 0.f) {
-            for_each_element<MT, NT>([&](int mt, int nt, int e) {
-                const int distance = abs(col0 + fragment_col(nt, e) - seq.diagonal(row0 + fragment_row(mt, e)));
-                s[mt][nt][e] = fmaf(-alibi_raw, static_cast<float>(distance), s[mt][nt][e]);
-            });
-        }
-        if (bias != nullptr) {
-            for_each_element<MT, NT>([&](int mt, int nt, int e) {
-                const int row = row0 + fragment_row(mt, e), col = col0 + fragment_col(nt, e);
-                if (row < seq.seqlen_q && col < seq.seqlen_k)
-                    s[mt][nt][e] = fmaf(bias_at<BF16>(row, col), p.inv_softmax_scale, s[mt][nt][e]);
-            });
-        }
+// Every modifier of a (batch, head), in the order they apply.
+template <bool BF16>
+struct ScoreMods {
+    Softcap softcap;
+    Alibi alibi;
+    Bias<BF16> bias;
+
+    __device__ __forceinline__ ScoreMods(const FlashParams& p, const Sequence& seq, int batch, int head)
+        : softcap(p, seq, batch, head), alibi(p, seq, batch, head), bias(p, seq, batch, head) {}
+
+    // Calls f(modifier) for each modifier, in order.
+    template <typename F>
+    __device__ __forceinline__ void for_each(F f) const {
+        f(softcap);
+        f(alibi);
+        f(bias);
+    }
+
+    // The modified score at (row, col); grad is multiplied by d(result)/d(s).
+    __device__ __forceinline__ float apply(float s, int row, int col, float& grad) const {
+        for_each([&](const auto& mod) {
+            if (mod.on()) s = mod.apply(s, row, col, grad);
+        });
+        return s;
     }
 };
 
@@ -106,20 +127,4 @@ __device__ __forceinline__ uint32 dropout_keep_bits(const FlashParams& p, int ba
                                   static_cast<unsigned long long>(p.dropout_seed));
     const uint32 below = static_cast<uint32>(p.dropout_keep_below);  // at most 2^32 - 1
     return (r.x < below) | (r.y < below) << 1 | (r.z < below) << 2 | (r.w < below) << 3;
-}
-
-// Dropout on a warp's probabilities (tile at row0, col0): dropped elements become 0. The caller
-// scales the kept ones by 1 / (1 - dropout_p).
-template <int MT, int NT>
-__device__ __forceinline__ void apply_dropout(float (&s)[MT][NT][4], const FlashParams& p, int batch, int head,
-                                              int row0, int col0) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const uint32 keep = dropout_keep_bits(p, batch, head, row0 + fragment_row(mt, 0), col0 + fragment_col(nt, 0));
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (!(keep >> e & 1)) s[mt][nt][e] = 0.f;
-        }
 }

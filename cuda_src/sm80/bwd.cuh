@@ -49,12 +49,12 @@ struct BwdTile {
 // The EXTRAS kernels' elementwise step, all in one pass over the S and dP fragments of a warp
 // whose tile starts at (row0, col0): the score options, P, dropout, dS (and dbias). On return s
 // holds what dV needs (P, dropped and rescaled) and dp the gradient of the raw scores (dS times
-// softcap's slope). lse and dot point at the warp's first row.
+// the modifiers' d/ds). lse and dot point at the warp's first row.
 template <bool BF16, bool LOCAL, int MT, int NT>
 __device__ __forceinline__ void extras_probabilities(float (&s)[MT][NT][4], float (&dp)[MT][NT][4], const FlashParams& p,
                                                      const Sequence& seq, int batch, int head, int row0, int col0,
                                                      bool masked, const float* lse, const float* dot) {
-    const ScoreOptions options(p, batch, head);
+    const ScoreMods<BF16> mods(p, seq, batch, head);
     float* dbias = p.dbias_accum == nullptr ? nullptr
                    : p.dbias_accum + batch * p.dbias_batch_stride + head * p.dbias_head_stride;
 #pragma unroll
@@ -68,8 +68,8 @@ __device__ __forceinline__ void extras_probabilities(float (&s)[MT][NT][4], floa
             for (int e = 0; e < 4; ++e) {
                 const int r = fragment_row(mt, e), row = row0 + r, col = col0 + fragment_col(nt, e);
                 const bool in_bounds = row < seq.seqlen_q && col < seq.seqlen_k;
-                float slope;
-                const float x = options.apply<BF16>(s[mt][nt][e], seq, row, col, in_bounds, slope);
+                float grad = 1.f;
+                const float x = mods.apply(s[mt][nt][e], row, col, grad);
                 float prob = fast_exp2(fmaf(x, p.scale_log2, -lse[r]));
                 if (masked && !is_visible<LOCAL>(p, seq, row, col)) prob = 0.f;
                 // Dropout: dV sees the kept P times 1 / (1 - p), and the gradient reaching P is dP times the same.
@@ -77,7 +77,7 @@ __device__ __forceinline__ void extras_probabilities(float (&s)[MT][NT][4], floa
                 const float ds = prob * (dp[mt][nt][e] * drop - dot[r]);
                 if (dbias != nullptr && in_bounds) atomicAdd(dbias + row * p.dbias_row_stride + col, ds);
                 s[mt][nt][e] = prob * drop;
-                dp[mt][nt][e] = ds * slope;
+                dp[mt][nt][e] = ds * grad;
             }
         }
 }

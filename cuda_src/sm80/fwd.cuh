@@ -42,6 +42,37 @@ __device__ __forceinline__ void mask_fragment(float (&s)[MT][NT][4], const Flash
         }
 }
 
+
+// The score modifiers over a warp's S fragment (tile at row0, col0), one modifier at a time: each
+// pass is a branch-free unrolled loop, where per-element branches would stall the schedule.
+template <int MT, int NT, typename Mods>
+__device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const Mods& mods, int row0, int col0) {
+    mods.for_each([&](const auto& mod) {
+        if (mod.on()) {
+            for_each_element<MT, NT>([&](int mt, int nt, int e) {
+                float grad = 1.f;  // the forward needs no gradient
+                s[mt][nt][e] = mod.apply(s[mt][nt][e], row0 + fragment_row(mt, e), col0 + fragment_col(nt, e), grad);
+            });
+        }
+    });
+}
+
+// Dropout on a warp's probabilities (tile at row0, col0): dropped elements become 0. The caller
+// scales the kept ones by 1 / (1 - dropout_p).
+template <int MT, int NT>
+__device__ __forceinline__ void apply_dropout(float (&s)[MT][NT][4], const FlashParams& p, int batch, int head,
+                                              int row0, int col0) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const uint32 keep = dropout_keep_bits(p, batch, head, row0 + fragment_row(mt, 0), col0 + fragment_col(nt, 0));
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (!(keep >> e & 1)) s[mt][nt][e] = 0.f;
+        }
+}
+
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES>
 struct FwdTile {
     static constexpr int kThreads = WARPS * 32;
@@ -111,7 +142,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                                                                     seq.seqlen_k - key0, p.headdim);
         cp_async_commit();
     }
-    const ScoreOptions options(p, batch, head);  // EXTRAS only; dead code otherwise
+    const ScoreMods<BF16> mods(p, seq, batch, head);  // EXTRAS only; dead code otherwise
 
     auto needs_mask = [&](int n_block) {
         return block_needs_mask<LOCAL>(p, seq, row0, n_block * BLOCK_N, BLOCK_M, BLOCK_N);
@@ -149,7 +180,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         if (!warp_skips) {
             zero(s);
             warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k_n, 0);
-            if constexpr (EXTRAS) options.apply<BF16>(s, seq, row0 + warp_row0, key0);
+            if constexpr (EXTRAS) apply_score_mods(s, mods, row0 + warp_row0, key0);
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
         }
 

@@ -69,7 +69,7 @@ TILES = {
                 160: (64, 64, 4, 1), 192: (64, 32, 4, 2), 224: (64, 32, 4, 2), 256: (64, 64, 4, 1)},
         "bwd": {32: (128, 128, 8, 2), 64: (128, 128, 8, 2), 96: (64, 128, 8, 2), 128: (64, 128, 8, 2),
                 160: (64, 64, 8, 2), 192: (64, 64, 8, 2), 224: (64, 32, 8, 2), 256: (64, 64, 8, 2)},
-        "bwd_extras": {32: (64, 128, 8, 2), 64: (64, 128, 8, 1), 96: (64, 64, 8, 2), 128: (64, 64, 8, 2),
+        "bwd_options": {32: (64, 128, 8, 2), 64: (64, 128, 8, 1), 96: (64, 64, 8, 2), 128: (64, 64, 8, 2),
                        160: (64, 64, 8, 1), 192: (64, 64, 8, 1), 224: (64, 32, 8, 2), 256: (64, 32, 8, 1)},
     },
     "sm86": {
@@ -77,7 +77,7 @@ TILES = {
                 160: (64, 64, 4, 1), 192: (64, 32, 4, 2), 224: (64, 32, 4, 2), 256: (64, 32, 4, 1)},
         "bwd": {32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 96: (64, 32, 4, 2), 128: (64, 32, 4, 1),
                 160: (32, 32, 4, 1), 192: (64, 32, 8, 1), 224: (32, 32, 4, 1), 256: (32, 32, 4, 1)},
-        "bwd_extras": {32: (64, 64, 4, 2), 64: (64, 32, 4, 2), 96: (64, 32, 4, 2), 128: (64, 32, 4, 1),
+        "bwd_options": {32: (64, 64, 4, 2), 64: (64, 32, 4, 2), 96: (64, 32, 4, 2), 128: (64, 32, 4, 1),
                        160: (32, 32, 4, 1), 192: (64, 32, 8, 1), 224: (32, 32, 8, 1), 256: (32, 32, 8, 1)},
     },
 }
@@ -85,15 +85,15 @@ TILES["sm80"] = {
     "fwd": TILES["sm90"]["fwd"],
     "bwd": {**TILES["sm90"]["bwd"], 32: (64, 128, 8, 2), 64: (64, 128, 8, 2), 128: (64, 64, 8, 2),
             160: (64, 64, 8, 1), 192: (64, 64, 8, 1), 224: (64, 32, 8, 1), 256: (64, 32, 8, 1)},
-    "bwd_extras": {**TILES["sm90"]["bwd_extras"], 224: (64, 32, 8, 1)},
+    "bwd_options": {**TILES["sm90"]["bwd_options"], 224: (64, 32, 8, 1)},
 }
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
 PASSES = ("fwd", "bwd")                    # kernel passes
-TABLES = ("fwd", "bwd", "bwd_extras")      # tile tables per family; see kernel_pass
+TABLES = ("fwd", "bwd", "bwd_options")      # tile tables per family; see kernel_pass
 
 
 def kernel_pass(table):
-    """The kernel pass a tile table serves: 'bwd_extras' holds backward tiles."""
+    """The kernel pass a tile table serves: 'bwd_options' holds backward tiles."""
     return table.split("_")[0]
 
 
@@ -147,7 +147,7 @@ def forced_family():
 
 
 def tile_for(pass_, headdim, compute_capability, smem_limit, family=None):
-    """The tile for `pass_` (a table: 'fwd', 'bwd' or 'bwd_extras') at a caller's head dim on a device.
+    """The tile for `pass_` (a table: 'fwd', 'bwd' or 'bwd_options') at a caller's head dim on a device.
 
     The family's entry is used when its shared memory fits `smem_limit` (the device's opt-in
     maximum per block); otherwise the smaller sm86 entry."""

@@ -360,7 +360,8 @@ class _Options:
         return self.window_size != (-1, -1)
 
     def extras(self, pass_):
-        """Whether the pass needs the EXTRAS kernels (cuda_src/score.cuh)."""
+        """Whether the pass needs the OPTIONS kernels (cuda_src/common/score.cuh); a deterministic
+        backward is one of them (_kernels.Kernel)."""
         return bool(self.softcap or self.alibi_slopes is not None or self.attn_bias is not None
                     or self.dropout_p or (pass_ == "bwd" and self.deterministic))
 
@@ -730,7 +731,7 @@ def _forward_plan(caller, shape, scale, opts, inputs, varlen):
 
 def _backward_plan(caller, shape, scale, opts, inputs, varlen):
     extras = opts.extras("bwd")
-    tile = _tile("bwd_extras" if extras else "bwd", shape.headdim, caller.device_id)
+    tile = _tile("bwd_options" if extras else "bwd", shape.headdim, caller.device_id)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     dtype = _arrays.dtype_name(q)
     strides = {name: _tensor_strides(_element_strides(inputs[name]), varlen) for name in ("dout", "q", "k", "v", "out")}
@@ -747,7 +748,7 @@ def _backward_plan(caller, shape, scale, opts, inputs, varlen):
     finish = lambda o: (o["dq"], o["dk"], o["dv"])  # noqa: E731
     blocks = -(-shape.seqlen_k // tile.block_n)
     grid, block_major = _block_grid(blocks, shape.nheads_k, shape.batch, opts.local)
-    kernel = _kernels.Kernel("bwd", dtype, tile, opts.local, shape.headdim == tile.headdim, extras)
+    kernel = _kernels.Kernel("bwd", dtype, tile, opts.local, shape.headdim == tile.headdim, extras, opts.deterministic)
     params = _param_block(shape, tile, scale, strides, opts, inputs, block_major, semaphore_blocks)
     if not (opts.local or extras or varlen):  # the kernels that may split their last wave
         grid = _split_last_wave(kernel, caller.device(), shape, grid, params, outputs)

@@ -84,7 +84,7 @@ struct FlashParams {
     int window_left;
     int window_right;
 
-    // The options of the EXTRAS kernels (score.cuh), each off when zero / null.
+    // The options of the OPTIONS kernels (score.cuh), each off when zero / null.
     float softcap_inner;            // softcap: raw scores s become softcap_outer * tanh(s * softcap_inner),
     float softcap_outer;            //   inner = scale / softcap (0: off), outer = softcap / scale
     float inv_softmax_scale;        // 1 / softmax_scale: the kernels keep scores in raw units (q . k)
@@ -102,7 +102,7 @@ struct FlashParams {
     long long dropout_seed;         // Philox key (cupyflash/reference.py has the same generator)
     long long dropout_keep_below;   // an element is kept iff its 32-bit random word is below this
     float dropout_scale;            // 1 / (1 - dropout_p); 0 disables dropout
-    int* dq_semaphore;              // deterministic backward: one zeroed counter per (batch, head, query block)
+    int* dq_semaphore;              // DETERMINISTIC backward: one zeroed counter per (batch, head, query block)
     int dq_semaphore_blocks;        // query blocks per (batch, head)
 
     // The plain backward's last partial wave (TailSplit in sm80/bwd_schedule.cuh): the last tail_units

@@ -12,8 +12,8 @@
 //                         The plain kernels may split the key blocks of the last partial wave over
 //                         several CTAs (TailSplit), which sum dK and dV in fp32.
 //   flash_bwd_convert_dq: dq = dq_accum * scale, in the input dtype.
-// As in the forward, LOCAL kernels bound each row's keys and EXTRAS kernels add the options of
-// score.cuh; the EXTRAS kernels also return dbias and, when asked, add dQ in a fixed order.
+// As in the forward, LOCAL kernels bound each row's keys and OPTIONS kernels add the options of
+// common/score.cuh (and return dbias); DETERMINISTIC kernels add dQ in a fixed order.
 #pragma once
 #include "../common/mask.cuh"
 #include "../common/math.cuh"
@@ -46,12 +46,12 @@ struct BwdTile {
     static_assert(STAGES == 1 || STAGES == 2, "one or two query-side buffers");
 };
 
-// The EXTRAS kernels' elementwise step, all in one pass over the S and dP fragments of a warp
+// The OPTIONS kernels' elementwise step, all in one pass over the S and dP fragments of a warp
 // whose tile starts at (row0, col0): the score options, P, dropout, dS (and dbias). On return s
 // holds what dV needs (P, dropped and rescaled) and dp the gradient of the raw scores (dS times
 // the modifiers' d/ds). lse and dot point at the warp's first row.
 template <bool BF16, bool LOCAL, int MT, int NT>
-__device__ __forceinline__ void extras_probabilities(float (&s)[MT][NT][4], float (&dp)[MT][NT][4], const FlashParams& p,
+__device__ __forceinline__ void options_probabilities(float (&s)[MT][NT][4], float (&dp)[MT][NT][4], const FlashParams& p,
                                                      const Sequence& seq, int batch, int head, int row0, int col0,
                                                      bool masked, const float* lse, const float* dot) {
     const ScoreMods<BF16> mods(p, seq, batch, head);
@@ -83,7 +83,7 @@ __device__ __forceinline__ void extras_probabilities(float (&s)[MT][NT][4], floa
 }
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool LOCAL, bool EVEN_K,
-          bool EXTRAS>
+          bool OPTIONS, bool DETERMINISTIC>
 __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     typedef BwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS, STAGES> T;
     typedef typename T::S GS;
@@ -108,8 +108,9 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     auto s_dot = [&](int stage) { return s_lse(stage) + BLOCK_M; };
 
     // The first key blocks first: with a causal mask the most query blocks see them (grid_slot).
-    // The plain kernels may split the last partial wave (TailSplit).
-    constexpr bool kMaySplit = !LOCAL && !EXTRAS;
+    // The plain kernels may split the last partial wave (TailSplit); never the DETERMINISTIC ones,
+    // whose split dK and dV would be summed in a run-dependent order.
+    constexpr bool kMaySplit = !LOCAL && !OPTIONS && !DETERMINISTIC;
     const TailSplit tail(p, grid_slot<LOCAL>(p), kMaySplit);
     if (tail.idle) return;
     const int n_block = tail.slot.block, head_k = tail.slot.head, batch = tail.slot.batch;
@@ -186,8 +187,8 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         // is exactly 0. Rows past the end were zero-filled (Q, dO, lse_log2, D): their P is at most 1
         // but dO and dP - D are 0, so they add nothing to dV, dK or dQ.
         const bool masked = block_needs_mask<LOCAL>(p, seq, row0, key0, BLOCK_M, BLOCK_N);
-        if constexpr (EXTRAS) {
-            extras_probabilities<BF16, LOCAL, GS::MT, GS::NT>(s, dp, p, seq, batch, head, row0 + GS::row0(),
+        if constexpr (OPTIONS) {
+            options_probabilities<BF16, LOCAL, GS::MT, GS::NT>(s, dp, p, seq, batch, head, row0 + GS::row0(),
                                                                key0 + GS::col0(), masked, s_lse(stage) + GS::row0(),
                                                                s_dot(stage) + GS::row0());
         } else {
@@ -212,11 +213,11 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         // stmatrix (a quarter of the pair stores, a few more live registers) for P where a warp's S
         // tile is 32 x 32 or wider, and for dS from 32 x 64 (hd32/hd64), the options off: at hd128
         // both tiles by stmatrix spilled 8-40 bytes; P alone gained 1-2% (bench/NOTES.md v11).
-        if constexpr (GS::NT >= 4 && !EXTRAS)
+        if constexpr (GS::NT >= 4 && !OPTIONS)
             store_fragment_by_matrix<BF16, GS::MT, GS::NT, BLOCK_N>(s_p, s, GS::row0(), GS::col0());
         else
             store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_p, s, 1.f, GS::row0(), GS::col0());
-        if constexpr (GS::NT >= 8 && !EXTRAS)
+        if constexpr (GS::NT >= 8 && !OPTIONS)
             store_fragment_by_matrix<BF16, GS::MT, GS::NT, BLOCK_N>(s_ds, dp, GS::row0(), GS::col0());
         else
             store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_ds, dp, 1.f, GS::row0(), GS::col0());
@@ -240,19 +241,10 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         float* dq_lane = p.dq_accum + dq_accum_index(seq.dq_accum_row0(p, batch, head) + row0 + GQ::row0()
                                                      + fragment_row(0, 0), GQ::col0() + fragment_col(0, 0), HEADDIM);
         const bool all_rows = row0 + BLOCK_M <= seq.seqlen_q;
-        // Deterministic: the key blocks of a query block add their dQ in key-block order, each
-        // waiting for its predecessor's count (those CTAs started earlier, so they cannot be waiting on us).
-        int* semaphore = nullptr;
-        if constexpr (EXTRAS) {
-            if (p.dq_semaphore != nullptr) {
-                semaphore = p.dq_semaphore + (static_cast<long long>(batch) * p.nheads + head) * p.dq_semaphore_blocks
-                            + row0 / BLOCK_M;
-                const int turn = n_block - key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N).first;
-                if (threadIdx.x == 0)
-                    while (load_acquire(semaphore) != turn) {}
-                __syncthreads();
-            }
-        }
+        int* semaphore = nullptr;  // DETERMINISTIC: this query block's, held for this key block's turn
+        if constexpr (DETERMINISTIC)
+            semaphore = wait_dq_turn(p, batch, head, row0 / BLOCK_M,
+                                     n_block - key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N).first);
         constexpr int kChunkNT = GQ::NT > 4 && GQ::NT % 2 == 0 ? GQ::NT / 2 : GQ::NT;
 #pragma unroll
         for (int chunk = 0; chunk < GQ::NT / kChunkNT; ++chunk) {
@@ -272,10 +264,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
                     }
                 }
         }
-        if (EXTRAS && semaphore != nullptr) {
-            __syncthreads();  // every thread's adds are issued before the next key block's turn
-            if (threadIdx.x == 0) add_release(semaphore, 1);
-        }
+        if constexpr (DETERMINISTIC) pass_dq_turn(semaphore);
         head = next_head;
         row0 = next_row0;
     }

@@ -1,5 +1,6 @@
-// The backward's scheduling, apart from its math: which CTA walks which query steps (TailSplit)
-// and which thread moves which row in the row kernels (RowKernel).
+// The backward's scheduling, apart from its math: which CTA walks which query steps (TailSplit),
+// the deterministic order of dQ's adds (wait_dq_turn, pass_dq_turn) and which thread moves which
+// row in the row kernels (RowKernel).
 #pragma once
 #include "../common/mask.cuh"
 #include "../common/params.cuh"
@@ -70,6 +71,21 @@ struct TailSplit {
         return true;
     }
 };
+
+// The DETERMINISTIC kernels: the key blocks that a query block sees add their dQ in key-block
+// order. Each waits on the query block's semaphore for its turn (its index among those key blocks),
+// then passes the turn on; the CTAs of earlier key blocks started earlier, so none waits on a later one.
+__device__ __forceinline__ int* wait_dq_turn(const FlashParams& p, int batch, int head, int q_block, int turn) {
+    int* semaphore = p.dq_semaphore + (static_cast<long long>(batch) * p.nheads + head) * p.dq_semaphore_blocks + q_block;
+    if (threadIdx.x == 0)
+        while (load_acquire(semaphore) != turn) {}
+    __syncthreads();
+    return semaphore;
+}
+__device__ __forceinline__ void pass_dq_turn(int* semaphore) {
+    __syncthreads();  // every thread's adds are issued before the next key block's turn
+    if (threadIdx.x == 0) add_release(semaphore, 1);
+}
 
 // The two small kernels cover kRows query rows of one head per block. A row's 16-byte chunks (8
 // columns each) go to `lanes` consecutive threads, the power of two at or above headdim_padded / 8,

@@ -9,8 +9,8 @@
 // Loads: with one stage, V(n) is loaded while S is computed and K(n-1) while P V(n) is (two
 // barriers per block); with two stages, K(n-1) and V(n-1) are loaded into the other buffer
 // while all of block n is computed (one barrier per block, twice the K/V shared memory).
-// LOCAL kernels bound each row's keys (causal, sliding window); EXTRAS kernels add the score
-// options of score.cuh (softcap, ALiBi, attn_bias) and dropout. Varlen is a run-time property.
+// LOCAL kernels bound each row's keys (causal, sliding window); OPTIONS kernels add the score
+// options of common/score.cuh (softcap, ALiBi, attn_bias) and dropout. Varlen is a run-time property.
 #pragma once
 #include "../common/mask.cuh"
 #include "../common/math.cuh"
@@ -87,7 +87,7 @@ struct FwdTile {
 };
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool LOCAL, bool EVEN_K,
-          bool EXTRAS>
+          bool OPTIONS>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     typedef FwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS, STAGES> T;
     constexpr int MT = T::MT, NT = T::NT, DT = T::DT;
@@ -142,7 +142,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                                                                     seq.seqlen_k - key0, p.headdim);
         cp_async_commit();
     }
-    const ScoreMods<BF16> mods(p, seq, batch, head);  // EXTRAS only; dead code otherwise
+    const ScoreMods<BF16> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
 
     auto needs_mask = [&](int n_block) {
         return block_needs_mask<LOCAL>(p, seq, row0, n_block * BLOCK_N, BLOCK_M, BLOCK_N);
@@ -180,7 +180,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         if (!warp_skips) {
             zero(s);
             warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k_n, 0);
-            if constexpr (EXTRAS) apply_score_mods(s, mods, row0 + warp_row0, key0);
+            if constexpr (OPTIONS) apply_score_mods(s, mods, row0 + warp_row0, key0);
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
         }
 
@@ -229,7 +229,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
         // Dropout acts on the probabilities after the softmax: the sums above keep every element,
         // P V only the kept ones (scaled by 1 / (1 - dropout_p) at the end).
-        if constexpr (EXTRAS) {
+        if constexpr (OPTIONS) {
             if (p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
         }
 
@@ -252,7 +252,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // that the main loop has no mask code. The options' kernels keep one loop, masked where needed:
     // a second copy of their longer body costs more registers than the mask-free loop saves.
     int n_block = blocks.end - 1;
-    if constexpr (EXTRAS) {
+    if constexpr (OPTIONS) {
         for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<kPerBlock>());
     } else {
         // The masked blocks after the unmasked ones, those, then (a window's left edge) the masked
@@ -273,7 +273,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // Finish: each row's sum is spread over the 4 threads of its quad. A row that saw no key
     // gets out = 0 and lse = -inf (the log of an empty sum).
     const long long lse_row0 = seq.stats_row0(p, batch, head);
-    const float out_scale = EXTRAS && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
+    const float out_scale = OPTIONS && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

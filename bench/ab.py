@@ -49,7 +49,7 @@ def compile_cases(versions):
 
 def time_cases(versions):
     from tiles import inputs, tflops
-    table = _config.TILES["sm90"]
+    table = _config.TILES[_config.MMA_SYNC]["sm90"]
     print(f"{'case':30} {'seqlen':>6} " + " ".join(f"{name:>15}" for name in versions))
     for (pass_, hd, tile), seqlen in itertools.product(CASES, SEQLENS):
         tensors = inputs(seqlen, hd)

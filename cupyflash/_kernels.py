@@ -82,7 +82,7 @@ def _bool(flag):
     return "true" if flag else "false"
 
 
-def all_kernels(families=tuple(_config.TILES)):
+def all_kernels(families=_config.FAMILIES):
     """Every kernel variant of these families' tile tables (the combinations of Kernel's docstring)."""
     kernels = [Kernel(pass_, dtype) for pass_ in ("bwd_dot", "bwd_convert_dq") for dtype in DTYPES]
     flags_of_table = {"fwd": ((False, False), (True, False)), "bwd": ((False, False),),
@@ -96,4 +96,5 @@ def all_kernels(families=tuple(_config.TILES)):
 
 def compile_jobs():
     """(arch, kernel) of every variant `check --compile` and the CI compile tests build (_config.COMPILE_CHECKS)."""
-    return [(arch, kernel) for arch, families in _config.COMPILE_CHECKS.items() for kernel in all_kernels(families)]
+    return [(arch, kernel) for arch, families in _config.COMPILE_CHECKS[_config.MMA_SYNC].items()
+            for kernel in all_kernels(families)]

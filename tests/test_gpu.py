@@ -101,7 +101,7 @@ def test_forced_tile_table_gets_its_own_plan(monkeypatch):
         monkeypatch.setenv("CUPYFLASH_TILES", family)
         out, lse = flash_attn_func(q, k, v, return_lse=True)
         flash_attn_backward(dout, q, k, v, out, lse)
-        tiles.append(_config.Tile(128, *_config.TILES[family]["bwd"][128]))
+        tiles.append(_config.Tile(128, *_config.TILES[_config.MMA_SYNC][family]["bwd"][128]))
     used = {kernel.tile for plan in interface._plans.values() for kernel in plan.kernels if kernel.pass_ == "bwd"}
     assert tiles[0] != tiles[1] and set(tiles) <= used
 

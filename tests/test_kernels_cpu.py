@@ -22,15 +22,15 @@ def test_each_device_gets_its_family_table(cc, smem_kib, family, monkeypatch):
     for table in _config.TABLES:
         for hd in _config.HEADDIMS:
             tile = _config.tile_for(table, hd, cc, smem_kib * 1024)
-            assert tile == _config.Tile(hd, *_config.TILES[family][table][hd])
+            assert tile == _config.Tile(hd, *_config.TILES[_config.MMA_SYNC][family][table][hd])
             assert tile.smem_bytes(table) <= smem_kib * 1024
 
 
 def test_a_newer_gpu_with_less_shared_memory_falls_back_to_smaller_tiles(monkeypatch):
     monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
-    assert _config.Tile(256, *_config.TILES["sm90"]["bwd"][256]).smem_bytes("bwd") > 99 * 1024
+    assert _config.Tile(256, *_config.TILES[_config.MMA_SYNC]["sm90"]["bwd"][256]).smem_bytes("bwd") > 99 * 1024
     tile = _config.tile_for("bwd", 256, (12, 0), 99 * 1024)       # consumer Blackwell: sm90 table, 99 KiB
-    assert tile == _config.Tile(256, *_config.TILES["sm86"]["bwd"][256])
+    assert tile == _config.Tile(256, *_config.TILES[_config.MMA_SYNC]["sm86"]["bwd"][256])
 
 
 def test_older_gpus_are_refused():
@@ -39,7 +39,7 @@ def test_older_gpus_are_refused():
 
 
 def test_every_tile_fits_its_family():
-    for family, table in _config.TILES.items():
+    for family, table in _config.TILES[_config.MMA_SYNC].items():
         for name in _config.TABLES:
             assert sorted(table[name]) == list(_config.HEADDIMS)
             for hd, cfg in table[name].items():
@@ -49,7 +49,7 @@ def test_every_tile_fits_its_family():
 
 def test_override_forces_a_table_and_rejects_unknown_names(monkeypatch):
     monkeypatch.setenv("CUPYFLASH_TILES", "sm86")
-    assert _config.tile_for("bwd", 128, (9, 0), 227 * 1024) == _config.Tile(128, *_config.TILES["sm86"]["bwd"][128])
+    assert _config.tile_for("bwd", 128, (9, 0), 227 * 1024) == _config.Tile(128, *_config.TILES[_config.MMA_SYNC]["sm86"]["bwd"][128])
     monkeypatch.setenv("CUPYFLASH_TILES", "sm75")
     with pytest.raises(ValueError, match=r"CUPYFLASH_TILES must be one of .* got 'sm75'"):
         _config.tile_for("fwd", 64, (9, 0), 227 * 1024)

@@ -43,7 +43,7 @@ struct Sequence {
 // With p.block_major the grid is (heads, blocks, batch): a batch entry's heads all start their
 // heavy blocks first and the grid ends on light CTAs, where (blocks, heads, batch) ends on the
 // last head's heaviest CTA while the other SMs idle. Only blockIdx and a parameter, no arithmetic:
-// ptxas re-reads these where registers are short (computed indices made the LOCAL hd128 backward spill).
+// ptxas re-reads these where registers are short (computed indices spill in the LOCAL hd128 backward).
 struct GridSlot {
     int block, blocks, head, batch;
 };

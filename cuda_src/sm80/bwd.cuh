@@ -92,7 +92,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     constexpr int kStride = TileLayout<HEADDIM>::kStride;
     __builtin_assume(threadIdx.x < T::kThreads);  // every thread is active in the tile copies, without a test
     // The hd256 kernels with two stages XOR dK's and dV's operand addresses after the step
-    // (TileLayout::moved): with XORed bases kept live they spilled 16-24 bytes.
+    // (TileLayout::moved): XORed bases kept live cost registers, and those kernels would spill.
     constexpr bool kXorLast = HEADDIM == 256 && STAGES == 2;
 
     extern __shared__ __align__(128) uint16 smem[];
@@ -192,12 +192,12 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
                                                                key0 + GS::col0(), masked, s_lse(stage) + GS::row0(),
                                                                s_dot(stage) + GS::row0());
         } else {
-            // (Three passes rather than one: fused, the 255-register variants spilled.)
+            // (Three passes rather than one: fused, the 255-register variants spill.)
             for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
                 s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -s_lse(stage)[GS::row0() + fragment_row(mt, e)]));
             });
-            // Per element rather than the forward's mask_fragment (a per-row range): with that, the
-            // LOCAL hd128 backward spilled 64-92 bytes.
+            // Per element rather than the forward's mask_fragment (a per-row range), whose row
+            // bounds make the LOCAL hd128 backward spill.
             if (masked) {
                 for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
                     if (!is_visible<LOCAL>(p, seq, row0 + GS::row0() + fragment_row(mt, e),
@@ -212,7 +212,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         }
         // stmatrix (a quarter of the pair stores, a few more live registers) for P where a warp's S
         // tile is 32 x 32 or wider, and for dS from 32 x 64 (hd32/hd64), the options off: at hd128
-        // both tiles by stmatrix spilled 8-40 bytes; P alone gained 1-2% (bench/NOTES.md v11).
+        // both tiles by stmatrix spill, and P alone is 1-2% faster.
         if constexpr (GS::NT >= 4 && !OPTIONS)
             store_fragment_by_matrix<BF16, GS::MT, GS::NT, BLOCK_N>(s_p, s, GS::row0(), GS::col0());
         else

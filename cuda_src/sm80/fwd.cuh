@@ -91,8 +91,8 @@ template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF1
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     typedef FwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS, STAGES> T;
     constexpr int MT = T::MT, NT = T::NT, DT = T::DT;
-    // Every thread is active in the tile copies, without a test (not at hd256: its LOCAL kernels
-    // then spilled 248 bytes).
+    // Every thread is active in the tile copies, without a test (not at hd256, whose LOCAL
+    // kernels spill with it).
     if constexpr (HEADDIM != 256) __builtin_assume(threadIdx.x < T::kThreads);
     constexpr int kStride = TileLayout<HEADDIM>::kStride;
 
@@ -243,8 +243,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 p_frag[kk][mt][2] = pack_pair<BF16>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
                 p_frag[kk][mt][3] = pack_pair<BF16>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
-        // (V's swizzled addresses are XORed after the step's offset at hd128 LOCAL: with the XORed
-        // bases kept in registers those kernels spilled 24 bytes.)
+        // (V's swizzled addresses are XORed after the step's offset at hd128 LOCAL: XORed bases
+        // kept in registers make those kernels spill.)
         warp_gemm_a_in_registers<BF16, MT, DT, BLOCK_N, HEADDIM, false, LOCAL && HEADDIM == 128>(acc_o, p_frag, s_v_n, 0);
     };
     // The blocks that need a mask come in two runs: at the end of the range (the sequence's last,
@@ -257,8 +257,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     } else {
         // The masked blocks after the unmasked ones, those, then (a window's left edge) the masked
         // ones before them: one copy of each loop body, and bounds computed once, so each loop
-        // tests only n_block. (With a needs_mask test per block, and the copies' activity test
-        // that the assume above removes, the causal cells at 4k-16k were 3-5% slower.)
+        // tests only n_block. (A needs_mask test per block, with the copies' activity test that
+        // the assume above removes, makes the causal cells at 4k-16k 3-5% slower.)
         const BlockRange unmasked = key_blocks_unmasked<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N, blocks);
         int masked_first = unmasked.end;
 #pragma unroll 1

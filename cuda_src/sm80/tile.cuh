@@ -4,11 +4,11 @@
 // - Swizzled (COLS 64, 128 or 256): rows are not padded, so each row is whole 128-byte lines, and
 //   in row r the 16-byte chunk c of each line sits at c ^ (r % 8). The 8 lanes of a cp.async that
 //   read one 128-byte line of global memory write one line of shared memory (a warp's copy is 4
-//   shared-memory wavefronts; with padded rows it straddled lines: 7), and the 8 rows that one
+//   shared-memory wavefronts; padded rows straddle lines: 7), and the 8 rows that one
 //   ldmatrix phase reads sit in 8 different 16-byte bank groups: no conflicts. A step of 16
 //   columns is an XOR of the lane's address (TileLayout::moved), a step of 8 rows an add.
 //   (At 64 columns, swizzled against padded: +2% in the non-causal hd64 passes, -1% in the
-//   causal hd64 backward, whose loop has 24 more SASS instructions; bench/NOTES.md v13.)
+//   causal hd64 backward, whose loop has 24 more SASS instructions.)
 // - Padded (other widths): each row padded by 16 elements (32 bytes), and in rows with bit 2 set
 //   each 16-byte chunk trades places with its neighbour (chunk c sits at c ^ 1). Rows start on
 //   32-byte boundaries (every 32-byte sector a cp.async reads lands in one aligned sector); a padded

@@ -2,6 +2,9 @@
 every kernel variant with zero spill bytes in the ptxas report: all of them for sm_90, those of the
 A100 and RTX/L40 tables for sm_80 (_config.COMPILE_CHECKS)."""
 
+import pathlib
+import re
+
 import numpy
 import pytest
 
@@ -78,6 +81,34 @@ def test_local_kernels_launch_block_major_within_the_grid_limit():
 def test_the_backward_splits_its_last_partial_wave_where_that_saves_time(units, steps, split):
     from cupyflash.interface import _tail_split
     assert _tail_split(units, steps, resident=132) == split
+
+
+# ----------------------------------------------------------------------------- kernel variants
+
+def test_kernel_variants_are_the_flag_combinations_a_call_can_ask_for():
+    kernels = _kernels.all_kernels()
+    assert len({kernel.name for kernel in kernels}) == len(kernels)
+    assert {(k.pass_, k.options, k.deterministic) for k in kernels if k.tile is not None} == {
+        ("fwd", False, False), ("fwd", True, False),
+        ("bwd", False, False), ("bwd", True, False), ("bwd", True, True)}
+    tile = _config.Tile(64, 64, 64, 4, 1)
+    for pass_, options in (("fwd", True), ("bwd", False)):
+        with pytest.raises(ValueError, match="deterministic"):
+            _kernels.Kernel(pass_, "float16", tile, options=options, deterministic=True)
+
+
+def test_score_modifiers_are_defined_once():
+    """Each score modifier's parameters are read only by its functor in common/score.cuh, which the
+    forward and the backward both call: no kernel writes a modifier's math again."""
+    fields = ("softcap_inner", "softcap_outer", "alibi_slopes", "alibi_batch_stride", "attn_bias",
+              "bias_batch_stride", "bias_head_stride", "bias_row_stride", "bias_is_float32")
+    read = re.compile(r"\.(%s)\b" % "|".join(fields))
+    root = pathlib.Path(str(_sources._source_dir()))
+    headers = {path.relative_to(root).as_posix(): path.read_text() for path in root.rglob("*.cuh")}
+    assert read.search(headers["common/score.cuh"])
+    assert [name for name, text in headers.items() if name != "common/score.cuh" and read.search(text)] == []
+    for header in ("sm80/fwd.cuh", "sm80/bwd.cuh"):
+        assert "ScoreMods<BF16> mods(" in headers[header]
 
 
 # -------------------------------------------------------------------------------- params struct

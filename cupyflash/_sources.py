@@ -27,7 +27,10 @@ def _source_dir():
 @functools.cache
 def read(name):
     """The text of header `name`, a path under cuda_src/ such as "common/params.cuh"."""
-    return _source_dir().joinpath(*name.split("/")).read_text()
+    path = _source_dir()
+    for part in name.split("/"):  # one part at a time: a namespace package's MultiplexedPath takes one
+        path = path / part
+    return path.read_text()
 
 
 def translation_unit(root_header, seen=None):

@@ -42,7 +42,6 @@ __device__ __forceinline__ void mask_fragment(float (&s)[MT][NT][4], const Flash
         }
 }
 
-
 // The score modifiers over a warp's S fragment (tile at row0, col0), one modifier at a time: each
 // pass is a branch-free unrolled loop, where per-element branches would stall the schedule.
 template <int MT, int NT, typename Mods>

@@ -3,8 +3,8 @@
     python bench/ab.py OLD_DIR [OLD_DIR ...]            # on the GPU machine
     python bench/ab.py --compile OLD_DIR [OLD_DIR ...]  # beforehand, anywhere: fill the compile cache
 
-Each OLD_DIR holds the .cuh files of another version (e.g. `git show REV:cuda_src/flash_fwd.cuh`
-for each file). The versions take turns (ROUNDS rounds) and each cell is the best round, so a
+Each OLD_DIR holds the cuda_src/ tree of another version (e.g. `git archive REV cuda_src | tar -x
+-C OLD --strip-components=1`). The versions take turns (ROUNDS rounds) and each cell is the best round, so a
 slow spell of the machine hurts both alike. The versions must share params.cuh's FlashParams
 (the launch code is the current one), and `_config.Tile.smem_bytes`: a version whose tiles take
 other shared-memory sizes needs it swapped in `use` while that version runs (each kernel checks
@@ -49,7 +49,7 @@ def compile_cases(versions):
 
 def time_cases(versions):
     from tiles import inputs, tflops
-    table = _config.TILES["sm90"]
+    table = _config.TILES[_config.MMA_SYNC]["sm90"]
     print(f"{'case':30} {'seqlen':>6} " + " ".join(f"{name:>15}" for name in versions))
     for (pass_, hd, tile), seqlen in itertools.product(CASES, SEQLENS):
         tensors = inputs(seqlen, hd)

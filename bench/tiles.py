@@ -38,7 +38,7 @@ def tflops(pass_, tensors, causal):
 
 
 def main(seqlen=4096):
-    table = _config.TILES["sm90"]
+    table = _config.TILES[_config.MMA_SYNC]["sm90"]
     print(f"{'pass':4} {'hd':>4} {'tile':>14} | {'TFLOP/s':>8} {'causal':>8}")
     for (pass_, hd), candidates in CANDIDATES.items():
         tensors = inputs(seqlen, hd)

@@ -11,20 +11,33 @@ from typing import Optional
 from . import _config, _params, _sources
 
 DTYPES = ("float16", "bfloat16")
-ROW_KERNEL_ROWS, ROW_KERNEL_THREADS = 64, 256  # the backward's row kernels (RowKernel in flash_bwd.cuh)
+ROW_KERNEL_ROWS, ROW_KERNEL_THREADS = 64, 256  # the backward's row kernels (RowKernel in sm80/bwd_schedule.cuh)
 
-_HEADER = {"fwd": "flash_fwd.cuh", "bwd": "flash_bwd.cuh", "bwd_dot": "flash_bwd.cuh",
-           "bwd_convert_dq": "flash_bwd.cuh"}
+_HEADER = {"fwd": "sm80/fwd.cuh", "bwd": "sm80/bwd.cuh", "bwd_dot": "sm80/bwd.cuh", "bwd_convert_dq": "sm80/bwd.cuh"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
+    """One entry point of the mma.sync kernels (cuda_src/sm80/); each flag is a template argument.
+
+    The flag combinations that exist (all_kernels lists exactly these):
+      fwd: plain, or options;
+      bwd: plain (tile table 'bwd'), options, or options and deterministic (both 'bwd_options').
+    A deterministic backward always runs the options kernels' tiles, so it is compiled as an
+    options kernel (with every option off unless the call sets some): no deterministic kernel
+    without options, and none for the forward, whose order of adds is fixed anyway.
+    """
     pass_: str                               # 'fwd', 'bwd', 'bwd_dot' or 'bwd_convert_dq'
     dtype: str                               # 'float16' or 'bfloat16'
     tile: Optional[_config.Tile] = None      # fwd and bwd only
     local: bool = False                      # causal or sliding window: each row sees a bounded key range
     even_k: bool = False                     # caller's head dim == tile head dim: no column bounds
-    extras: bool = False                     # softcap, ALiBi, attn_bias, dropout, deterministic dq
+    options: bool = False                    # softcap, ALiBi, attn_bias, dropout (cuda_src/common/score.cuh)
+    deterministic: bool = False              # bwd: dQ added in a fixed key-block order (requires options)
+
+    def __post_init__(self):
+        if self.deterministic and not (self.pass_ == "bwd" and self.options):
+            raise ValueError("a deterministic kernel is a backward with options=True")
 
     @property
     def name(self):
@@ -32,7 +45,8 @@ class Kernel:
         if self.tile is not None:
             t = self.tile
             name += f"_hd{t.headdim}_m{t.block_m}_n{t.block_n}_w{t.warps}_s{t.stages}"
-            name += "_local" * self.local + "_evenk" * self.even_k + "_extras" * self.extras
+            name += ("_local" * self.local + "_evenk" * self.even_k + "_options" * self.options
+                     + "_deterministic" * self.deterministic)
         return name
 
     @property
@@ -52,7 +66,8 @@ class Kernel:
         else:
             t = self.tile
             args = f"{t.headdim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}"
-            flags = ", ".join(_bool(f) for f in (self.local, self.even_k, self.extras))
+            flags = [self.local, self.even_k, self.options] + [self.deterministic] * (self.pass_ == "bwd")
+            flags = ", ".join(_bool(f) for f in flags)
             call = f"flash_{self.pass_}<{args}, {bf16}, {flags}>(p);"
             traits = "FwdTile" if self.pass_ == "fwd" else "BwdTile"
             check = (f"static_assert({traits}<{args}>::kSmemBytes == {self.smem_bytes}, "
@@ -67,17 +82,19 @@ def _bool(flag):
     return "true" if flag else "false"
 
 
-def all_kernels(families=tuple(_config.TILES)):
-    """Every kernel variant of these families' tile tables."""
+def all_kernels(families=_config.FAMILIES):
+    """Every kernel variant of these families' tile tables (the combinations of Kernel's docstring)."""
     kernels = [Kernel(pass_, dtype) for pass_ in ("bwd_dot", "bwd_convert_dq") for dtype in DTYPES]
-    extras_of_table = {"fwd": (False, True), "bwd": (False,), "bwd_extras": (True,)}
+    flags_of_table = {"fwd": ((False, False), (True, False)), "bwd": ((False, False),),
+                      "bwd_options": ((True, False), (True, True))}  # (options, deterministic)
     for (table, tile), dtype, local, even_k in itertools.product(
             _config.all_tiles(families), DTYPES, (False, True), (False, True)):
-        for extras in extras_of_table[table]:
-            kernels.append(Kernel(_config.kernel_pass(table), dtype, tile, local, even_k, extras))
+        for options, deterministic in flags_of_table[table]:
+            kernels.append(Kernel(_config.kernel_pass(table), dtype, tile, local, even_k, options, deterministic))
     return kernels
 
 
 def compile_jobs():
     """(arch, kernel) of every variant `check --compile` and the CI compile tests build (_config.COMPILE_CHECKS)."""
-    return [(arch, kernel) for arch, families in _config.COMPILE_CHECKS.items() for kernel in all_kernels(families)]
+    return [(arch, kernel) for arch, families in _config.COMPILE_CHECKS[_config.MMA_SYNC].items()
+            for kernel in all_kernels(families)]

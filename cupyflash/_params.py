@@ -1,4 +1,4 @@
-"""The kernels' parameter block, read from cuda_src/params.cuh so Python and CUDA share one definition.
+"""The kernels' parameter block, read from cuda_src/common/params.cuh so Python and CUDA share one definition.
 
 Each field line of `struct FlashParams` becomes a field of a NumPy structured dtype with C alignment
 (NumPy's align=True follows the C layout rules for these scalar types). Any other line in the struct
@@ -28,7 +28,7 @@ _FIELD = re.compile(r"^\s*(const void\*|void\*|const float\*|float\*|const int\*
 
 @functools.cache
 def params_dtype():
-    return parse_struct(_sources.read("params.cuh"))
+    return parse_struct(_sources.read("common/params.cuh"))
 
 
 def parse_struct(text):
@@ -42,7 +42,7 @@ def parse_struct(text):
             continue
         match = _FIELD.match(code)
         if match is None:
-            raise RuntimeError(f"cuda_src/params.cuh: cannot map this FlashParams line to NumPy: {line.strip()!r}")
+            raise RuntimeError(f"cuda_src/common/params.cuh: cannot map this FlashParams line to NumPy: {line.strip()!r}")
         fields.append((match.group(2), _C_TYPES[match.group(1)]))
     return numpy.dtype(fields, align=True)
 

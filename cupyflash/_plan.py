@@ -215,13 +215,12 @@ def _dq_accum_rows(shape):
 
 
 def _kernel(pass_, call, tile):
-    """The kernel variant of a forward or backward call."""
-    extras = call.needs("score") or call.needs("dropout") or (pass_ == "bwd" and call.needs("deterministic"))
-    return _kernels.Kernel(pass_, call.dtype, tile, call.local, call.shape.headdim == tile.headdim, extras)
-
-
-def _uses_option_tiles(call):
-    return call.needs("score") or call.needs("dropout") or call.needs("deterministic")
+    """The kernel variant of a forward or backward call: the OPTIONS kernels where an option changes
+    the scores or drops probabilities (and for a deterministic backward, which is one of them)."""
+    deterministic = pass_ == "bwd" and call.needs("deterministic")
+    with_options = call.needs("score") or call.needs("dropout") or deterministic
+    return _kernels.Kernel(pass_, call.dtype, tile, call.local, call.shape.headdim == tile.headdim, with_options,
+                           deterministic)
 
 
 def _forward_plan(call, inputs, return_dbias):
@@ -245,7 +244,9 @@ def _forward_plan(call, inputs, return_dbias):
 
 def _backward_plan(call, inputs, return_dbias):
     shape, varlen = call.shape, call.varlen is not None
-    tile = _schedule.tile("bwd_extras" if _uses_option_tiles(call) else "bwd", shape.headdim, call.caller.device_id)
+    tile = _schedule.tile("bwd", shape.headdim, call.caller.device_id)
+    if _kernel("bwd", call, tile).options:
+        tile = _schedule.tile("bwd_options", shape.headdim, call.caller.device_id)
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     strides = {name: _tensor_strides(_arrays.element_strides(inputs[name]), varlen)
                for name in ("dout", "q", "k", "v", "out")}
@@ -264,7 +265,7 @@ def _backward_plan(call, inputs, return_dbias):
                                              call.local)
     kernel = _kernel("bwd", call, tile)
     params = _param_block(call, tile, strides, inputs, block_major, semaphore_blocks)
-    if not (call.local or _uses_option_tiles(call) or varlen):  # the kernels that may split their last wave
+    if not (call.local or kernel.options or varlen):  # the kernels that may split their last wave
         grid = _split_last_wave(kernel, call.caller.device(), shape, grid, params, outputs)
     if return_dbias:
         finish = _add_dbias(call, params, outputs, inputs.get("attn_bias"))

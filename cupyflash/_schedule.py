@@ -33,7 +33,7 @@ def tile(table, headdim, device_id):
 def block_grid(blocks, heads, batch, local):
     """(grid, block_major) of a forward or backward kernel: (blocks, heads, batch), or for the LOCAL
     kernels (heads, blocks, batch), which starts every head's heavy causal blocks first
-    (cuda_src mask.cuh grid_slot), where the grid's y dimension can hold the blocks."""
+    (cuda_src/common/mask.cuh grid_slot), where the grid's y dimension can hold the blocks."""
     block_major = local and blocks <= MAX_GRID_YZ
     return ((heads, blocks, batch) if block_major else (blocks, heads, batch)), block_major
 
@@ -53,7 +53,7 @@ def resident_ctas(kernel, device):
 def tail_split(units, steps, resident):
     """(tail_units, tail_parts) for a plain backward of `units` CTAs of `steps` query steps each,
     `resident` of them running at once: the last units % resident CTAs would run while the other
-    slots idle, so each may be split into `tail_parts` pieces (TailSplit in the backward kernel)
+    slots idle, so each may be split into `tail_parts` pieces (TailSplit, cuda_src/sm80/bwd_schedule.cuh)
     that run as one or more waves of shorter CTAs. Costs in steps: a CTA's own loads and stores
     count as one step more, a piece's adds and sums as two. A split must save a fifth of the last wave."""
     tail = units % resident

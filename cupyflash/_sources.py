@@ -2,12 +2,14 @@
 
 `translation_unit()` inlines every local `#include "..."` so that the text handed to the compiler
 (and hashed as the cache key) contains every header it depends on: editing a .cuh can never
-give a stale binary.
+give a stale binary. Headers are named by their path under cuda_src/ ("sm80/fwd.cuh"), and an
+include is relative to the including header's folder, as in C ("../common/mask.cuh").
 """
 
 import functools
 import importlib.resources
 import pathlib
+import posixpath
 import re
 
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -24,7 +26,11 @@ def _source_dir():
 
 @functools.cache
 def read(name):
-    return (_source_dir() / name).read_text()
+    """The text of header `name`, a path under cuda_src/ such as "common/params.cuh"."""
+    path = _source_dir()
+    for part in name.split("/"):  # one part at a time: a namespace package's MultiplexedPath takes one
+        path = path / part
+    return path.read_text()
 
 
 def translation_unit(root_header, seen=None):
@@ -34,4 +40,5 @@ def translation_unit(root_header, seen=None):
         return ""
     seen.add(root_header)
     text = read(root_header).replace("#pragma once", "")
-    return _INCLUDE.sub(lambda m: translation_unit(m.group(1), seen), text)
+    folder = posixpath.dirname(root_header)
+    return _INCLUDE.sub(lambda m: translation_unit(posixpath.normpath(posixpath.join(folder, m.group(1))), seen), text)

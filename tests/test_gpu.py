@@ -57,18 +57,18 @@ def test_every_tile_table(family, case, monkeypatch):
                                   Case.packed((300, 17, 250), (300, 17, 250), 64, "bfloat16", True, nheads=4, nheads_k=2,
                                               deterministic=True)], ids=str)
 def test_local_kernels_in_either_grid_order(block_major, case, monkeypatch):
-    """The LOCAL kernels' grids (cuda_src/mask.cuh grid_slot): block-major, and head-major (taken
+    """The LOCAL kernels' grids (cuda_src/common/mask.cuh grid_slot): block-major, and head-major (taken
     where the blocks exceed the grid's y limit); the deterministic backward's turns come in launch
     order in both."""
-    from cupyflash import interface
-    monkeypatch.setattr(interface, "_plans", {})
-    block_grid = interface._block_grid
-    monkeypatch.setattr(interface, "_block_grid",
+    from cupyflash import _plan, _schedule
+    monkeypatch.setattr(_plan, "_plans", {})
+    block_grid = _schedule.block_grid
+    monkeypatch.setattr(_schedule, "block_grid",
                         lambda blocks, heads, batch, local: block_grid(blocks, heads, batch, local and block_major))
     _assert_ok(_check.run_gpu_case(case, _seed(case) + block_major))
 
 
-# (case, CTAs at once) -> (split key blocks, pieces each), as interface._tail_split gives them
+# (case, CTAs at once) -> (split key blocks, pieces each), as _schedule.tail_split gives them
 @pytest.mark.parametrize("case, resident", [
     (Case(700, 500, 128, "bfloat16", batch=2, nheads=4, nheads_k=2), 13),  # (3, 4): 5 or 6 steps a piece
     (Case(700, 500, 128, "float16", batch=2, nheads=4, nheads_k=2), 15),   # (1, 11): a piece spans two heads
@@ -78,21 +78,21 @@ def test_local_kernels_in_either_grid_order(block_major, case, monkeypatch):
     (Case(113, 300, 96, "float16", batch=1, nheads=3, nheads_k=1), 40),     # every key block split
 ], ids=str)
 def test_backward_with_its_last_wave_split(case, resident, monkeypatch):
-    """The plain backward's last partial wave split into pieces (flash_bwd.cuh TailSplit), as if the
+    """The plain backward's last partial wave split into pieces (cuda_src/sm80/bwd_schedule.cuh TailSplit), as if the
     GPU ran `resident` CTAs at once: the split key blocks include a partial one, and pieces that
     start and end inside a head's query blocks."""
-    from cupyflash import interface
-    monkeypatch.setattr(interface, "_plans", {})
-    monkeypatch.setattr(interface, "_resident_ctas", lambda kernel, device: resident)
+    from cupyflash import _plan, _schedule
+    monkeypatch.setattr(_plan, "_plans", {})
+    monkeypatch.setattr(_schedule, "resident_ctas", lambda kernel, device: resident)
     _assert_ok(_check.run_gpu_case(case, _seed(case) + resident))
-    bwd_grids = [plan.launches[1][1] for plan in interface._plans.values() if len(plan.launches) == 3]
+    bwd_grids = [plan.launches[1][1] for plan in _plan._plans.values() if len(plan.launches) == 3]
     assert len(bwd_grids) == 1 and bwd_grids[0][2] > case.batch  # z slices past the batch: the pieces
 
 
 def test_forced_tile_table_gets_its_own_plan(monkeypatch):
     """A cached launch plan of the native table is not reused once CUPYFLASH_TILES forces another."""
-    from cupyflash import _config, flash_attn_backward, flash_attn_func, interface
-    monkeypatch.setattr(interface, "_plans", {})
+    from cupyflash import _config, _plan, flash_attn_backward, flash_attn_func
+    monkeypatch.setattr(_plan, "_plans", {})
     case = Case(300, 300, 128, "bfloat16")
     arrays = _check.to_cupy_inputs(case, _check.random_inputs(case, 2))
     q, k, v, dout = (arrays[n] for n in ("q", "k", "v", "dout"))
@@ -101,8 +101,8 @@ def test_forced_tile_table_gets_its_own_plan(monkeypatch):
         monkeypatch.setenv("CUPYFLASH_TILES", family)
         out, lse = flash_attn_func(q, k, v, return_lse=True)
         flash_attn_backward(dout, q, k, v, out, lse)
-        tiles.append(_config.Tile(128, *_config.TILES[family]["bwd"][128]))
-    used = {kernel.tile for plan in interface._plans.values() for kernel in plan.kernels if kernel.pass_ == "bwd"}
+        tiles.append(_config.Tile(128, *_config.TILES[_config.MMA_SYNC][family]["bwd"][128]))
+    used = {kernel.tile for plan in _plan._plans.values() for kernel in plan.kernels if kernel.pass_ == "bwd"}
     assert tiles[0] != tiles[1] and set(tiles) <= used
 
 
@@ -165,7 +165,7 @@ def test_params_layout_matches_numpy():
     from cupyflash import _params, _sources
     dtype = _params.params_dtype()
     body = "\n".join(f"    offsets[{i}] = (unsigned long long)&ptr->{name};" for i, name in enumerate(dtype.names))
-    source = (_sources.translation_unit("params.cuh")
+    source = (_sources.translation_unit("common/params.cuh")
               + 'extern "C" __global__ void layout(unsigned long long* offsets) {\n'
               + "    const FlashParams* ptr = nullptr;\n" + body + "\n}\n")
     offsets = cupy.zeros(len(dtype.names), dtype=numpy.uint64)

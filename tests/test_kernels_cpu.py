@@ -2,6 +2,9 @@
 every kernel variant with zero spill bytes in the ptxas report: all of them for sm_90, those of the
 A100 and RTX/L40 tables for sm_80 (_config.COMPILE_CHECKS)."""
 
+import pathlib
+import re
+
 import numpy
 import pytest
 
@@ -22,15 +25,15 @@ def test_each_device_gets_its_family_table(cc, smem_kib, family, monkeypatch):
     for table in _config.TABLES:
         for hd in _config.HEADDIMS:
             tile = _config.tile_for(table, hd, cc, smem_kib * 1024)
-            assert tile == _config.Tile(hd, *_config.TILES[family][table][hd])
+            assert tile == _config.Tile(hd, *_config.TILES[_config.MMA_SYNC][family][table][hd])
             assert tile.smem_bytes(table) <= smem_kib * 1024
 
 
 def test_a_newer_gpu_with_less_shared_memory_falls_back_to_smaller_tiles(monkeypatch):
     monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
-    assert _config.Tile(256, *_config.TILES["sm90"]["bwd"][256]).smem_bytes("bwd") > 99 * 1024
+    assert _config.Tile(256, *_config.TILES[_config.MMA_SYNC]["sm90"]["bwd"][256]).smem_bytes("bwd") > 99 * 1024
     tile = _config.tile_for("bwd", 256, (12, 0), 99 * 1024)       # consumer Blackwell: sm90 table, 99 KiB
-    assert tile == _config.Tile(256, *_config.TILES["sm86"]["bwd"][256])
+    assert tile == _config.Tile(256, *_config.TILES[_config.MMA_SYNC]["sm86"]["bwd"][256])
 
 
 def test_older_gpus_are_refused():
@@ -39,7 +42,7 @@ def test_older_gpus_are_refused():
 
 
 def test_every_tile_fits_its_family():
-    for family, table in _config.TILES.items():
+    for family, table in _config.TILES[_config.MMA_SYNC].items():
         for name in _config.TABLES:
             assert sorted(table[name]) == list(_config.HEADDIMS)
             for hd, cfg in table[name].items():
@@ -49,7 +52,7 @@ def test_every_tile_fits_its_family():
 
 def test_override_forces_a_table_and_rejects_unknown_names(monkeypatch):
     monkeypatch.setenv("CUPYFLASH_TILES", "sm86")
-    assert _config.tile_for("bwd", 128, (9, 0), 227 * 1024) == _config.Tile(128, *_config.TILES["sm86"]["bwd"][128])
+    assert _config.tile_for("bwd", 128, (9, 0), 227 * 1024) == _config.Tile(128, *_config.TILES[_config.MMA_SYNC]["sm86"]["bwd"][128])
     monkeypatch.setenv("CUPYFLASH_TILES", "sm75")
     with pytest.raises(ValueError, match=r"CUPYFLASH_TILES must be one of .* got 'sm75'"):
         _config.tile_for("fwd", 64, (9, 0), 227 * 1024)
@@ -61,7 +64,7 @@ def test_head_dims_round_up_to_a_kernel_head_dim(headdim, padded):
 
 
 def test_local_kernels_launch_block_major_within_the_grid_limit():
-    from cupyflash.interface import _block_grid
+    from cupyflash._schedule import block_grid as _block_grid
     assert _block_grid(128, 16, 2, local=True) == ((16, 128, 2), True)
     assert _block_grid(65536, 16, 2, local=True) == ((65536, 16, 2), False)
     assert _block_grid(128, 16, 2, local=False) == ((128, 16, 2), False)
@@ -76,8 +79,36 @@ def test_local_kernels_launch_block_major_within_the_grid_limit():
     (3960, 128, (0, 1)),     # whole waves
 ])
 def test_the_backward_splits_its_last_partial_wave_where_that_saves_time(units, steps, split):
-    from cupyflash.interface import _tail_split
+    from cupyflash._schedule import tail_split as _tail_split
     assert _tail_split(units, steps, resident=132) == split
+
+
+# ----------------------------------------------------------------------------- kernel variants
+
+def test_kernel_variants_are_the_flag_combinations_a_call_can_ask_for():
+    kernels = _kernels.all_kernels()
+    assert len({kernel.name for kernel in kernels}) == len(kernels)
+    assert {(k.pass_, k.options, k.deterministic) for k in kernels if k.tile is not None} == {
+        ("fwd", False, False), ("fwd", True, False),
+        ("bwd", False, False), ("bwd", True, False), ("bwd", True, True)}
+    tile = _config.Tile(64, 64, 64, 4, 1)
+    for pass_, options in (("fwd", True), ("bwd", False)):
+        with pytest.raises(ValueError, match="deterministic"):
+            _kernels.Kernel(pass_, "float16", tile, options=options, deterministic=True)
+
+
+def test_score_modifiers_are_defined_once():
+    """Each score modifier's parameters are read only by its functor in common/score.cuh, which the
+    forward and the backward both call: no kernel writes a modifier's math again."""
+    fields = ("softcap_inner", "softcap_outer", "alibi_slopes", "alibi_batch_stride", "attn_bias",
+              "bias_batch_stride", "bias_head_stride", "bias_row_stride", "bias_is_float32")
+    read = re.compile(r"\.(%s)\b" % "|".join(fields))
+    root = pathlib.Path(str(_sources._source_dir()))
+    headers = {path.relative_to(root).as_posix(): path.read_text() for path in root.rglob("*.cuh")}
+    assert read.search(headers["common/score.cuh"])
+    assert [name for name, text in headers.items() if name != "common/score.cuh" and read.search(text)] == []
+    for header in ("sm80/fwd.cuh", "sm80/bwd.cuh"):
+        assert "ScoreMods<BF16> mods(" in headers[header]
 
 
 # -------------------------------------------------------------------------------- params struct
@@ -102,7 +133,7 @@ def test_params_parser_refuses_what_it_cannot_map():
 # -------------------------------------------------------------------------------- sources, cache
 
 def test_headers_are_inlined_once():
-    text = _sources.translation_unit("flash_bwd.cuh")
+    text = _sources.translation_unit("sm80/bwd.cuh")
     assert "#include" not in text
     assert text.count("struct FlashParams {") == 1
 
@@ -113,7 +144,7 @@ def test_editing_a_header_changes_the_compiled_binary(tmp_path, monkeypatch):
     kernel = _kernels.Kernel("bwd_dot", "float16")
     first, _ = _compile.compile_kernel(kernel, "80")
     read = _sources.read
-    monkeypatch.setattr(_sources, "read", lambda name: read(name) + ("\n// edited\n" if name == "ptx.cuh" else ""))
+    monkeypatch.setattr(_sources, "read", lambda name: read(name) + ("\n// edited\n" if name == "common/ptx.cuh" else ""))
     second, _ = _compile.compile_kernel(kernel, "80")
     assert first != second and first.exists() and second.exists()
 

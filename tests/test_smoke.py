@@ -57,24 +57,24 @@ def test_kernel_families(case):
 @pytest.mark.parametrize("family", sorted(FORCED))
 def test_forced_tile_table(family, monkeypatch):
     """The case runs on the forced family's tiles (its backward tile is the table's) and is correct."""
-    from cupyflash import interface
-    monkeypatch.setattr(interface, "_plans", {})
+    from cupyflash import _plan
+    monkeypatch.setattr(_plan, "_plans", {})
     monkeypatch.setenv("CUPYFLASH_TILES", family)
     case = FORCED[family]
     _assert_ok(_check.run_gpu_case(case, _seed(case) + len(family)))
-    bwd_tiles = {kernel.tile for plan in interface._plans.values() for kernel in plan.kernels if kernel.pass_ == "bwd"}
-    assert bwd_tiles == {_config.Tile(_config.padded_headdim(case.headdim), *_config.TILES[family]["bwd"][
+    bwd_tiles = {kernel.tile for plan in _plan._plans.values() for kernel in plan.kernels if kernel.pass_ == "bwd"}
+    assert bwd_tiles == {_config.Tile(_config.padded_headdim(case.headdim), *_config.TILES[_config.MMA_SYNC][family]["bwd"][
         _config.padded_headdim(case.headdim)])}
 
 
 @pytest.mark.usefixtures("poisoned_allocations")
 def test_backward_with_its_last_wave_split(monkeypatch):
-    from cupyflash import interface
+    from cupyflash import _plan, _schedule
     case, resident = TAIL_SPLIT
-    monkeypatch.setattr(interface, "_plans", {})
-    monkeypatch.setattr(interface, "_resident_ctas", lambda kernel, device: resident)
+    monkeypatch.setattr(_plan, "_plans", {})
+    monkeypatch.setattr(_schedule, "resident_ctas", lambda kernel, device: resident)
     _assert_ok(_check.run_gpu_case(case, _seed(case) + resident))
-    bwd_grids = [plan.launches[1][1] for plan in interface._plans.values() if len(plan.launches) == 3]
+    bwd_grids = [plan.launches[1][1] for plan in _plan._plans.values() if len(plan.launches) == 3]
     assert len(bwd_grids) == 1 and bwd_grids[0][2] > case.batch  # z slices past the batch: the pieces
 
 

@@ -70,7 +70,7 @@ struct FlashParams {
     long long stats_batch_stride;
     long long stats_head_stride;
     // dq_accum's rows are the same with every sequence starting at a multiple of 8 rows
-    // (Sequence::dq_accum_row0; its layout is dq_accum_index in flash_bwd.cuh).
+    // (Sequence::dq_accum_row0; its layout is dq_accum_index in sm80/bwd.cuh).
     long long dq_accum_batch_stride;
     long long dq_accum_head_stride;
 
@@ -84,7 +84,7 @@ struct FlashParams {
     int window_left;
     int window_right;
 
-    // The options of the EXTRAS kernels (score.cuh), each off when zero / null.
+    // The options of the OPTIONS kernels (score.cuh), each off when zero / null.
     float softcap_inner;            // softcap: raw scores s become softcap_outer * tanh(s * softcap_inner),
     float softcap_outer;            //   inner = scale / softcap (0: off), outer = softcap / scale
     float inv_softmax_scale;        // 1 / softmax_scale: the kernels keep scores in raw units (q . k)
@@ -102,10 +102,10 @@ struct FlashParams {
     long long dropout_seed;         // Philox key (cupyflash/reference.py has the same generator)
     long long dropout_keep_below;   // an element is kept iff its 32-bit random word is below this
     float dropout_scale;            // 1 / (1 - dropout_p); 0 disables dropout
-    int* dq_semaphore;              // deterministic backward: one zeroed counter per (batch, head, query block)
+    int* dq_semaphore;              // DETERMINISTIC backward: one zeroed counter per (batch, head, query block)
     int dq_semaphore_blocks;        // query blocks per (batch, head)
 
-    // The plain backward's last partial wave (TailSplit in flash_bwd.cuh): the last tail_units
+    // The plain backward's last partial wave (TailSplit in sm80/bwd_schedule.cuh): the last tail_units
     // CTAs of the (blocks, nheads_k, batch) grid are done by tail_parts pieces each, CTAs of the
     // grid's z slices past the batch; 0 when not split.
     int tail_units;

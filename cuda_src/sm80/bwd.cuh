@@ -12,40 +12,14 @@
 //                         The plain kernels may split the key blocks of the last partial wave over
 //                         several CTAs (TailSplit), which sum dK and dV in fp32.
 //   flash_bwd_convert_dq: dq = dq_accum * scale, in the input dtype.
-// As in the forward, LOCAL kernels bound each row's keys and EXTRAS kernels add the options of
-// score.cuh; the EXTRAS kernels also return dbias and, when asked, add dQ in a fixed order.
+// As in the forward, LOCAL kernels bound each row's keys and OPTIONS kernels add the options of
+// common/score.cuh (and return dbias); DETERMINISTIC kernels add dQ in a fixed order.
 #pragma once
-#include "mask.cuh"
-#include "score.cuh"
+#include "../common/mask.cuh"
+#include "../common/math.cuh"
+#include "../common/score.cuh"
+#include "bwd_schedule.cuh"
 #include "tile.cuh"
-
-#define CUPYFLASH_LOG2E 1.4426950408889634f
-
-__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
-
-// A ROWS x COLS product split over WARPS warps. Each warp takes 32 rows (two m16 tiles) where the
-// columns then split evenly, else 16: with two m16 tiles every B fragment read from shared memory
-// feeds two mma instead of one, and shared-memory bandwidth, not the tensor cores, is what
-// limits these products.
-__host__ __device__ constexpr bool even_split(int rows, int cols, int warps, int warp_rows) {
-    return rows % warp_rows == 0 && warps % (rows / warp_rows) == 0 && rows / warp_rows <= warps
-           && cols % (8 * (warps / (rows / warp_rows))) == 0;
-}
-
-template <int ROWS, int COLS, int WARPS>
-struct WarpGrid {
-    static constexpr int kWarpRows = even_split(ROWS, COLS, WARPS, 32) ? 32 : 16;
-    static constexpr int kWarpsM = ROWS / kWarpRows;
-    static constexpr int kWarpsN = WARPS / kWarpsM;
-    static constexpr int MT = kWarpRows / 16;
-    static constexpr int NT = COLS / kWarpsN / 8;
-    static_assert(even_split(ROWS, COLS, WARPS, kWarpRows), "warps must tile the product evenly");
-    // Column offsets are multiples of a warp's span, 8 NT; with NT a power of two the XOR steps of
-    // TileLayout::moved inside a swizzled tile never carry into them.
-    static_assert(!TileLayout<COLS>::kSwizzled || (NT & (NT - 1)) == 0, "a warp's columns in a swizzled tile span a power of two");
-    __device__ static int row0() { return (threadIdx.x / 32) % kWarpsM * kWarpRows; }
-    __device__ static int col0() { return (threadIdx.x / 32) / kWarpsM * (8 * NT); }
-};
 
 // dq_accum holds dQ in fp32 blocks of 8 rows x 8 columns, 64 consecutive floats each (row-major
 // inside, and the blocks row-major): the 8 x 8 piece of an accumulator fragment that one warp-wide
@@ -54,72 +28,6 @@ struct WarpGrid {
 __device__ __forceinline__ long long dq_accum_index(long long row, int col, int width) {
     return (row & ~7LL) * width + (col & ~7) * 8 + (row & 7) * 8 + (col & 7);
 }
-
-// The plain backward's last partial wave. Every CTA walks all the query steps of its key block,
-// so the grid's last (CTAs mod resident CTAs) would run on a few SMs while the others idle;
-// interface._tail_split may give each of its last p.tail_units CTAs (in launch order) to
-// p.tail_parts pieces instead: CTAs of z slices past the batch, each walking a share of the steps.
-// A piece adds its dK and dV into dkv_accum; the last of a key block's pieces to finish reads the
-// sums back and stores them as an ordinary CTA does.
-struct TailSplit {
-    GridSlot slot;
-    int unit;   // the key block's index among the split ones; -1 for an ordinary CTA
-    int part;
-    bool idle;  // a split CTA of the ordinary grid, or past the last piece
-
-    __device__ __forceinline__ TailSplit(const FlashParams& p, GridSlot grid_slot, bool may_split)
-        : slot(grid_slot), unit(-1), part(0), idle(false) {
-        if (!may_split || p.tail_units == 0) return;
-        const int per_batch = gridDim.x * gridDim.y;
-        const int units = p.batch * per_batch;
-        const int id = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;  // launch order
-        if (id < units - p.tail_units) return;
-        const int piece = id - units;
-        idle = piece < 0 || piece >= p.tail_units * p.tail_parts;
-        if (idle) return;
-        unit = piece / p.tail_parts;
-        part = piece - unit * p.tail_parts;
-        const int split = units - p.tail_units + unit;
-        slot.block = split % gridDim.x;
-        slot.head = split / gridDim.x % gridDim.y;
-        slot.batch = split / per_batch;
-    }
-
-    // This piece's share [first, first + count) of `steps` steps.
-    __device__ __forceinline__ int first(int steps, const FlashParams& p) const { return part * steps / p.tail_parts; }
-    __device__ __forceinline__ int count(int steps, const FlashParams& p) const {
-        return (part + 1) * steps / p.tail_parts - first(steps, p);
-    }
-
-    // Adds the piece's dK and dV (a CTA's fragments, `elements` = BLOCK_N x HEADDIM each) into the
-    // sums. Returns false but in the key block's last piece, which gets the sums in `dk` and `dv`.
-    // The sums are in fragment order: one reduction of a warp adds 256 contiguous bytes.
-    template <int MT, int NT>
-    __device__ __forceinline__ bool gather(const FlashParams& p, float (&dk)[MT][NT][4], float (&dv)[MT][NT][4],
-                                           int elements) const {
-        float* sums = p.dkv_accum + 2LL * unit * elements + threadIdx.x / 32 * (MT * NT * 128) + threadIdx.x % 32 * 2;
-#pragma unroll
-        for (int i = 0; i < MT * NT * 2; ++i) {
-            const int mt = i / (NT * 2), nt = i / 2 % NT, half = i % 2;
-            atomic_add_pair(sums + 64 * i, dk[mt][nt][2 * half], dk[mt][nt][2 * half + 1]);
-            atomic_add_pair(sums + elements + 64 * i, dv[mt][nt][2 * half], dv[mt][nt][2 * half + 1]);
-        }
-        __syncthreads();  // every thread's adds are issued before the count
-        if (!__syncthreads_or(threadIdx.x == 0 && add_acq_rel(p.tail_pieces_done + unit, 1) == p.tail_parts - 1))
-            return false;
-#pragma unroll
-        for (int i = 0; i < MT * NT * 2; ++i) {
-            const int mt = i / (NT * 2), nt = i / 2 % NT, half = i % 2;
-            const float2 k_sum = __ldcg(reinterpret_cast<const float2*>(sums + 64 * i));
-            const float2 v_sum = __ldcg(reinterpret_cast<const float2*>(sums + elements + 64 * i));
-            dk[mt][nt][2 * half] = k_sum.x;
-            dk[mt][nt][2 * half + 1] = k_sum.y;
-            dv[mt][nt][2 * half] = v_sum.x;
-            dv[mt][nt][2 * half + 1] = v_sum.y;
-        }
-        return true;
-    }
-};
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES>
 struct BwdTile {
@@ -138,15 +46,15 @@ struct BwdTile {
     static_assert(STAGES == 1 || STAGES == 2, "one or two query-side buffers");
 };
 
-// The EXTRAS kernels' elementwise step, all in one pass over the S and dP fragments of a warp
+// The OPTIONS kernels' elementwise step, all in one pass over the S and dP fragments of a warp
 // whose tile starts at (row0, col0): the score options, P, dropout, dS (and dbias). On return s
 // holds what dV needs (P, dropped and rescaled) and dp the gradient of the raw scores (dS times
-// softcap's slope). lse and dot point at the warp's first row.
+// the modifiers' d/ds). lse and dot point at the warp's first row.
 template <bool BF16, bool LOCAL, int MT, int NT>
-__device__ __forceinline__ void extras_probabilities(float (&s)[MT][NT][4], float (&dp)[MT][NT][4], const FlashParams& p,
+__device__ __forceinline__ void options_probabilities(float (&s)[MT][NT][4], float (&dp)[MT][NT][4], const FlashParams& p,
                                                      const Sequence& seq, int batch, int head, int row0, int col0,
                                                      bool masked, const float* lse, const float* dot) {
-    const ScoreOptions options(p, batch, head);
+    const ScoreMods<BF16> mods(p, seq, batch, head);
     float* dbias = p.dbias_accum == nullptr ? nullptr
                    : p.dbias_accum + batch * p.dbias_batch_stride + head * p.dbias_head_stride;
 #pragma unroll
@@ -160,8 +68,8 @@ __device__ __forceinline__ void extras_probabilities(float (&s)[MT][NT][4], floa
             for (int e = 0; e < 4; ++e) {
                 const int r = fragment_row(mt, e), row = row0 + r, col = col0 + fragment_col(nt, e);
                 const bool in_bounds = row < seq.seqlen_q && col < seq.seqlen_k;
-                float slope;
-                const float x = options.apply<BF16>(s[mt][nt][e], seq, row, col, in_bounds, slope);
+                float grad = 1.f;
+                const float x = mods.apply(s[mt][nt][e], row, col, grad);
                 float prob = fast_exp2(fmaf(x, p.scale_log2, -lse[r]));
                 if (masked && !is_visible<LOCAL>(p, seq, row, col)) prob = 0.f;
                 // Dropout: dV sees the kept P times 1 / (1 - p), and the gradient reaching P is dP times the same.
@@ -169,13 +77,13 @@ __device__ __forceinline__ void extras_probabilities(float (&s)[MT][NT][4], floa
                 const float ds = prob * (dp[mt][nt][e] * drop - dot[r]);
                 if (dbias != nullptr && in_bounds) atomicAdd(dbias + row * p.dbias_row_stride + col, ds);
                 s[mt][nt][e] = prob * drop;
-                dp[mt][nt][e] = ds * slope;
+                dp[mt][nt][e] = ds * grad;
             }
         }
 }
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool LOCAL, bool EVEN_K,
-          bool EXTRAS>
+          bool OPTIONS, bool DETERMINISTIC>
 __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     typedef BwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS, STAGES> T;
     typedef typename T::S GS;
@@ -184,7 +92,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     constexpr int kStride = TileLayout<HEADDIM>::kStride;
     __builtin_assume(threadIdx.x < T::kThreads);  // every thread is active in the tile copies, without a test
     // The hd256 kernels with two stages XOR dK's and dV's operand addresses after the step
-    // (TileLayout::moved): with XORed bases kept live they spilled 16-24 bytes.
+    // (TileLayout::moved): XORed bases kept live cost registers, and those kernels would spill.
     constexpr bool kXorLast = HEADDIM == 256 && STAGES == 2;
 
     extern __shared__ __align__(128) uint16 smem[];
@@ -200,8 +108,9 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     auto s_dot = [&](int stage) { return s_lse(stage) + BLOCK_M; };
 
     // The first key blocks first: with a causal mask the most query blocks see them (grid_slot).
-    // The plain kernels may split the last partial wave (TailSplit).
-    constexpr bool kMaySplit = !LOCAL && !EXTRAS;
+    // The plain kernels may split the last partial wave (TailSplit); never the DETERMINISTIC ones,
+    // whose split dK and dV would be summed in a run-dependent order.
+    constexpr bool kMaySplit = !LOCAL && !OPTIONS && !DETERMINISTIC;
     const TailSplit tail(p, grid_slot<LOCAL>(p), kMaySplit);
     if (tail.idle) return;
     const int n_block = tail.slot.block, head_k = tail.slot.head, batch = tail.slot.batch;
@@ -278,17 +187,17 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         // is exactly 0. Rows past the end were zero-filled (Q, dO, lse_log2, D): their P is at most 1
         // but dO and dP - D are 0, so they add nothing to dV, dK or dQ.
         const bool masked = block_needs_mask<LOCAL>(p, seq, row0, key0, BLOCK_M, BLOCK_N);
-        if constexpr (EXTRAS) {
-            extras_probabilities<BF16, LOCAL, GS::MT, GS::NT>(s, dp, p, seq, batch, head, row0 + GS::row0(),
+        if constexpr (OPTIONS) {
+            options_probabilities<BF16, LOCAL, GS::MT, GS::NT>(s, dp, p, seq, batch, head, row0 + GS::row0(),
                                                                key0 + GS::col0(), masked, s_lse(stage) + GS::row0(),
                                                                s_dot(stage) + GS::row0());
         } else {
-            // (Three passes rather than one: fused, the 255-register variants spilled.)
+            // (Three passes rather than one: fused, the 255-register variants spill.)
             for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
                 s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -s_lse(stage)[GS::row0() + fragment_row(mt, e)]));
             });
-            // Per element rather than the forward's mask_fragment (a per-row range): with that, the
-            // LOCAL hd128 backward spilled 64-92 bytes.
+            // Per element rather than the forward's mask_fragment (a per-row range), whose row
+            // bounds make the LOCAL hd128 backward spill.
             if (masked) {
                 for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
                     if (!is_visible<LOCAL>(p, seq, row0 + GS::row0() + fragment_row(mt, e),
@@ -303,12 +212,12 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         }
         // stmatrix (a quarter of the pair stores, a few more live registers) for P where a warp's S
         // tile is 32 x 32 or wider, and for dS from 32 x 64 (hd32/hd64), the options off: at hd128
-        // both tiles by stmatrix spilled 8-40 bytes; P alone gained 1-2% (bench/NOTES.md v11).
-        if constexpr (GS::NT >= 4 && !EXTRAS)
+        // both tiles by stmatrix spill, and P alone is 1-2% faster.
+        if constexpr (GS::NT >= 4 && !OPTIONS)
             store_fragment_by_matrix<BF16, GS::MT, GS::NT, BLOCK_N>(s_p, s, GS::row0(), GS::col0());
         else
             store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_p, s, 1.f, GS::row0(), GS::col0());
-        if constexpr (GS::NT >= 8 && !EXTRAS)
+        if constexpr (GS::NT >= 8 && !OPTIONS)
             store_fragment_by_matrix<BF16, GS::MT, GS::NT, BLOCK_N>(s_ds, dp, GS::row0(), GS::col0());
         else
             store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_ds, dp, 1.f, GS::row0(), GS::col0());
@@ -332,19 +241,10 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         float* dq_lane = p.dq_accum + dq_accum_index(seq.dq_accum_row0(p, batch, head) + row0 + GQ::row0()
                                                      + fragment_row(0, 0), GQ::col0() + fragment_col(0, 0), HEADDIM);
         const bool all_rows = row0 + BLOCK_M <= seq.seqlen_q;
-        // Deterministic: the key blocks of a query block add their dQ in key-block order, each
-        // waiting for its predecessor's count (those CTAs started earlier, so they cannot be waiting on us).
-        int* semaphore = nullptr;
-        if constexpr (EXTRAS) {
-            if (p.dq_semaphore != nullptr) {
-                semaphore = p.dq_semaphore + (static_cast<long long>(batch) * p.nheads + head) * p.dq_semaphore_blocks
-                            + row0 / BLOCK_M;
-                const int turn = n_block - key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N).first;
-                if (threadIdx.x == 0)
-                    while (load_acquire(semaphore) != turn) {}
-                __syncthreads();
-            }
-        }
+        int* semaphore = nullptr;  // DETERMINISTIC: this query block's, held for this key block's turn
+        if constexpr (DETERMINISTIC)
+            semaphore = wait_dq_turn(p, batch, head, row0 / BLOCK_M,
+                                     n_block - key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N).first);
         constexpr int kChunkNT = GQ::NT > 4 && GQ::NT % 2 == 0 ? GQ::NT / 2 : GQ::NT;
 #pragma unroll
         for (int chunk = 0; chunk < GQ::NT / kChunkNT; ++chunk) {
@@ -364,10 +264,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
                     }
                 }
         }
-        if (EXTRAS && semaphore != nullptr) {
-            __syncthreads();  // every thread's adds are issued before the next key block's turn
-            if (threadIdx.x == 0) add_release(semaphore, 1);
-        }
+        if constexpr (DETERMINISTIC) pass_dq_turn(semaphore);
         head = next_head;
         row0 = next_row0;
     }
@@ -387,23 +284,6 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     store_tile<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(dk, s_k, p.dk_row_stride, seq.seqlen_k - key0, p.headdim);
     store_tile<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(dv, s_v, p.dv_row_stride, seq.seqlen_k - key0, p.headdim);
 }
-
-// The two small kernels cover kRows query rows of one head per block. A row's 16-byte chunks (8
-// columns each) go to `lanes` consecutive threads, the power of two at or above headdim_padded / 8,
-// so every lane of a warp has a chunk to move at any head dim (with one warp per row, a head dim of
-// 64 would leave 24 of 32 lanes idle and the kernels at half FA2's bandwidth).
-struct RowKernel {
-    static constexpr int kThreads = 256, kRows = 64;
-    int lanes, row0;
-    __device__ __forceinline__ explicit RowKernel(const FlashParams& p) : lanes(4), row0(blockIdx.x * kRows) {
-        while (8 * lanes < p.headdim_padded) lanes *= 2;
-    }
-    // This thread's first row and its column; the rows advance by kThreads / lanes, the same
-    // number of times in every thread (so a row's lanes can shuffle).
-    __device__ __forceinline__ int first_row() const { return row0 + threadIdx.x / lanes; }
-    __device__ __forceinline__ int rows_per_step() const { return kThreads / lanes; }
-    __device__ __forceinline__ int col() const { return threadIdx.x % lanes * 8; }
-};
 
 // D = rowsum(dO * O) and lse in base 2 per row; zeroes the rows' dq_accum.
 template <bool BF16>

@@ -1,12 +1,10 @@
-// Thin wrappers over the PTX instructions the kernels are built from (sm_80 and newer).
+// Thin wrappers over PTX instructions (sm_80 and newer), for any kernel family.
 // No CUDA headers are included anywhere, so NVRTC compiles these sources on a machine with
 // no CUDA toolkit at all; 16-bit floats travel as raw bits (uint16 / packed pairs in uint32).
 #pragma once
 
 typedef unsigned short uint16;
 typedef unsigned int uint32;
-
-#define CUPYFLASH_INF __int_as_float(0x7f800000)
 
 __device__ __forceinline__ uint32 smem_address(const void* ptr) {
     return static_cast<uint32>(__cvta_generic_to_shared(ptr));
@@ -124,5 +122,3 @@ __device__ __forceinline__ int add_acq_rel(int* address, int value) {
                  : "=r"(old) : "l"(address), "r"(value) : "memory");
     return old;
 }
-
-__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -1,13 +1,13 @@
-// Which keys a query sees, and which whole blocks can be skipped. Every masking option lives
-// here, so the forward and backward kernels agree by construction.
+// Which keys a query sees, and which whole blocks can be skipped. Every masking rule lives here
+// (a kernel family's per-element masks test is_visible or its bounds), so every kernel agrees.
 //
 // Masks are aligned bottom-right (as flash_attn >= 2.1): row i's diagonal is key
 // i + seqlen_k - seqlen_q. The LOCAL kernels bound each row's keys to
 // [diagonal - window_left, diagonal + window_right]: causal is window_right = 0, and an unbounded
 // side is 1 << 30, so there is no "unbounded" test per element. A row may see no key at all.
 #pragma once
+#include "math.cuh"
 #include "params.cuh"
-#include "tile.cuh"
 
 // The sequence a CTA works on: batch entry `batch`, or with cu_seqlens one packed sequence.
 struct Sequence {
@@ -43,7 +43,7 @@ struct Sequence {
 // With p.block_major the grid is (heads, blocks, batch): a batch entry's heads all start their
 // heavy blocks first and the grid ends on light CTAs, where (blocks, heads, batch) ends on the
 // last head's heaviest CTA while the other SMs idle. Only blockIdx and a parameter, no arithmetic:
-// ptxas re-reads these where registers are short (computed indices made the LOCAL hd128 backward spill).
+// ptxas re-reads these where registers are short (computed indices spill in the LOCAL hd128 backward).
 struct GridSlot {
     int block, blocks, head, batch;
 };
@@ -59,31 +59,6 @@ template <bool LOCAL>
 __device__ __forceinline__ bool is_visible(const FlashParams& p, const Sequence& seq, int row, int col) {
     return col < seq.seqlen_k
            && (!LOCAL || (col <= seq.diagonal(row) + p.window_right && col >= seq.diagonal(row) - p.window_left));
-}
-
-// Sets the elements of a warp's accumulator fragment (tile origin row0, col0) that their row does
-// not see to `hidden`. Per row, the visible keys are a range [lo, hi] relative to the lane's first
-// column, so each element costs two compares against compile-time column offsets.
-template <bool LOCAL, int MT, int NT>
-__device__ __forceinline__ void mask_fragment(float (&s)[MT][NT][4], const FlashParams& p, const Sequence& seq,
-                                              int row0, int col0, float hidden) {
-    const int lane_col0 = col0 + fragment_col(0, 0);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = row0 + fragment_row(mt, 2 * half);
-            int hi = seq.seqlen_k - 1 - lane_col0, lo = -lane_col0;
-            if (LOCAL) {
-                hi = min(hi, seq.diagonal(row) + p.window_right - lane_col0);
-                lo = max(lo, seq.diagonal(row) - p.window_left - lane_col0);
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-                    if (8 * nt + j > hi || (LOCAL && 8 * nt + j < lo)) s[mt][nt][2 * half + j] = hidden;
-        }
 }
 
 // Key blocks [first, end) that query rows [row0, row0 + block_m) see at all: the blocks outside

@@ -4,11 +4,11 @@
 // - Swizzled (COLS 64, 128 or 256): rows are not padded, so each row is whole 128-byte lines, and
 //   in row r the 16-byte chunk c of each line sits at c ^ (r % 8). The 8 lanes of a cp.async that
 //   read one 128-byte line of global memory write one line of shared memory (a warp's copy is 4
-//   shared-memory wavefronts; with padded rows it straddled lines: 7), and the 8 rows that one
+//   shared-memory wavefronts; padded rows straddle lines: 7), and the 8 rows that one
 //   ldmatrix phase reads sit in 8 different 16-byte bank groups: no conflicts. A step of 16
 //   columns is an XOR of the lane's address (TileLayout::moved), a step of 8 rows an add.
 //   (At 64 columns, swizzled against padded: +2% in the non-causal hd64 passes, -1% in the
-//   causal hd64 backward, whose loop has 24 more SASS instructions; bench/NOTES.md v13.)
+//   causal hd64 backward, whose loop has 24 more SASS instructions.)
 // - Padded (other widths): each row padded by 16 elements (32 bytes), and in rows with bit 2 set
 //   each 16-byte chunk trades places with its neighbour (chunk c sits at c ^ 1). Rows start on
 //   32-byte boundaries (every 32-byte sector a cp.async reads lands in one aligned sector); a padded
@@ -20,7 +20,7 @@
 // 16*mt + {g, g+8} and columns 8*nt + 2*t + {0, 1}, where g = lane / 4 and t = lane % 4;
 // elements 0,1 are row g and elements 2,3 are row g + 8.
 #pragma once
-#include "ptx.cuh"
+#include "../common/ptx.cuh"
 
 template <int COLS>
 struct TileLayout {
@@ -60,6 +60,30 @@ struct TileLayout {
         return true;
     }
     static_assert(sector_aligned_and_conflict_free(), "tile rows must be 32-byte aligned and ldmatrix conflict-free");
+};
+
+// A ROWS x COLS product split over WARPS warps. Each warp takes 32 rows (two m16 tiles) where the
+// columns then split evenly, else 16: with two m16 tiles every B fragment read from shared memory
+// feeds two mma instead of one, and shared-memory bandwidth, not the tensor cores, is what
+// limits these products.
+__host__ __device__ constexpr bool even_split(int rows, int cols, int warps, int warp_rows) {
+    return rows % warp_rows == 0 && warps % (rows / warp_rows) == 0 && rows / warp_rows <= warps
+           && cols % (8 * (warps / (rows / warp_rows))) == 0;
+}
+
+template <int ROWS, int COLS, int WARPS>
+struct WarpGrid {
+    static constexpr int kWarpRows = even_split(ROWS, COLS, WARPS, 32) ? 32 : 16;
+    static constexpr int kWarpsM = ROWS / kWarpRows;
+    static constexpr int kWarpsN = WARPS / kWarpsM;
+    static constexpr int MT = kWarpRows / 16;
+    static constexpr int NT = COLS / kWarpsN / 8;
+    static_assert(even_split(ROWS, COLS, WARPS, kWarpRows), "warps must tile the product evenly");
+    // Column offsets are multiples of a warp's span, 8 NT; with NT a power of two the XOR steps of
+    // TileLayout::moved inside a swizzled tile never carry into them.
+    static_assert(!TileLayout<COLS>::kSwizzled || (NT & (NT - 1)) == 0, "a warp's columns in a swizzled tile span a power of two");
+    __device__ static int row0() { return (threadIdx.x / 32) % kWarpsM * kWarpRows; }
+    __device__ static int col0() { return (threadIdx.x / 32) / kWarpsM * (8 * NT); }
 };
 
 // Thread layout of a tile copy: each thread moves one 16-byte column chunk of a row at each of

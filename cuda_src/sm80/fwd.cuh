@@ -9,12 +9,68 @@
 // Loads: with one stage, V(n) is loaded while S is computed and K(n-1) while P V(n) is (two
 // barriers per block); with two stages, K(n-1) and V(n-1) are loaded into the other buffer
 // while all of block n is computed (one barrier per block, twice the K/V shared memory).
-// LOCAL kernels bound each row's keys (causal, sliding window); EXTRAS kernels add the score
-// options of score.cuh (softcap, ALiBi, attn_bias) and dropout. Varlen is a run-time property.
+// LOCAL kernels bound each row's keys (causal, sliding window); OPTIONS kernels add the score
+// options of common/score.cuh (softcap, ALiBi, attn_bias) and dropout. Varlen is a run-time property.
 #pragma once
-#include "mask.cuh"
-#include "score.cuh"
+#include "../common/mask.cuh"
+#include "../common/math.cuh"
+#include "../common/score.cuh"
 #include "tile.cuh"
+
+// Sets the elements of a warp's accumulator fragment (tile origin row0, col0) that their row does
+// not see to `hidden`. Per row, the visible keys are a range [lo, hi] relative to the lane's first
+// column, so each element costs two compares against compile-time column offsets.
+template <bool LOCAL, int MT, int NT>
+__device__ __forceinline__ void mask_fragment(float (&s)[MT][NT][4], const FlashParams& p, const Sequence& seq,
+                                              int row0, int col0, float hidden) {
+    const int lane_col0 = col0 + fragment_col(0, 0);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + fragment_row(mt, 2 * half);
+            int hi = seq.seqlen_k - 1 - lane_col0, lo = -lane_col0;
+            if (LOCAL) {
+                hi = min(hi, seq.diagonal(row) + p.window_right - lane_col0);
+                lo = max(lo, seq.diagonal(row) - p.window_left - lane_col0);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                    if (8 * nt + j > hi || (LOCAL && 8 * nt + j < lo)) s[mt][nt][2 * half + j] = hidden;
+        }
+}
+
+// The score modifiers over a warp's S fragment (tile at row0, col0), one modifier at a time: each
+// pass is a branch-free unrolled loop, where per-element branches would stall the schedule.
+template <int MT, int NT, typename Mods>
+__device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const Mods& mods, int row0, int col0) {
+    mods.for_each([&](const auto& mod) {
+        if (mod.on()) {
+            for_each_element<MT, NT>([&](int mt, int nt, int e) {
+                float grad = 1.f;  // the forward needs no gradient
+                s[mt][nt][e] = mod.apply(s[mt][nt][e], row0 + fragment_row(mt, e), col0 + fragment_col(nt, e), grad);
+            });
+        }
+    });
+}
+
+// Dropout on a warp's probabilities (tile at row0, col0): dropped elements become 0. The caller
+// scales the kept ones by 1 / (1 - dropout_p).
+template <int MT, int NT>
+__device__ __forceinline__ void apply_dropout(float (&s)[MT][NT][4], const FlashParams& p, int batch, int head,
+                                              int row0, int col0) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const uint32 keep = dropout_keep_bits(p, batch, head, row0 + fragment_row(mt, 0), col0 + fragment_col(nt, 0));
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (!(keep >> e & 1)) s[mt][nt][e] = 0.f;
+        }
+}
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES>
 struct FwdTile {
@@ -30,12 +86,12 @@ struct FwdTile {
 };
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool LOCAL, bool EVEN_K,
-          bool EXTRAS>
+          bool OPTIONS>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     typedef FwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS, STAGES> T;
     constexpr int MT = T::MT, NT = T::NT, DT = T::DT;
-    // Every thread is active in the tile copies, without a test (not at hd256: its LOCAL kernels
-    // then spilled 248 bytes).
+    // Every thread is active in the tile copies, without a test (not at hd256, whose LOCAL
+    // kernels spill with it).
     if constexpr (HEADDIM != 256) __builtin_assume(threadIdx.x < T::kThreads);
     constexpr int kStride = TileLayout<HEADDIM>::kStride;
 
@@ -85,7 +141,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                                                                     seq.seqlen_k - key0, p.headdim);
         cp_async_commit();
     }
-    const ScoreOptions options(p, batch, head);  // EXTRAS only; dead code otherwise
+    const ScoreMods<BF16> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
 
     auto needs_mask = [&](int n_block) {
         return block_needs_mask<LOCAL>(p, seq, row0, n_block * BLOCK_N, BLOCK_M, BLOCK_N);
@@ -123,7 +179,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         if (!warp_skips) {
             zero(s);
             warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k_n, 0);
-            if constexpr (EXTRAS) options.apply<BF16>(s, seq, row0 + warp_row0, key0);
+            if constexpr (OPTIONS) apply_score_mods(s, mods, row0 + warp_row0, key0);
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
         }
 
@@ -172,7 +228,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
         // Dropout acts on the probabilities after the softmax: the sums above keep every element,
         // P V only the kept ones (scaled by 1 / (1 - dropout_p) at the end).
-        if constexpr (EXTRAS) {
+        if constexpr (OPTIONS) {
             if (p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
         }
 
@@ -186,8 +242,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 p_frag[kk][mt][2] = pack_pair<BF16>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
                 p_frag[kk][mt][3] = pack_pair<BF16>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
-        // (V's swizzled addresses are XORed after the step's offset at hd128 LOCAL: with the XORed
-        // bases kept in registers those kernels spilled 24 bytes.)
+        // (V's swizzled addresses are XORed after the step's offset at hd128 LOCAL: XORed bases
+        // kept in registers make those kernels spill.)
         warp_gemm_a_in_registers<BF16, MT, DT, BLOCK_N, HEADDIM, false, LOCAL && HEADDIM == 128>(acc_o, p_frag, s_v_n, 0);
     };
     // The blocks that need a mask come in two runs: at the end of the range (the sequence's last,
@@ -195,13 +251,13 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // that the main loop has no mask code. The options' kernels keep one loop, masked where needed:
     // a second copy of their longer body costs more registers than the mask-free loop saves.
     int n_block = blocks.end - 1;
-    if constexpr (EXTRAS) {
+    if constexpr (OPTIONS) {
         for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<kPerBlock>());
     } else {
         // The masked blocks after the unmasked ones, those, then (a window's left edge) the masked
         // ones before them: one copy of each loop body, and bounds computed once, so each loop
-        // tests only n_block. (With a needs_mask test per block, and the copies' activity test
-        // that the assume above removes, the causal cells at 4k-16k were 3-5% slower.)
+        // tests only n_block. (A needs_mask test per block, with the copies' activity test that
+        // the assume above removes, makes the causal cells at 4k-16k 3-5% slower.)
         const BlockRange unmasked = key_blocks_unmasked<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N, blocks);
         int masked_first = unmasked.end;
 #pragma unroll 1
@@ -216,7 +272,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // Finish: each row's sum is spread over the 4 threads of its quad. A row that saw no key
     // gets out = 0 and lse = -inf (the log of an empty sum).
     const long long lse_row0 = seq.stats_row0(p, batch, head);
-    const float out_scale = EXTRAS && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
+    const float out_scale = OPTIONS && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -1,0 +1,130 @@
+// The score options: modifiers of the scores (softcap, ALiBi, an additive bias) and dropout of the
+// probabilities. The modifiers make the reference's transform (cupyflash/reference.py, scaled_scores)
+//     x = s * scale;   x = softcap * tanh(x / softcap);   x += alibi + attn_bias
+// on the raw score s = q . k itself, as x / scale: the kernels fold the scale into exp2 later.
+//
+// Each modifier is one functor, built per (batch, head): on() says whether the call uses it, and
+// apply(s, row, col, grad) returns the modified score and multiplies grad by d(result)/d(s). The
+// forward and the backward both call apply (the forward drops grad, which costs it nothing), so a
+// new modifier is one FlashParams field, one functor here and its place in ScoreMods::for_each.
+#pragma once
+#include "mask.cuh"
+#include "params.cuh"
+#include "ptx.cuh"
+
+// tanh(x) = 1 - 2 / (e^2x + 1): two MUFU ops (ex2, rcp) and three FMA-class ops, within ~1e-7
+// absolute of tanh (the libdevice tanhf costs about five times as many instructions).
+__device__ __forceinline__ float fast_tanh(float x) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(fast_exp2(x * 2.8853900817779268f) + 1.f));  // 2 log2(e)
+    return fmaf(-2.f, r, 1.f);
+}
+
+// softcap: s becomes softcap_outer * tanh(s * softcap_inner), with d/ds = 1 - tanh^2 (the
+// outer and inner factors cancel). Its factors stay in the parameter block, where instructions
+// read them as constant operands, costing no registers.
+struct Softcap {
+    const FlashParams& p;
+    __device__ __forceinline__ Softcap(const FlashParams& params, const Sequence&, int, int) : p(params) {}
+    __device__ __forceinline__ bool on() const { return p.softcap_inner != 0.f; }
+    __device__ __forceinline__ float apply(float s, int, int, float& grad) const {
+        const float t = fast_tanh(s * p.softcap_inner);
+        grad *= 1.f - t * t;
+        return p.softcap_outer * t;
+    }
+};
+
+// ALiBi: s - slope / scale * |col - diagonal(row)|; d/ds = 1.
+struct Alibi {
+    const Sequence& seq;
+    float slope;  // ALiBi slope / softmax_scale (raw units), 0 without ALiBi
+    __device__ __forceinline__ Alibi(const FlashParams& p, const Sequence& sequence, int batch, int head) : seq(sequence) {
+        slope = p.alibi_slopes != nullptr ? p.alibi_slopes[batch * p.alibi_batch_stride + head] * p.inv_softmax_scale
+                                          : 0.f;
+    }
+    __device__ __forceinline__ bool on() const { return slope != 0.f; }
+    __device__ __forceinline__ float apply(float s, int row, int col, float&) const {
+        return fmaf(-slope, static_cast<float>(abs(col - seq.diagonal(row))), s);
+    }
+};
+
+// attn_bias: s + bias[row][col] / scale; d/ds = 1. The bias is fp32 or the inputs' 16-bit type;
+// rows and columns past the sequence are never read.
+template <bool BF16>
+struct Bias {
+    const FlashParams& p;
+    const Sequence& seq;
+    const void* matrix;  // this (batch, head)'s bias, or null
+    __device__ __forceinline__ Bias(const FlashParams& params, const Sequence& sequence, int batch, int head)
+        : p(params), seq(sequence), matrix(nullptr) {
+        if (p.attn_bias != nullptr) {
+            const long long offset = batch * p.bias_batch_stride + head * p.bias_head_stride;
+            matrix = p.bias_is_float32 ? static_cast<const void*>(static_cast<const float*>(p.attn_bias) + offset)
+                                       : static_cast<const void*>(static_cast<const uint16*>(p.attn_bias) + offset);
+        }
+    }
+    __device__ __forceinline__ bool on() const { return matrix != nullptr; }
+    __device__ __forceinline__ float apply(float s, int row, int col, float&) const {
+        if (row < seq.seqlen_q && col < seq.seqlen_k) {
+            const long long at = row * p.bias_row_stride + col;
+            const float bias = p.bias_is_float32 ? static_cast<const float*>(matrix)[at]
+                                                 : to_float<BF16>(static_cast<const uint16*>(matrix)[at]);
+            s = fmaf(bias, p.inv_softmax_scale, s);
+        }
+        return s;
+    }
+};
+
+// Every modifier of a (batch, head), in the order they apply.
+template <bool BF16>
+struct ScoreMods {
+    Softcap softcap;
+    Alibi alibi;
+    Bias<BF16> bias;
+
+    __device__ __forceinline__ ScoreMods(const FlashParams& p, const Sequence& seq, int batch, int head)
+        : softcap(p, seq, batch, head), alibi(p, seq, batch, head), bias(p, seq, batch, head) {}
+
+    // Calls f(modifier) for each modifier, in order.
+    template <typename F>
+    __device__ __forceinline__ void for_each(F f) const {
+        f(softcap);
+        f(alibi);
+        f(bias);
+    }
+
+    // The modified score at (row, col); grad is multiplied by d(result)/d(s).
+    __device__ __forceinline__ float apply(float s, int row, int col, float& grad) const {
+        for_each([&](const auto& mod) {
+            if (mod.on()) s = mod.apply(s, row, col, grad);
+        });
+        return s;
+    }
+};
+
+// Philox4x32-10 (Salmon et al., SC 2011): four random 32-bit words from a 128-bit counter and a
+// 64-bit key. cupyflash/reference.py implements the same function in NumPy.
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned long long seed) {
+    uint32 k0 = static_cast<uint32>(seed), k1 = static_cast<uint32>(seed >> 32);
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        // One 32x32 -> 64-bit multiply (IMAD.WIDE) gives both halves of each product.
+        const unsigned long long m0 = 0xD2511F53ull * c.x, m1 = 0xCD9E8D57ull * c.z;
+        const uint32 hi0 = static_cast<uint32>(m0 >> 32), lo0 = static_cast<uint32>(m0);
+        const uint32 hi1 = static_cast<uint32>(m1 >> 32), lo1 = static_cast<uint32>(m1);
+        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return c;
+}
+
+// The dropout keep bits of one m16n8 accumulator tile's four elements of this thread: element e
+// sits at (row + 8 * (e / 2), col + e % 2), with row % 16 < 8 and col even. One Philox call per
+// tile element group, counter (col, row, batch * nheads + head, 0); word e decides element e.
+__device__ __forceinline__ uint32 dropout_keep_bits(const FlashParams& p, int batch, int head, int row, int col) {
+    const uint4 r = philox4x32_10(make_uint4(col, row, batch * p.nheads + head, 0),
+                                  static_cast<unsigned long long>(p.dropout_seed));
+    const uint32 below = static_cast<uint32>(p.dropout_keep_below);  // at most 2^32 - 1
+    return (r.x < below) | (r.y < below) << 1 | (r.z < below) << 2 | (r.w < below) << 3;
+}

@@ -1,7 +1,8 @@
 """Times candidate tiles for the tile table (`cupyflash/_config.py`), bf16, 16k tokens, hidden 2048.
 
 Usage: python bench/tiles.py            # every candidate below, seqlen 4096, causal and not
-(the candidates of earlier rounds and their timings are in the comments of _config.py)
+(the earlier rounds' candidates and timings are in bench/notes/). A 'bwd_options' candidate is timed
+with softcap on, the options' kernels' usual load.
 Each candidate compiled with zero spills (see `python -m cupyflash check --compile --verbose`).
 Prints TFLOP/s (FLOPs as in ../shared/peers/README.md), timed as `python -m cupyflash bench` times.
 """
@@ -9,11 +10,10 @@ Prints TFLOP/s (FLOPs as in ../shared/peers/README.md), timed as `python -m cupy
 import cupyflash
 from cupyflash import _config, _plan
 
-CANDIDATES = {  # (block_m, block_n, warps, stages): the fourth session's round
-    ("fwd", 128): [(128, 32, 4, 1), (128, 64, 8, 1), (64, 64, 4, 1)],
-    ("fwd", 256): [(64, 64, 4, 1), (128, 64, 8, 1), (64, 32, 4, 1)],
-    ("fwd", 64): [(128, 64, 4, 1), (128, 128, 8, 1)],
+CANDIDATES = {  # (table, head dim): [(block_m, block_n, warps, stages), ...], the table's entry first
+    ("bwd_options", 64): [(64, 128, 8, 1), (64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 8, 1)],
 }
+TABLE_OPTIONS = {"bwd_options": dict(softcap=30.0)}
 
 
 def inputs(seqlen, hd):
@@ -23,32 +23,33 @@ def inputs(seqlen, hd):
     return [torch.randn(batch, seqlen, nheads, hd, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
 
 
-def tflops(pass_, tensors, causal):
-    """TFLOP/s of cupyflash's `pass_` ('fwd' or 'bwd') on `tensors`, timed as the benchmark times."""
+def tflops(pass_, tensors, causal, **options):
+    """TFLOP/s of cupyflash's `pass_` ('fwd' or 'bwd') on `tensors` with `options`, timed as the benchmark times."""
     from cupyflash.benchmark import attention_flops, time_ms
     q, k, v, do = tensors
     batch, seqlen, nheads, hd = q.shape
     flops = attention_flops(batch, nheads, seqlen, hd, causal, pass_)
-    out, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    out, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **options)
     if pass_ == "fwd":
-        ms = time_ms(lambda: cupyflash.flash_attn_func(q, k, v, causal=causal))
+        ms = time_ms(lambda: cupyflash.flash_attn_func(q, k, v, causal=causal, **options))
     else:
-        ms = time_ms(lambda: cupyflash.flash_attn_backward(do, q, k, v, out, lse, causal=causal))
+        ms = time_ms(lambda: cupyflash.flash_attn_backward(do, q, k, v, out, lse, causal=causal, **options))
     return flops / ms / 1e9
 
 
 def main(seqlen=4096):
     table = _config.TILES[_config.MMA_SYNC]["sm90"]
-    print(f"{'pass':4} {'hd':>4} {'tile':>14} | {'TFLOP/s':>8} {'causal':>8}")
-    for (pass_, hd), candidates in CANDIDATES.items():
+    print(f"{'table':11} {'hd':>4} {'tile':>14} | {'TFLOP/s':>8} {'causal':>8}")
+    for (name, hd), candidates in CANDIDATES.items():
         tensors = inputs(seqlen, hd)
-        original = table[pass_][hd]
+        original = table[name][hd]
         for tile in candidates:
-            table[pass_][hd] = tile
+            table[name][hd] = tile
             _plan._plans.clear()  # cached launch plans hold the previous tile
-            row = [tflops(pass_, tensors, causal) for causal in (False, True)]
-            print(f"{pass_:4} {hd:4d} {str(tile):>14} | {row[0]:8.1f} {row[1]:8.1f}", flush=True)
-        table[pass_][hd] = original
+            row = [tflops(_config.kernel_pass(name), tensors, causal, **TABLE_OPTIONS.get(name, {}))
+                   for causal in (False, True)]
+            print(f"{name:11} {hd:4d} {str(tile):>14} | {row[0]:8.1f} {row[1]:8.1f}", flush=True)
+        table[name][hd] = original
 
 
 if __name__ == "__main__":

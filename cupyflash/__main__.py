@@ -4,6 +4,7 @@ import argparse
 import itertools
 import os
 import platform
+import shutil
 import sys
 import time
 
@@ -30,8 +31,9 @@ class _Progress:
         if self.tty:
             width = 30
             filled = width * done // max(self.total, 1)
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {self.what} "
-                             f"{elapsed:5.1f}s {label:<60.60}")
+            line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {self.what} {elapsed:5.1f}s {label}"
+            columns = shutil.get_terminal_size().columns - 1  # a wrapped line would not be redrawn in place
+            sys.stderr.write(f"\r{line[:columns]:<{columns}}")
             if done == self.total:
                 sys.stderr.write("\n")
         else:

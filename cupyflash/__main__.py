@@ -11,7 +11,7 @@ import time
 import numpy
 
 from . import __version__, _check, _compile, _config, _kernels, benchmark, reference
-from ._arrays import SetupError, gpu_available, missing_cupy, missing_gpu, missing_nvrtc
+from ._arrays import SetupError, missing_cupy, missing_gpu, missing_nvrtc
 from ._check import Case
 
 
@@ -210,10 +210,7 @@ def default_compile_jobs(jobs):
     return [(arch, k) for arch, k in jobs if keep(arch, k)]
 
 
-def _check_compile(every_variant, verbose):
-    jobs = _kernels.compile_jobs()
-    if not every_variant:
-        jobs = default_compile_jobs(jobs)
+def _check_compile(jobs, verbose):
     progress = _Progress(len(jobs), "kernels compiled")
     results = _compile.compile_all(jobs, progress=lambda done, total, label: progress(done, label))
     rows = [[f"sm_{arch}", k.name, r.registers, "unknown" if r.spills is None else r.spills, r.stack_frame,
@@ -233,18 +230,18 @@ def check(every_variant=False, verbose=False):
     hint = missing_gpu()
     if hint is None:
         status = _check_gpu()
-        return status | _check_compile(True, verbose) if every_variant else status
-    total = len(_kernels.compile_jobs())
-    count = total if every_variant else len(default_compile_jobs(_kernels.compile_jobs()))
+        return status | _check_compile(_kernels.compile_jobs(), verbose) if every_variant else status
+    every = _kernels.compile_jobs()
+    jobs = every if every_variant else default_compile_jobs(every)
     print(hint)
-    print(f"Checking the NumPy path, then compiling {count} kernel variants with NVRTC"
-          f"{'' if every_variant else f' (a representative set; --compile builds all {total})'}.")
+    print(f"Checking the NumPy path, then compiling {len(jobs)} kernel variants with NVRTC"
+          f"{'' if every_variant else f' (a representative set; --compile builds all {len(every)})'}.")
     status = _check_numpy()
     nvrtc_hint = missing_nvrtc()
     if nvrtc_hint:
         print(f"cannot compile the kernels: {nvrtc_hint}")
         return 1
-    status |= _check_compile(every_variant, verbose)
+    status |= _check_compile(jobs, verbose)
     return 1 if status else 0
 
 

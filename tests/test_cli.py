@@ -145,3 +145,10 @@ def test_default_check_compiles_a_small_set_covering_every_table_and_dtype():
                        and (extras is None or k.extras) for k in sm90), (table, hd)
     flags = {(k.local, k.even_k, k.extras) for k in sm90 if k.pass_ == "fwd"}
     assert len(flags) == 8
+
+
+def test_a_compile_worker_without_nvrtc_sends_back_the_hint(without_nvrtc):
+    """What a worker process runs: a missing NVRTC comes back to the parent as the hint's SetupError."""
+    from cupyflash import _kernels
+    with pytest.raises(_arrays.SetupError, match=r'^NVRTC, .* pip install -e "\.\[cuda13\]"$'):
+        _compile._compile_for_report(_kernels.Kernel("bwd_dot", "float16"), "90")

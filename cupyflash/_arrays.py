@@ -84,9 +84,12 @@ def missing_gpu():
     if driver == 0:
         return "no GPU (no NVIDIA driver is loaded): NumPy inputs run the float64 reference"
     if driver // 1000 < needed // 1000 or "InsufficientDriver" in error:
+        # A CUDA runtime runs on any driver of its major version; the oldest wheel is for CUDA 12.
         wheel = f"cupy-cuda{needed // 1000}x"
-        return (f"the NVIDIA driver supports CUDA {_cuda_version(driver)}, older than the {_cuda_version(needed)} "
-                f"that {wheel} needs: pip uninstall -y {wheel} && pip install -e \".[cuda{driver // 1000}]\"")
+        fix = (f'pip uninstall -y {wheel} && pip install -e ".[cuda{driver // 1000}]"' if driver >= 12000
+               else "install an NVIDIA driver for CUDA 12 or newer")
+        return (f"the NVIDIA driver supports CUDA {_cuda_version(driver)}, older than the CUDA {needed // 1000} "
+                f"that {wheel} needs: {fix}")
     return (f"no GPU visible to CuPy (driver for CUDA {_cuda_version(driver)}: {error}; "
             f"is CUDA_VISIBLE_DEVICES set?)")
 

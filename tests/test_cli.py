@@ -127,8 +127,10 @@ def test_a_driver_older_than_the_cupy_wheel_names_the_cuda12_extra(monkeypatch):
     monkeypatch.setattr(runtime, "getDeviceCount", insufficient)
     monkeypatch.setattr(runtime, "driverGetVersion", lambda: 12040)
     monkeypatch.setattr(runtime, "runtimeGetVersion", lambda: 13000)
-    assert _arrays.missing_gpu() == ('the NVIDIA driver supports CUDA 12.4, older than the 13.0 that cupy-cuda13x '
+    assert _arrays.missing_gpu() == ('the NVIDIA driver supports CUDA 12.4, older than the CUDA 13 that cupy-cuda13x '
                                      'needs: pip uninstall -y cupy-cuda13x && pip install -e ".[cuda12]"')
+    monkeypatch.setattr(runtime, "driverGetVersion", lambda: 11080)
+    assert _arrays.missing_gpu().endswith("needs: install an NVIDIA driver for CUDA 12 or newer")
 
 
 def test_default_check_compiles_a_small_set_covering_every_table_and_dtype():

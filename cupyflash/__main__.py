@@ -4,26 +4,45 @@ import argparse
 import itertools
 import os
 import platform
+import shutil
 import sys
 import time
 
 import numpy
 
-from . import __version__, _check, _compile, _config, _kernels, reference
-from ._arrays import gpu_available
+from . import __version__, _check, _compile, _config, _kernels, benchmark, reference
+from ._arrays import SetupError, missing_cupy, missing_gpu, missing_nvrtc
 from ._check import Case
 
 
-def _progress(done, total, label, start):
-    """A one-line progress bar on a terminal; silent when stderr is a file or pipe."""
-    if not sys.stderr.isatty():
-        return
-    width = 30
-    filled = width * done // total
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {time.time() - start:5.1f}s {label:<60.60}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+class _Progress:
+    """Progress of a long loop on stderr: a redrawn bar on a terminal; in a log (CI, a pipe), a line
+    at each further tenth of the work (at most one per 3 seconds, so short loops stay quiet), at
+    least one every 30 seconds, and one at the end."""
+
+    def __init__(self, total, what):
+        self.total, self.what, self.start = total, what, time.time()
+        self.tty = sys.stderr.isatty()
+        self.logged_tenth, self.logged_at = 0, self.start
+
+    def __call__(self, done, label=""):
+        now = time.time()
+        elapsed = now - self.start
+        if self.tty:
+            width = 30
+            filled = width * done // max(self.total, 1)
+            line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {self.what} {elapsed:5.1f}s {label}"
+            columns = shutil.get_terminal_size().columns - 1  # a wrapped line would not be redrawn in place
+            sys.stderr.write(f"\r{line[:columns]:<{columns}}")
+            if done == self.total:
+                sys.stderr.write("\n")
+        else:
+            tenth = 10 * done // max(self.total, 1)
+            since = now - self.logged_at
+            if done == self.total or since >= 30 or (tenth > self.logged_tenth and since >= 3):
+                sys.stderr.write(f"  {done}/{self.total} {self.what} ({elapsed:.0f}s)\n")
+                self.logged_tenth, self.logged_at = tenth, now
+        sys.stderr.flush()
 
 
 def _table(headers, rows):
@@ -36,31 +55,59 @@ def _table(headers, rows):
 
 # ----------------------------------------------------------------------------------------- info
 
+def _versions():
+    """One line of versions; CuPy and NVRTC read 'missing' where they are."""
+    parts = [f"cupyflash {__version__}", f"python {platform.python_version()}", f"numpy {numpy.__version__}"]
+    if missing_cupy():
+        parts.append("cupy missing")
+    else:
+        import cupy
+        parts.append(f"cupy {cupy.__version__}")
+        nvrtc = "missing" if missing_nvrtc() else ".".join(map(str, _compile.nvrtc_version()))
+        parts.append(f"NVRTC {nvrtc}")
+    return "  ".join(parts)
+
+
+def _tile_text(tile, table):
+    return (f"{tile.block_m}x{tile.block_n}, {tile.warps} warps, {tile.stages} stage(s), "
+            f"{tile.smem_bytes(table) // 1024} KiB")
+
+
+_TILE_HEADERS = ["head dim", "fwd tile", "bwd tile", "bwd tile with options"]
+
+
 def info():
-    import cupy
-    from cupy.cuda import nvrtc
-    print(f"cupyflash {__version__}  cupy {cupy.__version__}  numpy {numpy.__version__}  "
-          f"NVRTC {'.'.join(map(str, nvrtc.getVersion()))}  python {platform.python_version()}")
-    print(f"kernel cache: {_compile.cache_dir()}")
-    if not gpu_available():
-        print("GPU: none visible to CuPy (the NumPy reference still runs; see `check`)")
+    print(_versions())
+    count, size = _compile.cache_usage()
+    cache = _compile.cache_dir()
+    print(f"kernel cache: {cache} ({count} files, {size / 2 ** 20:.1f} MB; CUPYFLASH_CACHE_DIR moves it; "
+          f"clear it with: rm -rf {cache})")
+    forced = _config.forced_family()
+    hint = missing_gpu()
+    nvrtc_hint = missing_nvrtc()
+    if nvrtc_hint and nvrtc_hint != hint:
+        print(nvrtc_hint)
+    if hint:
+        print(hint)
+        families = [forced] if forced else list(_config.TILES)
+        for family in families:
+            rows = [[hd, *(_tile_text(_config.Tile(hd, *_config.TILES[family][table][hd]), table)
+                           for table in _config.TABLES)] for hd in _config.HEADDIMS]
+            print(f"\ntile table {family}{' (forced by CUPYFLASH_TILES)' if forced else ''}:")
+            print(_table(_TILE_HEADERS, rows))
         return 0
+    import cupy
     from .interface import _device_info
     device, cc, smem_limit = _device_info(cupy.cuda.Device().id)
     props = cupy.cuda.runtime.getDeviceProperties(device.id)
-    family = _config.forced_family() or _config.family_of(cc)
+    family = forced or _config.family_of(cc)
     print(f"GPU {device.id}: {props['name'].decode()}  compute capability {cc[0]}.{cc[1]}  "
           f"{device.attributes['MultiProcessorCount']} SMs  shared memory {smem_limit // 1024} KiB/block (opt-in)  "
           f"L2 {device.attributes['L2CacheSize'] // 2 ** 20} MiB")
-    print(f"tile table: {family}{' (forced by CUPYFLASH_TILES)' if _config.forced_family() else ''}")
-    rows = []
-    for hd in _config.HEADDIMS:
-        row = [hd]
-        for table in _config.TABLES:
-            t = _config.tile_for(table, hd, cc, smem_limit)
-            row.append(f"{t.block_m}x{t.block_n}, {t.warps} warps, {t.stages} stage(s), {t.smem_bytes(table) // 1024} KiB")
-        rows.append(row)
-    print(_table(["head dim", "fwd tile", "bwd tile", "bwd tile with options"], rows))
+    print(f"tile table: {family}{' (forced by CUPYFLASH_TILES)' if forced else ''}")
+    rows = [[hd, *(_tile_text(_config.tile_for(table, hd, cc, smem_limit), table) for table in _config.TABLES)]
+            for hd in _config.HEADDIMS]
+    print(_table(_TILE_HEADERS, rows))
     return 0
 
 
@@ -77,11 +124,10 @@ def gpu_cases():
 
 def _check_gpu():
     cases = gpu_cases()
-    start, results = time.time(), []
+    progress, results = _Progress(len(cases), "cases"), []
     for i, case in enumerate(cases):
-        _progress(i, len(cases), str(case), start)
         results.append(_check.run_gpu_case(case, seed=i))
-    _progress(len(cases), len(cases), "", start)
+        progress(i + 1, str(case))
     rows = []
     for (dtype, hd), group in itertools.groupby(results, key=lambda r: (r.case.dtype, r.case.headdim)):
         group = list(group)
@@ -107,9 +153,8 @@ def _check_numpy():
                dict(window=(20, -1), softcap=2.0, alibi=True, bias="full", dropout_p=0.1)]
     cases += [Case(70, 113, 40, "float16", True, nheads=4, nheads_k=2, **o) for o in options]
     failures = 0
-    start = time.time()
+    progress = _Progress(len(cases), "NumPy cases")
     for i, case in enumerate(cases):
-        _progress(i, len(cases), str(case), start)
         inputs = _check.random_inputs(case, i)
         inputs.update({n: inputs[n].astype(numpy.float64) for n in ("q", "k", "v", "dout")})
         q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
@@ -125,15 +170,49 @@ def _check_numpy():
                 failures += 1
                 print(f"\nFAIL numpy path {case}")
                 break
-    _progress(len(cases), len(cases), "", start)
+        progress(i + 1, str(case))
     print(f"NumPy path: {len(cases) - failures} passed, {failures} failed")
     return failures
 
 
-def _check_compile(verbose):
-    start = time.time()
-    results = _compile.compile_all(_kernels.compile_jobs(),
-                                   progress=lambda done, total, label: _progress(done, total, label, start))
+def default_compile_jobs(jobs):
+    """The kernel variants a default `check` compiles without a GPU: a cold run stays under half a
+    minute on two cores, where the full sweep (`check --compile`, and the test suite) takes minutes.
+
+    They cover every code path the sweep does, once: on the newest arch (which builds every table),
+    one variant per tile of its own family's tables, so every head dim and block shape of each pass,
+    with the heaviest flags (local masking, column bounds, the options); every flag of one forward
+    tile; the other dtype once; the row kernels; and one variant per table for each older arch.
+    (What a user of a CPU-only machine runs is the NumPy reference: no kernel would be theirs.)"""
+    primary = max((arch for arch, _ in jobs), key=int)
+
+    def table(k):
+        return "bwd_extras" if k.pass_ == "bwd" and k.extras else k.pass_
+
+    def native(arch, k):
+        family = _config.TILES.get(f"sm{arch}")
+        return family is not None and k.tile == _config.Tile(k.tile.headdim, *family[table(k)][k.tile.headdim])
+
+    def heaviest_flags(k):
+        return k.local and not k.even_k and (k.extras or k.pass_ != "fwd")
+
+    def keep(arch, k):
+        if k.tile is None:
+            return arch == primary
+        if not native(arch, k):
+            return False
+        first_dtype = k.dtype == _kernels.DTYPES[0]
+        if arch != primary:
+            return first_dtype and heaviest_flags(k) and k.tile.headdim == 128
+        sweep = k.pass_ == "fwd" and k.tile.headdim == 128
+        return (first_dtype and (heaviest_flags(k) or sweep)) or (sweep and heaviest_flags(k))
+
+    return [(arch, k) for arch, k in jobs if keep(arch, k)]
+
+
+def _check_compile(jobs, verbose):
+    progress = _Progress(len(jobs), "kernels compiled")
+    results = _compile.compile_all(jobs, progress=lambda done, total, label: progress(done, label))
     rows = [[f"sm_{arch}", k.name, r.registers, "unknown" if r.spills is None else r.spills, r.stack_frame,
              k.smem_bytes] for arch, k, r in results if verbose or not r.clean]
     if rows:
@@ -147,23 +226,33 @@ def _check_compile(verbose):
     return 1 if unclean else 0
 
 
-def check(verbose=False):
-    if gpu_available():
-        return _check_gpu()
-    print("No GPU visible to CuPy: checking the NumPy path and compiling every kernel variant with NVRTC.")
+def check(every_variant=False, verbose=False):
+    hint = missing_gpu()
+    if hint is None:
+        status = _check_gpu()
+        return status | _check_compile(_kernels.compile_jobs(), verbose) if every_variant else status
+    every = _kernels.compile_jobs()
+    jobs = every if every_variant else default_compile_jobs(every)
+    print(hint)
+    print(f"Checking the NumPy path, then compiling {len(jobs)} kernel variants with NVRTC"
+          f"{'' if every_variant else f' (a representative set; --compile builds all {len(every)})'}.")
     status = _check_numpy()
-    status |= _check_compile(verbose)
+    nvrtc_hint = missing_nvrtc()
+    if nvrtc_hint:
+        print(f"cannot compile the kernels: {nvrtc_hint}")
+        return 1
+    status |= _check_compile(jobs, verbose)
     return 1 if status else 0
 
 
 # ---------------------------------------------------------------------------------------- bench
 
 def bench(args):
-    if not gpu_available():
-        print("bench needs a GPU visible to CuPy")
+    hint = missing_gpu()
+    if hint:
+        print(f"bench times the kernels on a GPU: {hint}")
         return 1
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to CuPy and torch
-    from . import benchmark
     impls = args.impls or list(benchmark.IMPLEMENTATIONS)
     status = 0
     if args.options_only:
@@ -179,35 +268,67 @@ def bench(args):
     return status
 
 
-def main(argv=None):
+def _parser():
     parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"cupyflash {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("info", help="device, tile table, cache, versions")
-    check_parser = commands.add_parser("check", help="correctness grid against the float64 reference "
-                                                     "(without a GPU: NumPy path and NVRTC compile of every kernel)")
-    check_parser.add_argument("--compile", action="store_true", help="also compile every kernel variant (GPU or not)")
+    commands.add_parser("info", help="versions, kernel cache, device and tile tables",
+                        description="Versions, the kernel cache (folder, size, how to clear it), the GPU and the "
+                                    "tile it gets for each head dim and pass; without a GPU, the tile tables "
+                                    "(the one CUPYFLASH_TILES names, or all).")
+    check_parser = commands.add_parser(
+        "check", help="correctness against the float64 reference (without a GPU: NumPy path and NVRTC compiles)",
+        description="With a GPU: the correctness grid against the float64 reference. Without one: the NumPy path "
+                    "against the tiled reference, and an NVRTC compile of a representative set of kernel variants "
+                    "with their ptxas reports. Exit code 1 on any failure or spill, 130 on Ctrl-C.")
+    check_parser.add_argument("--compile", action="store_true",
+                              help="compile every kernel variant (several minutes cold; the test suite does too)")
     check_parser.add_argument("--verbose", action="store_true", help="list every kernel's ptxas report")
-    bench_parser = commands.add_parser("bench", help="speed and memory beside the peers on this machine")
-    bench_parser.add_argument("--out", default="bench/results", help="folder for the CSV, markdown and PNG files")
-    bench_parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256])
-    bench_parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    bench_parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
-    bench_parser.add_argument("--impls", nargs="+", help="implementations to time (default: all)")
+    bench_parser = commands.add_parser(
+        "bench", help="speed and memory beside the peers on this machine (needs a GPU)",
+        description="Times cupyflash beside every attention implementation it finds, and writes CSV, markdown "
+                    "and PNG files.")
+    bench_parser.add_argument("--out", default="bench/results",
+                              help="folder for the CSV, markdown and PNG files (default: %(default)s)")
+    bench_parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256],
+                              help="head dims of the speed table (default: %(default)s)")
+    bench_parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384],
+                              help="sequence lengths of the speed table (default: %(default)s)")
+    bench_parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"],
+                              help="dtypes of the speed table (default: %(default)s)")
+    bench_parser.add_argument("--impls", nargs="+", metavar="IMPL",
+                              help="implementations to time, of: " + ", ".join(map(repr, benchmark.IMPLEMENTATIONS))
+                                   + " (default: all; one not installed gets blank cells)")
     bench_parser.add_argument("--memory-seqlens", type=int, nargs="+",
-                              default=[1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072])
-    bench_parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
-    bench_parser.add_argument("--memory-only", action="store_true", help="only the memory table")
+                              default=[1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072],
+                              help="sequence lengths of the memory table (default: %(default)s)")
+    bench_parser.add_argument("--no-memory", action="store_true", help="skip the memory table (default: off)")
+    bench_parser.add_argument("--memory-only", action="store_true", help="only the memory table (default: off)")
     bench_parser.add_argument("--options-only", action="store_true",
-                              help="only the attention options' table (window, softcap, ALiBi, bias, dropout, ...)")
-    args = parser.parse_args(argv)
-    if args.command == "info":
-        return info()
-    if args.command == "bench":
-        return bench(args)
-    status = check(args.verbose)
-    if args.compile and gpu_available():
-        status |= _check_compile(args.verbose)
-    return status
+                              help="only the attention options' table (window, softcap, ALiBi, bias, dropout, ...) "
+                                   "(default: off)")
+    return parser
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    try:
+        _config.forced_family()  # a bad CUPYFLASH_TILES stops every command, not only the first launch
+    except ValueError as error:
+        print(f"cupyflash: {error}", file=sys.stderr)
+        return 2
+    try:
+        if args.command == "info":
+            return info()
+        if args.command == "bench":
+            return bench(args)
+        return check(args.compile, args.verbose)
+    except SetupError as error:
+        print(f"cupyflash: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ncupyflash: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -24,6 +24,76 @@ def gpu_available():
         return False
 
 
+# What is missing, as one line naming the pip extra that brings it. Every command and the compile
+# workers report a missing piece through these, so each hint is written once.
+
+class SetupError(RuntimeError):
+    """A missing piece of the installation; the message is a one-line hint, shown without a traceback."""
+
+
+def _cuda_extra():
+    """The extra of the installed CuPy wheel ('cuda12' or 'cuda13'): its NVRTC wheel matches it."""
+    from cupy.cuda import runtime
+    return f"cuda{runtime.runtimeGetVersion() // 1000}"
+
+
+def _cuda_version(code):
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def missing_cupy():
+    """None when CuPy imports; otherwise the hint."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return 'CuPy is not installed: pip install -e ".[cuda13]" (or ".[cuda12]" for a CUDA 12 driver)'
+    return None
+
+
+def missing_nvrtc():
+    """None when CuPy loads NVRTC (which compiles the kernels, GPU or not); otherwise the hint."""
+    hint = missing_cupy()
+    if hint:
+        return hint
+    try:
+        from cupy.cuda import nvrtc
+        nvrtc.getVersion()
+    except Exception:
+        extra = _cuda_extra()
+        return (f"NVRTC, the CUDA runtime compiler, is not installed (CuPy found no libnvrtc.so.{extra[4:]}): "
+                f'pip install -e ".[{extra}]"')
+    return None
+
+
+def missing_gpu():
+    """None when CuPy sees a CUDA device; otherwise the hint (NumPy inputs still run the reference)."""
+    hint = missing_cupy()
+    if hint:
+        return hint
+    from cupy.cuda import runtime
+    try:
+        if runtime.getDeviceCount() > 0:
+            return None
+        error = "no device"
+    except Exception as exc:  # CUDARuntimeError: no driver, a driver too old for this CuPy, ...
+        error = str(exc)
+    try:
+        driver, needed = runtime.driverGetVersion(), runtime.runtimeGetVersion()
+    except Exception:
+        driver, needed = 0, 0
+    if driver == 0:
+        return "no GPU (no NVIDIA driver is loaded): NumPy inputs run the float64 reference"
+    if driver // 1000 < needed // 1000 or "InsufficientDriver" in error:
+        # A CUDA runtime runs on any driver of its major version; the oldest wheel is for CUDA 12.
+        wheel = f"cupy-cuda{needed // 1000}x"
+        fix = (f'pip uninstall -y {wheel} && pip install -e ".[cuda{driver // 1000}]"' if driver >= 12000
+               else "install an NVIDIA driver for CUDA 12 or newer")
+        return (f"the NVIDIA driver supports CUDA {_cuda_version(driver)}, older than the CUDA {needed // 1000} "
+                f"that {wheel} needs: {fix}")
+    return (f"no GPU visible to CuPy (driver for CUDA {_cuda_version(driver)}: {error}; "
+            f"is CUDA_VISIBLE_DEVICES set?)")
+
+
 def kind_of(array):
     """'numpy', 'cupy', 'torch', 'jax' or 'dlpack' (another DLPack producer); None otherwise."""
     return kind_of_type(type(array))

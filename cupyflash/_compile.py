@@ -14,9 +14,12 @@ import multiprocessing
 import os
 import pathlib
 import re
+import signal
 import struct
 import threading
 from typing import Optional
+
+from ._arrays import SetupError, missing_nvrtc
 
 # -default-device: every function is device code, which the kernels' generic lambdas need (NVRTC
 # would otherwise take them for host functions).
@@ -74,8 +77,16 @@ def cache_dir():
 
 @functools.cache
 def nvrtc_version():
-    from cupy.cuda import nvrtc
-    return nvrtc.getVersion()
+    """NVRTC's (major, minor); the first thing a compile asks, so a missing CuPy or NVRTC library
+    surfaces here as a SetupError whose message names the extra to install."""
+    try:
+        from cupy.cuda import nvrtc
+        return nvrtc.getVersion()
+    except Exception:
+        hint = missing_nvrtc()
+        if hint:
+            raise SetupError(hint) from None
+        raise
 
 
 def _options(arch):
@@ -107,18 +118,32 @@ def _compile_for_report(kernel, arch):
     return resource_report(cubin_path.read_bytes(), log)
 
 
+def _ignore_sigint():
+    """Workers leave Ctrl-C to the parent, which cancels what is queued and waits for the running
+    compiles (a second or two), so no worker dies mid-write or leaves a semaphore behind."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def compile_all(jobs, workers=None, progress=None):
     """Compiles each (arch, kernel) of `jobs` in worker processes; returns [(arch, kernel, ResourceReport)]
-    sorted by arch and name. `progress(done, total, label)` is called after each compile."""
+    sorted by arch and name. `progress(done, total, label)` is called after each compile.
+
+    Raises SetupError (a one-line hint) when CuPy or NVRTC is missing, before any worker starts; on
+    any error or KeyboardInterrupt the queued compiles are cancelled and the workers shut down."""
+    nvrtc_version()
     results = []
     context = multiprocessing.get_context("spawn")  # no inherited CUDA state
-    with concurrent.futures.ProcessPoolExecutor(workers or min(os.cpu_count() or 1, 8), mp_context=context) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(workers or min(os.cpu_count() or 1, 8), mp_context=context,
+                                                  initializer=_ignore_sigint)
+    try:
         futures = {pool.submit(_compile_for_report, kernel, arch): (arch, kernel) for arch, kernel in jobs}
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             arch, kernel = futures[future]
             results.append((arch, kernel, future.result()))
             if progress:
                 progress(done, len(jobs), f"sm_{arch} {kernel.name}")
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return sorted(results, key=lambda r: (r[0], r[1].name))
 
 
@@ -211,3 +236,9 @@ def load(kernel, device):
                     function.max_dynamic_shared_size_bytes = kernel.smem_bytes
             _loaded[key] = function
     return function
+
+
+def cache_usage():
+    """(number of files, bytes) in the kernel cache."""
+    files = [p for p in cache_dir().glob("*") if p.is_file()] if cache_dir().is_dir() else []
+    return len(files), sum(p.stat().st_size for p in files)

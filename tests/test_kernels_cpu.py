@@ -152,10 +152,20 @@ def test_editing_a_header_changes_the_compiled_binary(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------- every kernel, zero spills
 
 @pytest.fixture(scope="session")
-def resource_reports(tmp_path_factory):
-    import os
-    os.environ["CUPYFLASH_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))  # compile afresh
-    results = _compile.compile_all(_kernels.compile_jobs())
+def resource_reports(request):
+    # The user's kernel cache, shared with `python -m cupyflash check`: its key covers the full source,
+    # the options and the NVRTC version, and the ptxas log is cached beside each cubin, so a cached
+    # kernel reports what a fresh compile would. A cold cache takes minutes: `check`'s progress shows.
+    from cupyflash.__main__ import _Progress
+    jobs = _kernels.compile_jobs()
+    progress, plugins = _Progress(len(jobs), "kernels compiled"), request.config.pluginmanager
+
+    def shown(done, total, label):
+        with plugins.getplugin("capturemanager").global_and_fixture_disabled():
+            if done == 1:
+                plugins.getplugin("terminalreporter").write_line("")  # off the row of dots
+            progress(done, label)
+    results = _compile.compile_all(jobs, progress=shown)
     return {(arch, kernel.name): report for arch, kernel, report in results}
 
 

@@ -10,7 +10,7 @@ import time
 
 import numpy
 
-from . import __version__, _check, _compile, _config, _kernels, benchmark, reference
+from . import __version__, _check, _compile, _config, _kernels, benchmark, options, reference
 from ._arrays import SetupError, missing_cupy, missing_gpu, missing_nvrtc
 from ._check import Case
 
@@ -89,16 +89,16 @@ def info():
         print(nvrtc_hint)
     if hint:
         print(hint)
-        families = [forced] if forced else list(_config.TILES)
+        families = [forced] if forced else list(_config.FAMILIES)
         for family in families:
-            rows = [[hd, *(_tile_text(_config.Tile(hd, *_config.TILES[family][table][hd]), table)
+            rows = [[hd, *(_tile_text(_config.Tile(hd, *_config.TILES[_config.MMA_SYNC][family][table][hd]), table)
                            for table in _config.TABLES)] for hd in _config.HEADDIMS]
             print(f"\ntile table {family}{' (forced by CUPYFLASH_TILES)' if forced else ''}:")
             print(_table(_TILE_HEADERS, rows))
         return 0
     import cupy
-    from .interface import _device_info
-    device, cc, smem_limit = _device_info(cupy.cuda.Device().id)
+    from ._schedule import device_info
+    device, cc, smem_limit = device_info(cupy.cuda.Device().id)
     props = cupy.cuda.runtime.getDeviceProperties(device.id)
     family = forced or _config.family_of(cc)
     print(f"GPU {device.id}: {props['name'].decode()}  compute capability {cc[0]}.{cc[1]}  "
@@ -145,22 +145,22 @@ def _check_gpu():
 
 def _check_numpy():
     """The NumPy path of the public API against the tiled reference (to 1e-12), plain and with options."""
-    from .interface import flash_attn_backward, flash_attn_func
+    from .api import flash_attn_backward, flash_attn_func
     cases = [Case(sq, sk, d, "float16", causal, nheads=4, nheads_k=hk)
-             for (sq, sk), d, causal, hk in itertools.product([(1, 17), (113, 70), (70, 113)], (40, 128),
+             for (sq, sk), d, causal, hk in itertools.product([(1, 17), (113, 70), (70, 113)], (40, 59, 128),
                                                              (False, True), (4, 1))]
-    options = [dict(window=(9, 3)), dict(softcap=1.5), dict(alibi=True), dict(bias="heads"), dict(dropout_p=0.2),
-               dict(window=(20, -1), softcap=2.0, alibi=True, bias="full", dropout_p=0.1)]
-    cases += [Case(70, 113, 40, "float16", True, nheads=4, nheads_k=2, **o) for o in options]
+    # Every option (options.settings: one case each, and one with all of them).
+    cases += [Case(70, 113, 40, "float16", True, nheads=4, nheads_k=2, **spec) for spec in options.settings().values()]
     failures = 0
     progress = _Progress(len(cases), "NumPy cases")
     for i, case in enumerate(cases):
         inputs = _check.random_inputs(case, i)
         inputs.update({n: inputs[n].astype(numpy.float64) for n in ("q", "k", "v", "dout")})
         q, k, v, dout = (inputs[n] for n in ("q", "k", "v", "dout"))
-        kwargs = _check.options_of(case, inputs)
-        out, lse = flash_attn_func(q, k, v, causal=case.causal, return_lse=True, **kwargs)
-        grads = flash_attn_backward(dout, q, k, v, out, lse, causal=case.causal, **kwargs)
+        every = _check.options_of(case, inputs)
+        kwargs = {name: value for name, value in every.items() if options.by_name(name).reference}
+        out, lse = flash_attn_func(q, k, v, causal=case.causal, return_lse=True, **_check.forward_options(case, inputs))
+        grads = flash_attn_backward(dout, q, k, v, out, lse, causal=case.causal, **every)
         tiled_out, tiled_lse = reference.attention_forward_tiled(q, k, v, causal=case.causal, block_m=32, block_n=32,
                                                                  **kwargs)
         tiled_grads = reference.attention_backward_tiled(dout, q, k, v, tiled_out, tiled_lse, causal=case.causal,
@@ -187,14 +187,16 @@ def default_compile_jobs(jobs):
     primary = max((arch for arch, _ in jobs), key=int)
 
     def table(k):
-        return "bwd_extras" if k.pass_ == "bwd" and k.extras else k.pass_
+        return "bwd_options" if k.pass_ == "bwd" and k.options else k.pass_
 
     def native(arch, k):
-        family = _config.TILES.get(f"sm{arch}")
+        family = _config.TILES[_config.MMA_SYNC].get(f"sm{arch}")
         return family is not None and k.tile == _config.Tile(k.tile.headdim, *family[table(k)][k.tile.headdim])
 
     def heaviest_flags(k):
-        return k.local and not k.even_k and (k.extras or k.pass_ != "fwd")
+        # (a backward with options: the deterministic one, whose code holds the other's)
+        return k.local and not k.even_k and (k.options or k.pass_ != "fwd") and (k.deterministic or not (
+            k.pass_ == "bwd" and k.options))
 
     def keep(arch, k):
         if k.tile is None:

@@ -137,15 +137,15 @@ def test_default_check_compiles_a_small_set_covering_every_table_and_dtype():
     from cupyflash import _config, _kernels
     jobs = __main__.default_compile_jobs(_kernels.compile_jobs())
     assert len(jobs) <= 40
-    assert {arch for arch, _ in jobs} == set(_config.COMPILE_CHECKS)
+    assert {arch for arch, _ in jobs} == set(_config.COMPILE_CHECKS[_config.MMA_SYNC])
     assert {k.dtype for _, k in jobs} == set(_kernels.DTYPES)
     sm90 = [k for arch, k in jobs if arch == "90" and k.tile is not None]
     for table in _config.TABLES:  # every tile of sm_90's own tables
-        for hd, cfg in _config.TILES["sm90"][table].items():
-            extras = table == "bwd_extras" or None
+        for hd, cfg in _config.TILES[_config.MMA_SYNC]["sm90"][table].items():
+            with_options = table == "bwd_options" or None
             assert any(k.tile == _config.Tile(hd, *cfg) and k.pass_ == _config.kernel_pass(table)
-                       and (extras is None or k.extras) for k in sm90), (table, hd)
-    flags = {(k.local, k.even_k, k.extras) for k in sm90 if k.pass_ == "fwd"}
+                       and (with_options is None or k.options) for k in sm90), (table, hd)
+    flags = {(k.local, k.even_k, k.options) for k in sm90 if k.pass_ == "fwd"}
     assert len(flags) == 8
 
 

@@ -46,7 +46,7 @@ _SM90 = {
     },
     "bwd_options": {
         32: (64, 128, 8, 2),    # smaller than the plain tile, for the options' registers (not timed)
-        64: (64, 64, 8, 2),     # 64x128 spills with the options (one stage or two)
+        64: (128, 64, 8, 2),    # fastest clean candidate; 64x128 spills with the options
         96: (64, 64, 8, 2),     # the plain tile spills with the options
         128: (64, 64, 8, 2),    # the plain tile spills with the options
         160: (64, 64, 8, 1),    # the plain tile spills with the options

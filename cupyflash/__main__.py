@@ -307,7 +307,7 @@ def _parser():
     bench_parser.add_argument("--no-memory", action="store_true", help="skip the memory table (default: off)")
     bench_parser.add_argument("--memory-only", action="store_true", help="only the memory table (default: off)")
     bench_parser.add_argument("--options-only", action="store_true",
-                              help="only the attention options' table (window, softcap, ALiBi, bias, dropout, ...) "
+                              help="only the attention options' table (each option beside the plain kernel and a peer) "
                                    "(default: off)")
     return parser
 

@@ -100,7 +100,7 @@ class Result:
 def random_inputs(case, seed):
     """q, k, v, dout as float32 NumPy arrays whose values are exactly representable in case.dtype,
     and the case's option arrays (options.Option.example) and seed. (A 'heads' bias is representable
-    in case.dtype and reaches the kernels in that dtype; the others are float32.)"""
+    in case.dtype and reaches the kernels in that dtype: _in_q_dtype; the others are float32.)"""
     rng = numpy.random.default_rng(seed)
     b, sq, sk, h, hk, d = case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k, case.headdim
     shapes = {"q": (b, sq, h, d), "k": (b, sk, hk, d), "v": (b, sk, hk, d), "dout": (b, sq, h, d)}
@@ -119,9 +119,19 @@ def random_inputs(case, seed):
             inputs[name] = option.example(rng, sizes, setting)
         for needed in option.needs:
             inputs[needed] = options.by_name(needed).example(rng, sizes, None)
-    if case.setting("attn_bias") == "heads":
-        inputs["attn_bias"] = reference.round_to(inputs["attn_bias"], case.dtype)
+    for name in _in_q_dtype(case):
+        inputs[name] = reference.round_to(inputs[name], case.dtype)
     return inputs
+
+
+def _in_q_dtype(case):
+    """The case's arrays that reach the kernels in q's dtype: a differentiable option's (a bias) in
+    its 'heads' form, so 16-bit biases are covered; every other array is float32."""
+    return [name for name, setting in case.options if options.by_name(name).gradient and setting == "heads"]
+
+
+def _has_gradient(case):
+    return any(options.by_name(name).gradient for name, _ in case.options)
 
 
 def options_of(case, inputs):
@@ -159,8 +169,8 @@ def to_cupy_inputs(case, inputs):
     else:
         arrays = {name: cupy.asarray(inputs[name].astype(dtype)) for name in ("q", "k", "v", "dout")}
     for name, setting in case.options:
-        if options.by_name(name).kind == "array":  # float32, but a 'heads' bias in q's dtype
-            arrays[name] = cupy.asarray(inputs[name].astype(dtype if setting == "heads" else numpy.float32))
+        if options.by_name(name).kind == "array":
+            arrays[name] = cupy.asarray(inputs[name].astype(dtype if name in _in_q_dtype(case) else numpy.float32))
     return arrays
 
 
@@ -193,7 +203,7 @@ def _references(case, inputs, backward):
             lowp_grads = reference.attention_backward_varlen_lowp(dout, q, k, v, *cu, case.dtype, scale, case.causal,
                                                                   **kwargs)
         return (*ref, ref_grads), (*lowp, lowp_grads)
-    dbias = dict(return_dbias=True) if case.setting("attn_bias") else {}
+    dbias = dict(return_dbias=True) if _has_gradient(case) else {}
     ref = reference.attention_forward(q, k, v, scale, case.causal, **kwargs)
     lowp = reference.attention_forward_lowp(q, k, v, case.dtype, scale, case.causal, return_lse=True, **kwargs)
     ref_grads = lowp_grads = None
@@ -254,7 +264,7 @@ def run_gpu_case(case, seed, wrap=None, unwrap=None, backward=True):
         out, lse = flash_attn_func(q, k, v, scale, case.causal, return_lse=True, **forward)
         if backward:
             grads = flash_attn_backward(dout, q, k, v, out, lse, scale, case.causal,
-                                        return_dbias=bool(case.setting("attn_bias")), **backward_options)
+                                        return_dbias=_has_gradient(case), **backward_options)
     if grads is not None:
         grads = [_to_float64(unwrap(g)) for g in grads]
     return compare(case, inputs, _to_float64(unwrap(out)), _to_float64(unwrap(lse)), grads)

@@ -32,7 +32,7 @@ class Kernel:
     tile: Optional[_config.Tile] = None      # fwd and bwd only
     local: bool = False                      # causal or sliding window: each row sees a bounded key range
     even_k: bool = False                     # caller's head dim == tile head dim: no column bounds
-    options: bool = False                    # softcap, ALiBi, attn_bias, dropout (cuda_src/common/score.cuh)
+    options: bool = False                    # the score options and dropout (cuda_src/common/score.cuh)
     deterministic: bool = False              # bwd: dQ added in a fixed key-block order (requires options)
 
     def __post_init__(self):

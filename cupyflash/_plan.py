@@ -90,7 +90,7 @@ def _contiguous_strides(shape):
 def _launchable(caller, arrays):
     """(inputs as the plan takes them, whether any was copied). Views the kernels cannot read
     (16-bit tensors whose rows are not 16-byte aligned; row statistics and cu_seqlens that are not
-    contiguous; alibi_slopes or attn_bias not contiguous in their last dimension) are copied once,
+    contiguous; the options' arrays not contiguous in their last dimension) are copied once,
     which keeps them correct."""
     from .validate import check_last_dim_contiguous
     result, copied = {}, False
@@ -268,7 +268,7 @@ def _backward_plan(call, inputs, return_dbias):
     if not (call.local or kernel.options or varlen):  # the kernels that may split their last wave
         grid = _split_last_wave(kernel, call.caller.device(), shape, grid, params, outputs)
     if return_dbias:
-        finish = _add_dbias(call, params, outputs, inputs.get("attn_bias"))
+        finish = _add_dbias(call, params, outputs, inputs.get(options.DIFFERENTIABLE))
     row_grid = (-(-shape.seqlen_q // _kernels.ROW_KERNEL_ROWS), shape.nheads, shape.batch)
     launches = [_Launch(_kernels.Kernel("bwd_dot", call.dtype), row_grid),
                 _Launch(kernel, grid),

@@ -2,8 +2,8 @@
 
 Names, argument order and layout follow flash_attn's `flash_attn_func`: q is
 (batch, seqlen_q, nheads, headdim), k and v are (batch, seqlen_k, nheads_k, headdim).
-The options (window_size, softcap, ...) are keyword arguments declared in options.py; each
-function's signature and docstring list those it takes.
+The options are keyword arguments declared in options.py; each function's signature and
+docstring list those it takes.
 """
 
 import inspect
@@ -202,6 +202,6 @@ def _reference(call, arrays, return_dbias):
                                              **kwargs)
     result = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
     if return_dbias:
-        dbias, bias = grads[3], call.checked.get("attn_bias")
-        result += (None if dbias is None else dbias.astype(bias.dtype),)
+        bias = call.checked.get(options.DIFFERENTIABLE)
+        result += (None if grads[3] is None else grads[3].astype(bias.dtype),)
     return result

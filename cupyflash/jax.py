@@ -13,8 +13,8 @@ without a GPU (and float32/float64 inputs work there).
 
 Options (the core's, cupyflash.options): the pair, real and flag options are static (Python
 values, part of the trace, sent as custom call attributes); the array options, dropout_seed and the
-varlen cu_seqlens are operands (traced arrays). attn_bias gets a gradient (dbias), alibi_slopes a
-zero one.
+varlen cu_seqlens are operands (traced arrays). An array option with a gradient gets it, the
+others a zero cotangent.
 
 What goes through the host: the dropout seed and the cu_seqlens are read by the handler on the host
 (on the GPU a small device-to-host copy that waits for XLA's stream to reach the call), as the core
@@ -64,7 +64,7 @@ def _takes_options(varlen):
 
 @_takes_options(varlen=False)
 def flash_attn(q, k, v, softmax_scale=None, causal=False, **given):
-    """softmax(q k^T * softmax_scale) v for JAX arrays, differentiable in q, k, v and attn_bias.
+    """softmax(q k^T * softmax_scale) v for JAX arrays, differentiable in q, k, v and the bias.
 
     q is (batch, seqlen_q, nheads, headdim), k and v are (batch, seqlen_k, nheads_k, headdim),
     as in flash_attn's flash_attn_func; softmax_scale defaults to headdim ** -0.5; causal masking
@@ -72,10 +72,10 @@ def flash_attn(q, k, v, softmax_scale=None, causal=False, **given):
     q, k and v must be float16 or bfloat16; on the CPU any float type runs the NumPy reference.
 
     Options, as cupyflash.flash_attn_func takes them (cupyflash.options). Static (Python values
-    under jit): softmax_scale, causal, window_size, softcap, dropout_p, deterministic. Arrays:
-    alibi_slopes (no gradient: its cotangent is 0) and attn_bias, whose gradient is computed in
-    every backward (pass it only where it is wanted, or wrap it in jax.lax.stop_gradient and
-    accept the cost). dropout_seed, needed when dropout_p > 0: the Philox key of the dropout mask
+    under jit): softmax_scale, causal and the pair, real and flag options. Arrays: the array
+    options; one with a gradient gets it in every backward (pass it only where it is wanted, or wrap
+    it in jax.lax.stop_gradient and accept the cost), the others a zero cotangent.
+    dropout_seed, needed when dropout is on: the Philox key of the dropout mask
     (the backward uses the same), either a uint32 array of shape (2,) (low word, high word; e.g.
     jax.random.bits(key, (2,), jnp.uint32)): a traced operand, so a new seed each step does not
     retrace; or a Python int in [0, 2**64), which becomes a constant of the program. See the module
@@ -95,7 +95,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     cu_seqlens_q and cu_seqlens_k are int32 arrays of length batch + 1 (operands: they may change
     without a retrace; the handler checks their values on the host when the call runs);
     max_seqlen_q and max_seqlen_k are static ints at least every length. Options as in flash_attn
-    but those the varlen functions do not take (attn_bias); masks and ALiBi are per sequence.
+    but those the varlen functions do not take; masks are per sequence.
     """
     varlen = validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     static, operands = _prepare(q, k, v, softmax_scale, causal, given, "flash_attn_varlen", varlen)
@@ -105,7 +105,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 @_takes_options(varlen=False)
 def forward_with_lse(q, k, v, softmax_scale=None, causal=False, **given):
     """(out, lse) of the forward custom call, not differentiable: lse is (batch, nheads, seqlen_q)
-    float32. Options as in flash_attn (deterministic aside). For tests and for callers that merge
+    float32. Options as in flash_attn (the backward's have no effect). For tests and for callers that merge
     partial attention results."""
     static, operands = _prepare(q, k, v, softmax_scale, causal, given, "forward_with_lse")
     return _forward(q, k, v, operands, static)

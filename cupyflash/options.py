@@ -275,6 +275,7 @@ OPTIONS = (
            example=lambda rng, sizes, form: True, reference=False),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
+DIFFERENTIABLE = next(o.name for o in OPTIONS if o.gradient)  # the option whose gradient return_dbias asks for
 
 ORDER = "Order, as in the reference: s = q k^T * scale, then softcap, then + ALiBi + attn_bias, then the mask."
 

@@ -73,10 +73,10 @@ class Call:
     @property
     def local(self):
         """Whether rows see a bounded key range (causal or a window: the LOCAL kernels)."""
-        return self.on("window_size")
+        return self.needs("local")
 
     def needs(self, kernels):
-        """Whether an option that is on needs `kernels` ('score', 'dropout', 'deterministic')."""
+        """Whether an option that is on needs `kernels` (options.Option.kernels)."""
         return any(o.kernels == kernels and self.on(o.name) for o in options.OPTIONS if o.name in self.checked)
 
 

@@ -175,43 +175,6 @@ def _check_numpy():
     return failures
 
 
-def default_compile_jobs(jobs):
-    """The kernel variants a default `check` compiles without a GPU: a cold run stays under half a
-    minute on two cores, where the full sweep (`check --compile`, and the test suite) takes minutes.
-
-    They cover every code path the sweep does, once: on the newest arch (which builds every table),
-    one variant per tile of its own family's tables, so every head dim and block shape of each pass,
-    with the heaviest flags (local masking, column bounds, the options); every flag of one forward
-    tile; the other dtype once; the row kernels; and one variant per table for each older arch.
-    (What a user of a CPU-only machine runs is the NumPy reference: no kernel would be theirs.)"""
-    primary = max((arch for arch, _ in jobs), key=int)
-
-    def table(k):
-        return "bwd_options" if k.pass_ == "bwd" and k.options else k.pass_
-
-    def native(arch, k):
-        family = _config.TILES[_config.MMA_SYNC].get(f"sm{arch}")
-        return family is not None and k.tile == _config.Tile(k.tile.headdim, *family[table(k)][k.tile.headdim])
-
-    def heaviest_flags(k):
-        # (a backward with options: the deterministic one, whose code holds the other's)
-        return k.local and not k.even_k and (k.options or k.pass_ != "fwd") and (k.deterministic or not (
-            k.pass_ == "bwd" and k.options))
-
-    def keep(arch, k):
-        if k.tile is None:
-            return arch == primary
-        if not native(arch, k):
-            return False
-        first_dtype = k.dtype == _kernels.DTYPES[0]
-        if arch != primary:
-            return first_dtype and heaviest_flags(k) and k.tile.headdim == 128
-        sweep = k.pass_ == "fwd" and k.tile.headdim == 128
-        return (first_dtype and (heaviest_flags(k) or sweep)) or (sweep and heaviest_flags(k))
-
-    return [(arch, k) for arch, k in jobs if keep(arch, k)]
-
-
 def _check_compile(jobs, verbose):
     progress = _Progress(len(jobs), "kernels compiled")
     results = _compile.compile_all(jobs, progress=lambda done, total, label: progress(done, label))
@@ -234,7 +197,7 @@ def check(every_variant=False, verbose=False):
         status = _check_gpu()
         return status | _check_compile(_kernels.compile_jobs(), verbose) if every_variant else status
     every = _kernels.compile_jobs()
-    jobs = every if every_variant else default_compile_jobs(every)
+    jobs = every if every_variant else _kernels.representative_jobs(every)
     print(hint)
     print(f"Checking the NumPy path, then compiling {len(jobs)} kernel variants with NVRTC"
           f"{'' if every_variant else f' (a representative set; --compile builds all {len(every)})'}.")

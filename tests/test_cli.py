@@ -135,7 +135,7 @@ def test_a_driver_older_than_the_cupy_wheel_names_the_cuda12_extra(monkeypatch):
 
 def test_default_check_compiles_a_small_set_covering_every_table_and_dtype():
     from cupyflash import _config, _kernels
-    jobs = __main__.default_compile_jobs(_kernels.compile_jobs())
+    jobs = _kernels.representative_jobs(_kernels.compile_jobs())
     assert len(jobs) <= 40
     assert {arch for arch, _ in jobs} == set(_config.COMPILE_CHECKS[_config.MMA_SYNC])
     assert {k.dtype for _, k in jobs} == set(_kernels.DTYPES)

@@ -1,4 +1,4 @@
-"""Helpers shared by the test_reference*.py files (CPU tests of cupyflash/reference.py): random inputs,
+"""Helpers shared by the test_reference*.py files (CPU tests of the cupyflash/reference package): random inputs,
 relative errors, finite differences, the compact option specs and every reference call."""
 
 import numpy as np

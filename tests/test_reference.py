@@ -1,4 +1,4 @@
-"""CPU tests of the NumPy reference (cupyflash/reference.py): the tiled functions against the naive ones,
+"""CPU tests of the NumPy reference (the cupyflash/reference package): the tiled functions against the naive ones,
 both against the definition and finite differences, GQA, the causal mask's alignment, rows that
 see no key, the scale, input dtypes and shape checks.
 (The reference's CPU tests are split by concern: test_reference (naive against tiled and against the

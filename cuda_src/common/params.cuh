@@ -99,7 +99,7 @@ struct FlashParams {
     long long dbias_batch_stride;
     long long dbias_head_stride;
     long long dbias_row_stride;
-    long long dropout_seed;         // Philox key (cupyflash/reference.py has the same generator)
+    long long dropout_seed;         // Philox key (cupyflash/reference/philox.py has the same generator)
     long long dropout_keep_below;   // an element is kept iff its 32-bit random word is below this
     float dropout_scale;            // 1 / (1 - dropout_p); 0 disables dropout
     int* dq_semaphore;              // DETERMINISTIC backward: one zeroed counter per (batch, head, query block)

@@ -1,5 +1,5 @@
 // The score options: modifiers of the scores (softcap, ALiBi, an additive bias) and dropout of the
-// probabilities. The modifiers make the reference's transform (cupyflash/reference.py, scaled_scores)
+// probabilities. The modifiers make the reference's transform (cupyflash/reference/_common.py, scaled_scores)
 //     x = s * scale;   x = softcap * tanh(x / softcap);   x += alibi + attn_bias
 // on the raw score s = q . k itself, as x / scale: the kernels fold the scale into exp2 later.
 //
@@ -103,7 +103,7 @@ struct ScoreMods {
 };
 
 // Philox4x32-10 (Salmon et al., SC 2011): four random 32-bit words from a 128-bit counter and a
-// 64-bit key. cupyflash/reference.py implements the same function in NumPy.
+// 64-bit key. cupyflash/reference/philox.py implements the same function in NumPy.
 __device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned long long seed) {
     uint32 k0 = static_cast<uint32>(seed), k1 = static_cast<uint32>(seed >> 32);
 #pragma unroll

@@ -192,3 +192,9 @@ def test_check_command_numpy_path():
     equals the tiled reference."""
     from cupyflash import __main__
     assert __main__._check_numpy() == 0
+
+
+def test_a_bad_forced_tile_table_is_an_error_on_the_numpy_path_too(monkeypatch):
+    monkeypatch.setenv("CUPYFLASH_TILES", "bogus")
+    with pytest.raises(ValueError, match=r"CUPYFLASH_TILES must be one of .* got 'bogus'"):
+        flash_attn_func(*_qkv())

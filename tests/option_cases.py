@@ -34,6 +34,12 @@ GPU_CASES = [
                 deterministic=True),
 ]
 
+# The bitwise-repeatability cases of both adapters' deterministic backward.
+DETERMINISTIC_CASES = [Case(300, 300, 128, "bfloat16", True, nheads=8, nheads_k=2, deterministic=True, alibi_slopes=True,
+                            attn_bias="keys"),
+                       Case.packed((300, 17, 200), (300, 500, 17), 64, "float16", False, nheads=4, nheads_k=1,
+                                   deterministic=True)]
+
 # The shapes the matrix runs at: (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal).
 OPTION_SHAPES = [(2, 9, 11, 4, 2, 16, False), (2, 9, 11, 4, 2, 16, True),
                  (1, 11, 7, 2, 1, 8, True)]  # rows that see no key

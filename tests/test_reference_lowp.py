@@ -1,11 +1,7 @@
 """CPU tests of the reference's low-precision emulation (attention_*_lowp, round_to): rounding equals
 NumPy's and ml_dtypes' casts, the errors are small and ordered (float16 below bfloat16), with the
 options too, and every step of the score transform is rounded.
-(The reference's CPU tests are split by concern: test_reference (naive against tiled and against the
-definition, finite differences, causal, scale, shapes), test_reference_masks (window masks and
-block ranges), test_reference_options (softcap, ALiBi, attn_bias), test_reference_lowp (the
-low-precision emulation) and test_reference_variants (Philox dropout and varlen); helpers in
-reference_helpers.py.)
+(The reference's test files by concern: see test_reference.py.)
 """
 
 import numpy as np

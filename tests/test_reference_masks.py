@@ -1,10 +1,6 @@
 """CPU tests of the reference's masks: causal and window visibility (aligned bottom-right), windows at
 their limits, and the key/query block ranges the tiled functions (and the kernels) walk.
-(The reference's CPU tests are split by concern: test_reference (naive against tiled and against the
-definition, finite differences, causal, scale, shapes), test_reference_masks (window masks and
-block ranges), test_reference_options (softcap, ALiBi, attn_bias), test_reference_lowp (the
-low-precision emulation) and test_reference_variants (Philox dropout and varlen); helpers in
-reference_helpers.py.)
+(The reference's test files by concern: see test_reference.py.)
 """
 
 import numpy as np

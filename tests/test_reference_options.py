@@ -1,11 +1,7 @@
 """CPU tests of the reference's options (window_size, softcap, alibi_slopes, attn_bias): tiled against
 naive, the definition, finite differences (dbias included), their limits, rows a window leaves
 empty, return_dbias, and the argument checks.
-(The reference's CPU tests are split by concern: test_reference (naive against tiled and against the
-definition, finite differences, causal, scale, shapes), test_reference_masks (window masks and
-block ranges), test_reference_options (softcap, ALiBi, attn_bias), test_reference_lowp (the
-low-precision emulation) and test_reference_variants (Philox dropout and varlen); helpers in
-reference_helpers.py.)
+(The reference's test files by concern: see test_reference.py.)
 """
 
 import numpy as np

@@ -38,10 +38,7 @@ def test_gpu_dropout_follows_torch_manual_seed():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [Case(300, 300, 128, "bfloat16", True, nheads=8, nheads_k=2, deterministic=True,
-                                       alibi_slopes=True, attn_bias="keys"),
-                                  Case.packed((300, 17, 200), (300, 500, 17), 64, "float16", False, nheads=4,
-                                              nheads_k=1, deterministic=True)], ids=str)
+@pytest.mark.parametrize("case", option_cases.DETERMINISTIC_CASES, ids=str)
 def test_gpu_deterministic_backward_is_bitwise_repeatable(case):
     runs = [_run_gpu_case(case, seed=43)[1] for _ in range(3)]
     for name, *values in zip(RESULT_NAMES, *runs):

@@ -137,12 +137,12 @@ def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, re
     if call.caller.kind == "numpy":
         return _reference(call, arrays, return_dbias)
     if call.shape.headdim % 8:
-        return _padded_head_dim(call, arrays, given, function, return_dbias)
+        return _padded_head_dim(call, arrays, given, return_dbias)
     plan, inputs = _plan.new_plan(call, arrays, key, return_dbias)
     return plan.run(inputs, call.checked.get("seed"))
 
 
-def _padded_head_dim(call, arrays, given, function, return_dbias):
+def _padded_head_dim(call, arrays, given, return_dbias):
     """A GPU call at a head dim that is not a multiple of 8 (the kernels copy rows in 16-byte
     chunks): q, k, v (and dout, out) zero-padded to the next multiple of 8, which leaves every
     score and the lse unchanged; the scale stays the caller's head dim's; results are cut back."""

@@ -20,6 +20,8 @@ from .validate import MAX_GRID_YZ
 _plans = {}
 _MAX_PLANS = 4096  # shapes seen by one process; past this the cache starts afresh
 _TILE_INPUTS = ("q", "k", "v", "out", "dout")  # 16-bit tensors read by 16-byte cp.async
+# Options keyed by their type alone: arrays (keyed with the other arrays) and the seed (patched per call).
+_KEYED_BY_TYPE = frozenset(o.name for o in options.OPTIONS if o.kind in ("array", "seed"))
 
 
 def cached(key):
@@ -44,8 +46,7 @@ def plan_key(pass_, arrays, softmax_scale, causal, given, varlen, return_dbias=F
         key = [pass_, os.environ.get("CUPYFLASH_TILES"), type(softmax_scale), _hashable(softmax_scale),
                type(causal), causal, return_dbias]
         for name, value in given.items():
-            kind = options.by_name(name).kind
-            key += (name, type(value)) if kind in ("array", "seed") else (name, type(value), _hashable(value))
+            key += (name, type(value)) if name in _KEYED_BY_TYPE else (name, type(value), _hashable(value))
         if varlen is not None:
             key += (type(varlen.max_seqlen_q), _hashable(varlen.max_seqlen_q), type(varlen.max_seqlen_k),
                     _hashable(varlen.max_seqlen_k))

@@ -108,23 +108,25 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   softmax_scale, causal, **given)
 
 
-def _with_defaults(given, pass_, varlen, function):
-    """Every option of the function, as given or by default; TypeError for a name it does not take."""
-    taken = options.for_call(pass_, varlen is not None)
-    names = {o.name for o in taken}
-    for name in given:
-        if name not in names:
-            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
-    return {o.name: given.get(o.name, o.default) for o in taken}
+# Per (pass, varlen): the defaults of the options a function takes, and which of them are arrays
+# (worked out once: every call looks them up).
+_TAKEN = {(pass_, varlen): ({o.name: o.default for o in options.for_call(pass_, varlen)},
+                            tuple(o.name for o in options.for_call(pass_, varlen) if o.kind == "array"))
+          for pass_ in ("fwd", "bwd") for varlen in (False, True)}
 
 
 def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False):
     """One public call: the cached plan of its signature if there is one, else checks and a new plan."""
-    given = _with_defaults(given, pass_, varlen, function)
+    defaults, array_names = _TAKEN[pass_, varlen is not None]
+    for name in given:
+        if name not in defaults:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+    given = {**defaults, **given}
     if varlen is not None:
         arrays.update(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k)
-    arrays.update({name: value for name, value in given.items()
-                   if options.by_name(name).kind == "array" and value is not None})
+    for name in array_names:
+        if given[name] is not None:
+            arrays[name] = given[name]
     key = _plan.plan_key(pass_, arrays, softmax_scale, causal, given, varlen, return_dbias)
     plan = _plan.cached(key)
     if plan is not None:

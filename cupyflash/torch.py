@@ -122,7 +122,7 @@ class _Op:
             params.append(_parameter("return_dbias", bool, False))
         self.signature = inspect.Signature(params, return_annotation=returns)
         self.names = list(self.signature.parameters)
-        self.op = torch.library.custom_op(f"cupyflash::{name}", self._with_signature(self._run), mutates_args=())
+        self.op = torch.library.custom_op(f"cupyflash::{name}", self._with_signature(self.run), mutates_args=())
         self.op.register_fake(self._with_signature(self._fake))
 
     def _with_signature(self, method):
@@ -136,7 +136,8 @@ class _Op:
         bound.apply_defaults()
         return bound.arguments
 
-    def _run(self, a):
+    def run(self, a):
+        """The op's implementation on its bound arguments."""
         varlen = self.varlen
         arrays = [_to_core(a[n]) for n in (["dout", "q", "k", "v", "out", "lse"] if self.pass_ == "bwd" else
                                            ["q", "k", "v"])]
@@ -182,36 +183,81 @@ _varlen_backward = _Op("flash_attn_varlen_backward", "bwd", True, tuple[Tensor, 
 # cannot be silently wrong. alibi_slopes get no gradient (as in flash_attn); attn_bias gets dbias
 # when it requires grad (asked of the backward only then: it costs an extra accumulation).
 
-def _autograd(forward, backward):
-    """Registers `backward` (an _Op) as the gradient of `forward`: the backward op gets the forward's
-    tensors and options by name."""
-    tensors = [n for n in forward.names if n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
-    tensors += [o.name for o in options.OPTIONS if o.kind in ("array", "seed") and o.name in forward.names]
+class _Differentiable:
+    """A forward op and its backward op as one differentiable function. Called eagerly on plain
+    tensors it runs the ops' implementations under an autograd.Function (_Eager), without the
+    dispatcher, whose custom-op layers cost more host time than the kernels of a small call; where
+    torch.compile traces it, or functorch transforms or tensor subclasses (fake tensors) are about,
+    it calls the custom op, whose registered autograd is this same save and gradient."""
 
-    def setup_context(ctx, inputs, output):
-        arguments = dict(zip(forward.names, inputs))
-        bias = arguments.get("attn_bias")
+    def __init__(self, forward, backward):
+        self.forward, self.backward = forward, backward
+        # What the backward needs of the forward's arguments, saved as tensors (then out and lse).
+        self.tensors = [n for n in forward.names if n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
+        self.tensors += [o.name for o in options.OPTIONS if o.kind in ("array", "seed") and o.name in forward.names]
+        forward.op.register_autograd(self._gradient_of_op, setup_context=self.save)
+
+    def __call__(self, *args, **kwargs):
+        arguments = self.forward.bind(*args, **kwargs)
+        if _eager(arguments.values()):
+            return _Eager.apply(self, *arguments.values())
+        return self.forward.op(**arguments)
+
+    def save(self, ctx, inputs, output):
+        arguments = dict(zip(self.forward.names, inputs))
+        bias = arguments.get(options.DIFFERENTIABLE)
         ctx.return_dbias = bias is not None and bias.requires_grad
-        ctx.save_for_backward(*(arguments[n] for n in tensors), *output)
-        ctx.others = {n: v for n, v in arguments.items() if n not in tensors}
+        ctx.save_for_backward(*(arguments[n] for n in self.tensors), *output)
+        ctx.others = {n: v for n, v in arguments.items() if n not in self.tensors}
         ctx.mark_non_differentiable(output[1])
 
-    def gradient(ctx, dout, _dlse):
+    def backward_arguments(self, ctx, dout):
         *saved, out, lse = ctx.saved_tensors
-        arguments = dict(ctx.others, **dict(zip(tensors, saved)), dout=dout, out=out, lse=lse)
-        if "return_dbias" in backward.names:
+        arguments = dict(ctx.others, **dict(zip(self.tensors, saved)), dout=dout, out=out, lse=lse)
+        if "return_dbias" in self.backward.names:
             arguments["return_dbias"] = ctx.return_dbias
-        grads = backward.op(**{n: arguments[n] for n in backward.names})
-        by_input = dict(zip(("q", "k", "v"), grads[:3]))
+        return {n: arguments[n] for n in self.backward.names}
+
+    def by_input(self, ctx, grads):
+        """One gradient per forward argument: q, k, v's, the bias's when asked for, else None."""
+        by_name = dict(zip(("q", "k", "v"), grads[:3]))
         if ctx.return_dbias:
-            by_input["attn_bias"] = grads[3]
-        return tuple(by_input.get(n) for n in forward.names)  # one per forward argument
+            by_name[options.DIFFERENTIABLE] = grads[3]
+        return tuple(by_name.get(n) for n in self.forward.names)
 
-    forward.op.register_autograd(gradient, setup_context=setup_context)
+    def _gradient_of_op(self, ctx, dout, _dlse):
+        return self.by_input(ctx, self.backward.op(**self.backward_arguments(ctx, dout)))
 
 
-_autograd(_forward, _backward)
-_autograd(_varlen_forward, _varlen_backward)
+class _Eager(torch.autograd.Function):
+    """_Differentiable's eager path: the ops' implementations (_Op.run) with the ops' save and gradient."""
+
+    @staticmethod
+    def forward(ctx, differentiable, *inputs):
+        output = differentiable.forward.run(dict(zip(differentiable.forward.names, inputs)))
+        differentiable.save(ctx, inputs, output)
+        ctx.differentiable = differentiable
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        differentiable = ctx.differentiable
+        grads = differentiable.backward.run(differentiable.backward_arguments(ctx, dout))
+        return (None, *differentiable.by_input(ctx, grads))
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager(values):
+    """Whether a call may skip the dispatcher: not traced by torch.compile or a functorch transform,
+    and every tensor a plain one."""
+    return (not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+            and all(type(v) in _PLAIN_TENSORS for v in values if isinstance(v, torch.Tensor)))
+
+
+_attention = _Differentiable(_forward, _backward)
+_varlen_attention = _Differentiable(_varlen_forward, _varlen_backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,7 +336,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     arguments = _op_arguments(q, softmax_scale, causal, dict(
         dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         deterministic=deterministic, attn_bias=attn_bias))
-    out, lse = _forward.op(q, k, v, **arguments)
+    out, lse = _attention(q, k, v, **arguments)
     return _result(out, lse, return_attn_probs)
 
 
@@ -335,7 +381,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     arguments = _op_arguments(q, softmax_scale, causal, dict(
         dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         deterministic=deterministic), varlen=True)
-    out, lse = _varlen_forward.op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **arguments)
+    out, lse = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **arguments)
     return _result(out, lse, return_attn_probs)
 
 

@@ -1,6 +1,7 @@
 """cupyflash.torch, the torch.library custom ops themselves: opcheck (schema, fake implementations,
 autograd registration, AOT dispatch) with the options off and on, dense and varlen; fake tensors'
-shapes, dtypes and strides; gradcheck through the forward ops with every option.
+shapes, dtypes and strides; gradcheck through the forward ops with every option; the eager path that
+skips them gives what they give.
 (The test_torch_*.py files are split by concern; test_torch_autograd.py lists them.)
 """
 
@@ -112,3 +113,51 @@ def test_cpu_varlen_gradcheck():
                                                              0.3, torch.tensor(77), False)[0]
 
     assert torch.autograd.gradcheck(attention, [x.requires_grad_() for x in (q, k, v)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_calls_skip_the_dispatcher_and_match_the_custom_ops(device, monkeypatch):
+    """An eager drop-in call runs the ops' implementations under an autograd.Function, not the custom
+    ops (whose layers cost host time), and gives the same out, lse and gradients, the bias's and a
+    dropout mask drawn from the same torch seed included, dense and varlen."""
+    import cupyflash.torch as cft
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    shape = (2, 17, 29, 4, 2, 16, True)
+    q, k, v, dout = _inputs(shape, dtype, device, seed=7)
+    bias = torch.randn(4, 17, 29, dtype=torch.float64).to(device, dtype)
+    calls = {}
+    for op in (cft._forward, cft._varlen_forward):
+        monkeypatch.setattr(op, "op", _counting(op.op, calls, op))
+    cu = torch.tensor([0, 9, 17], dtype=torch.int32, device=device), torch.tensor([0, 20, 29], dtype=torch.int32,
+                                                                                   device=device)
+
+    def run(dense):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, bias)]
+        torch.manual_seed(3)
+        if dense:
+            out, lse, _ = cft.flash_attn_func(*leaves[:3], dropout_p=0.25, causal=True, softcap=2.0,
+                                              deterministic=True, return_attn_probs=True, attn_bias=leaves[3])
+        else:
+            out, lse, _ = cft.flash_attn_varlen_func(*(x[0] for x in leaves[:3]), *cu, 9, 20, dropout_p=0.25,
+                                                     causal=True, deterministic=True, return_attn_probs=True)
+            leaves = leaves[:3]
+        grads = torch.autograd.grad(out, leaves, dout if dense else dout[0])
+        return [out, lse, *grads]
+
+    for dense in (True, False):
+        calls.clear()
+        eager = run(dense)
+        assert not calls  # the eager path does not go through the custom ops
+        with monkeypatch.context() as forced:
+            forced.setattr(cft, "_eager", lambda values: False)
+            through_ops = run(dense)
+        assert sum(calls.values()) == 1
+        for name, x, y in zip(("out", "lse", "dq", "dk", "dv", "dbias"), eager, through_ops):
+            assert torch.equal(x, y), name
+
+
+def _counting(op, calls, key):
+    def counted(*args, **kwargs):
+        calls[key] = calls.get(key, 0) + 1
+        return op(*args, **kwargs)
+    return counted

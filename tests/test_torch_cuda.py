@@ -30,7 +30,8 @@ def test_gpu_options_match_reference(case):
 
 @pytest.mark.gpu
 def test_gpu_dropout_follows_torch_manual_seed():
-    case = Case(113, 200, 64, "bfloat16", True, nheads=4, nheads_k=2, dropout_p=0.2)
+    # deterministic: dq is repeatable bit for bit only when its adds come in a fixed order
+    case = Case(113, 200, 64, "bfloat16", True, nheads=4, nheads_k=2, dropout_p=0.2, deterministic=True)
     (_, first), (_, again), (_, other) = (_run_gpu_case(case, seed=42, torch_seed=s) for s in (1, 1, 2))
     for name, x, y, z in zip(RESULT_NAMES[:5], first, again, other):
         assert torch.equal(x, y), name  # the dropout mask and the deterministic parts are repeatable...

@@ -112,8 +112,8 @@ class _Op:
 
     def __init__(self, name, pass_, varlen, returns):
         self.pass_, self.varlen = pass_, varlen
-        leading = ["dout", "q", "k", "v", "out", "lse"] if pass_ == "bwd" else ["q", "k", "v"]
-        params = [_parameter(n, Tensor) for n in leading]
+        self.leading = ("dout", "q", "k", "v", "out", "lse") if pass_ == "bwd" else ("q", "k", "v")
+        params = [_parameter(n, Tensor) for n in self.leading]
         if varlen:
             params += [_parameter("cu_seqlens_q", Tensor), _parameter("cu_seqlens_k", Tensor),
                        _parameter("max_seqlen_q", int), _parameter("max_seqlen_k", int)]
@@ -139,8 +139,7 @@ class _Op:
     def run(self, a):
         """The op's implementation on its bound arguments."""
         varlen = self.varlen
-        arrays = [_to_core(a[n]) for n in (["dout", "q", "k", "v", "out", "lse"] if self.pass_ == "bwd" else
-                                           ["q", "k", "v"])]
+        arrays = [_to_core(a[n]) for n in self.leading]
         if varlen:
             arrays += [_to_core(a["cu_seqlens_q"]), _to_core(a["cu_seqlens_k"]), a["max_seqlen_q"], a["max_seqlen_k"]]
         opts = _core_options(a, self.pass_, varlen)
@@ -167,7 +166,7 @@ class _Op:
         grads = (_empty(q), _empty(a["k"]), _empty(a["v"]))
         if self.varlen:
             return grads
-        bias = a["attn_bias"]
+        bias = a[options.DIFFERENTIABLE]
         return (*grads, _empty(bias) if a["return_dbias"] and bias is not None else q.new_empty(0))
 
 

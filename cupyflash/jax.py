@@ -227,9 +227,11 @@ def _prepare(q, k, v, softmax_scale, causal, given, function, varlen=None):
                                  int(varlen.max_seqlen_k))
     shape = validate.check_qkv(q, k, v, varlen)
     dtype = numpy.dtype(q.dtype).name
+    # Options are checked as for a non-causal call: causal travels as an attribute of its own, and
+    # the handler's core call folds it in.
     call = validate.Call("bwd", _arrays.Caller("numpy", -1), shape, dtype,
-                         validate.check_scale(softmax_scale, shape.headdim), validate.check_flag("causal", causal),
-                         {}, varlen)
+                         validate.check_scale(softmax_scale, shape.headdim), False, {}, varlen)
+    causal = validate.check_flag("causal", causal)
     values = []
     for public, option in names.items():
         value = given.get(public, option.default)
@@ -241,12 +243,11 @@ def _prepare(q, k, v, softmax_scale, causal, given, function, varlen=None):
             if checked is not None:
                 operands[option.name] = checked
         else:
-            # causal is an attribute of its own: the window travels as given (checked).
-            values.append((option.name, options.window_bounds(False, value) if option.kind == "pair" else checked))
+            values.append((option.name, checked))
     for option in taken:
         if "seed" in option.needs and call.checked.get(option.name):
             operands["seed"] = _seed_operand(given.get(_PUBLIC_NAMES["seed"]))
-    static = _Static(call.scale, call.causal, tuple(values), tuple(name for name in operands),
+    static = _Static(call.scale, causal, tuple(values), tuple(name for name in operands),
                      None if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k))
     return static, operands
 

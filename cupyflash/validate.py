@@ -15,7 +15,6 @@ from . import _arrays, _config, options
 
 GPU_DTYPES = ("float16", "bfloat16")
 NUMPY_DTYPES = ("float16", "bfloat16", "float32", "float64")
-MAX_HEADDIM = 256
 MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions, which hold heads and batch entries
 
 check_flag = options.check_flag
@@ -168,8 +167,8 @@ def check_qkv(q, k, v, varlen=None, dtypes=NUMPY_DTYPES):
         raise ValueError(f"k has head dim {k.shape[-1]} but q has head dim {headdim}")
     if nheads % shape.nheads_k:
         raise ValueError(f"q's nheads ({nheads}) must be a multiple of k's nheads ({shape.nheads_k})")
-    if headdim > MAX_HEADDIM:
-        raise ValueError(f"head dim must be at most {MAX_HEADDIM}, got {headdim}")
+    if headdim > _config.MAX_HEADDIM:
+        raise ValueError(f"head dim must be at most {_config.MAX_HEADDIM}, got {headdim}")
     for name, array in (("q", q), ("k", k), ("v", v)):
         check_last_dim_contiguous(name, array)
     if shape.batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
@@ -203,14 +202,10 @@ def check_last_dim_contiguous(name, array):
                          f"(in elements)")
 
 
-def default_scale(headdim):
-    return headdim ** -0.5
-
-
 def check_scale(softmax_scale, headdim):
     """The softmax scale: headdim ** -0.5 by default (the caller's head dim), else a positive finite number."""
     if softmax_scale is None:
-        return default_scale(headdim)
+        return headdim ** -0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, numpy.number)):
         raise TypeError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
     scale = float(softmax_scale)

@@ -139,7 +139,8 @@ def options_of(case, inputs):
     with `inputs`' arrays and seed (any kind)."""
     result = {name: inputs[name] if options.by_name(name).kind == "array" else setting
               for name, setting in case.options}
-    result.update({name: inputs[name] for name in inputs if name in ("seed",)})
+    if "seed" in inputs:
+        result["seed"] = inputs["seed"]
     return result
 
 
@@ -168,9 +169,10 @@ def to_cupy_inputs(case, inputs):
             arrays[name][...] = cupy.asarray(inputs[name].astype(dtype))
     else:
         arrays = {name: cupy.asarray(inputs[name].astype(dtype)) for name in ("q", "k", "v", "dout")}
+    in_q_dtype = _in_q_dtype(case)
     for name, setting in case.options:
         if options.by_name(name).kind == "array":
-            arrays[name] = cupy.asarray(inputs[name].astype(dtype if name in _in_q_dtype(case) else numpy.float32))
+            arrays[name] = cupy.asarray(inputs[name].astype(dtype if name in in_q_dtype else numpy.float32))
     return arrays
 
 

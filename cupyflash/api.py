@@ -6,8 +6,6 @@ The options are keyword arguments declared in options.py; each function's signat
 docstring list those it takes.
 """
 
-import inspect
-
 from . import _plan, options, reference, validate
 from .validate import Varlen
 
@@ -16,12 +14,7 @@ def _takes_options(pass_, varlen=False):
     """Gives a public function the keyword options of its pass (options.for_call) in its signature
     and docstring; the function takes them as **given and passes them to _call."""
     def decorate(function):
-        own = inspect.signature(function)
-        params = [p for p in own.parameters.values() if p.kind != p.VAR_KEYWORD]
-        first_keyword = next((i for i, p in enumerate(params) if p.kind == p.KEYWORD_ONLY), len(params))
-        added = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default)
-                 for o in options.for_call(pass_, varlen)]
-        function.__signature__ = own.replace(parameters=params[:first_keyword] + added + params[first_keyword:])
+        options.add_to_signature(function, options.for_call(pass_, varlen))
         function.__doc__ += options.doc(pass_, varlen)
         return function
     return decorate

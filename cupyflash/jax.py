@@ -27,7 +27,6 @@ smaller XLA_PYTHON_CLIENT_MEM_FRACTION) leaves CuPy more.
 
 import dataclasses
 import functools
-import inspect
 import numbers
 
 import jax
@@ -53,11 +52,7 @@ def _takes_options(varlen):
     """Gives a function the keyword options of cupyflash.options in its signature (every option of
     either pass: the custom_vjp's backward uses the forward's)."""
     def decorate(function):
-        own = inspect.signature(function)
-        params = [p for p in own.parameters.values() if p.kind != p.VAR_KEYWORD]
-        taken = options.for_call("bwd", varlen)
-        params += [inspect.Parameter(_public_name(o), inspect.Parameter.KEYWORD_ONLY, default=o.default) for o in taken]
-        function.__signature__ = own.replace(parameters=params)
+        options.add_to_signature(function, options.for_call("bwd", varlen), _public_name)
         return function
     return decorate
 

@@ -20,6 +20,7 @@ Kinds, and how each travels:
 """
 
 import dataclasses
+import inspect
 import math
 import numbers
 import operator
@@ -63,6 +64,16 @@ def for_call(pass_, varlen=False):
 
 def by_name(name):
     return _BY_NAME[name]
+
+
+def add_to_signature(function, taken, public_name=lambda option: option.name):
+    """Gives `function` (which takes the options as **given) the options `taken` as keyword-only
+    parameters of its signature, before its own keyword-only ones."""
+    own = inspect.signature(function)
+    params = [p for p in own.parameters.values() if p.kind != p.VAR_KEYWORD]
+    first_keyword = next((i for i, p in enumerate(params) if p.kind == p.KEYWORD_ONLY), len(params))
+    added = [inspect.Parameter(public_name(o), inspect.Parameter.KEYWORD_ONLY, default=o.default) for o in taken]
+    function.__signature__ = own.replace(parameters=params[:first_keyword] + added + params[first_keyword:])
 
 
 def settings(varlen=False, every_form=True):

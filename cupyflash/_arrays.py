@@ -167,6 +167,14 @@ class Caller:
         import cupy
         return cupy.cuda.get_current_stream().ptr
 
+    def capturing(self):
+        """Whether the stream of stream_pointer() is capturing a CUDA graph."""
+        if self.allocates_with_torch:
+            import torch
+            return torch.cuda.is_current_stream_capturing()
+        import cupy
+        return cupy.cuda.get_current_stream().is_capturing()
+
     def empty(self, shape, dtype):
         """A new uninitialised GPU array (torch's allocator for torch callers, CuPy's otherwise)."""
         if self.allocates_with_torch:

@@ -20,6 +20,7 @@ from .validate import MAX_GRID_YZ
 _plans = {}
 _MAX_PLANS = 4096  # shapes seen by one process; past this the cache starts afresh
 _TILE_INPUTS = ("q", "k", "v", "out", "dout")  # 16-bit tensors read by 16-byte cp.async
+_FIELDS = {"seed": "dropout_seed_device"}  # inputs whose FlashParams field has another name
 # Options keyed by their type alone: arrays (keyed with the other arrays) and the seed (patched per call).
 _KEYED_BY_TYPE = frozenset(o.name for o in options.OPTIONS if o.kind in ("array", "seed"))
 
@@ -77,7 +78,11 @@ def new_plan(call, arrays, key, return_dbias=False):
 
 def _alignment(name, array):
     """The byte alignment the kernels need of an input's address."""
-    return 16 if name in _TILE_INPUTS else array.element_size() if hasattr(array, "element_size") else array.itemsize
+    if name in _TILE_INPUTS:
+        return 16
+    if name == "seed":
+        return 8  # read as one 64-bit word
+    return array.element_size() if hasattr(array, "element_size") else array.itemsize
 
 
 def _contiguous_strides(shape):
@@ -102,7 +107,7 @@ def _launchable(caller, arrays):
         if name in _TILE_INPUTS:
             check_last_dim_contiguous(name, array)  # JAX and other producers show their strides only now
             ok = aligned and all(s * 2 % 16 == 0 for s in strides[:-1])
-        elif name in ("lse", "cu_seqlens_q", "cu_seqlens_k"):
+        elif name in ("lse", "cu_seqlens_q", "cu_seqlens_k", "seed"):
             ok = aligned and strides == _contiguous_strides(array.shape)
         else:  # the options' arrays
             ok = aligned and (array.shape[-1] == 1 or strides[-1] == 1)
@@ -134,10 +139,11 @@ class _Output:
 class Plan:
     """The launches of one call signature, with the parameter block ready but for its pointers.
 
-    `run(arrays, seed)` allocates the outputs, writes the inputs' and outputs' addresses (and the
-    dropout seed) into the block, launches every kernel on the caller's stream and returns
-    `finish(outputs)`; it returns None when an input's address is not aligned as the kernels need
-    (then the caller's slow path copies it)."""
+    `run(arrays, seed, into, stream)` allocates the outputs (but those `into` gives as addresses),
+    writes the inputs' (arrays or addresses) and outputs' addresses (and an int dropout seed; a
+    seed array is an input) into the block, launches every kernel on `stream` (the caller's current
+    one by default) and returns `finish(outputs)`; it returns None when an input's address is not
+    aligned as the kernels need (then the caller's slow path copies it)."""
 
     def __init__(self, caller, params, inputs, outputs, launches, finish):
         self.caller = caller
@@ -149,28 +155,31 @@ class Plan:
             self.launches = [(load(l.kernel, caller.device()).kernel.ptr, l.grid, l.kernel.threads,
                               l.kernel.smem_bytes) for l in launches if 0 not in l.grid]
         self.words = params.view(numpy.uint64)
-        slot = lambda name: params.dtype.fields[name][1] // 8  # noqa: E731
+        slot = lambda name: params.dtype.fields[_FIELDS.get(name, name)][1] // 8  # noqa: E731
         self.slots = numpy.array([slot(name) for name, _ in self.inputs] + [slot(o.name) for o in outputs])
-        self.seed_slot = slot("dropout_seed") if params["dropout_scale"][0] != 0 else None
+        dropout = params["dropout_scale"][0] != 0
+        self.seed_slot = slot("dropout_seed") if dropout and "seed" not in inputs else None
         self.argv = numpy.array([self.words.ctypes.data], numpy.uint64)  # the kernels' one argument
         self.argv_address = self.argv.ctypes.data
         self.lock = threading.Lock()
 
-    def run(self, arrays, seed):
+    def run(self, arrays, seed, into=None, stream=None):
         import cupy
         caller = self.caller
         pointers = []
         for name, alignment in self.inputs:
-            pointer = caller.data_pointer(arrays[name])
+            array = arrays[name]
+            pointer = array if type(array) is int else caller.data_pointer(array)
             if pointer % alignment:
                 return None
             pointers.append(pointer)
         if self.seed_slot is not None and not (isinstance(seed, (int, numpy.integer)) and 0 <= seed < 2 ** 64):
             return None  # the slow path names the bad seed
         with caller.device():
-            outputs = {o.name: (caller.zeros if o.zeroed else caller.empty)(o.shape, o.dtype) for o in self.outputs}
-            pointers += [caller.data_pointer(a) for a in outputs.values()]
-            stream = caller.stream_pointer()
+            outputs = {o.name: into[o.name] if into and o.name in into else
+                       (caller.zeros if o.zeroed else caller.empty)(o.shape, o.dtype) for o in self.outputs}
+            pointers += [a if type(a) is int else caller.data_pointer(a) for a in outputs.values()]
+            stream = caller.stream_pointer() if stream is None else stream
             with self.lock:  # the launch copies the parameter block, so it is free again after it
                 self.words[self.slots] = pointers
                 if self.seed_slot is not None:
@@ -194,7 +203,8 @@ def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0):
     dq_accum_rows = _dq_accum_rows(shape)
     dq_accum_strides = (0, dq_accum_rows) if shape.varlen else (shape.nheads * dq_accum_rows, dq_accum_rows)
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
-                  seqlen_k=shape.seqlen_k, headdim=shape.headdim, headdim_padded=tile.headdim,
+                  seqlen_k=shape.seqlen_k, total_q=shape.total_q, total_k=shape.total_k,
+                  headdim=shape.headdim, headdim_padded=tile.headdim,
                   block_major=int(block_major), softmax_scale=scale, scale_log2=scale * math.log2(math.e),
                   stats_batch_stride=stats_strides[0], stats_head_stride=stats_strides[1],
                   dq_accum_batch_stride=dq_accum_strides[0], dq_accum_head_stride=dq_accum_strides[1],

@@ -108,8 +108,11 @@ _TAKEN = {(pass_, varlen): ({o.name: o.default for o in options.for_call(pass_, 
           for pass_ in ("fwd", "bwd") for varlen in (False, True)}
 
 
-def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False):
-    """One public call: the cached plan of its signature if there is one, else checks and a new plan."""
+def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False, into=None):
+    """One public call: the cached plan of its signature if there is one, else checks and a new plan.
+    `into` maps result names (out, lse; dq, dk, dv) to device addresses the kernels write instead of
+    new arrays (JAX's result buffers); those results come back as the addresses. A head dim that is
+    not a multiple of 8 ignores it (its results are cut from padded ones)."""
     defaults, array_names = _TAKEN[pass_, varlen is not None]
     for name in given:
         if name not in defaults:
@@ -120,12 +123,14 @@ def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, re
     for name in array_names:
         if given[name] is not None:
             arrays[name] = given[name]
+    if options.is_seed_array(given.get("seed")):
+        arrays["seed"] = given["seed"]  # read by the kernels on the device
     key = _plan.plan_key(pass_, arrays, softmax_scale, causal, given, varlen, return_dbias)
     plan = _plan.cached(key)
     if plan is not None:
         if varlen is not None:
             validate.check_varlen_values(varlen, arrays, plan.caller)  # their values change from call to call
-        result = plan.run(arrays, given.get("seed"))
+        result = plan.run(arrays, given.get("seed"), into)
         if result is not None:
             return result
     call = validate.check_call(pass_, arrays, softmax_scale, causal, given, varlen)
@@ -134,7 +139,7 @@ def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, re
     if call.shape.headdim % 8:
         return _padded_head_dim(call, arrays, given, return_dbias)
     plan, inputs = _plan.new_plan(call, arrays, key, return_dbias)
-    return plan.run(inputs, call.checked.get("seed"))
+    return plan.run(inputs, call.checked.get("seed"), into)
 
 
 def _padded_head_dim(call, arrays, given, return_dbias):

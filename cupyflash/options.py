@@ -216,11 +216,28 @@ def _check_seed(seed, call):
     return check_seed(seed, dropout_p) if dropout_p else None
 
 
+SEED_ARRAY = "a uint32 array of shape (2,) (low word, high word) or an int64 or uint64 array of one element"
+
+
+def is_seed_array(seed):
+    return hasattr(seed, "shape") and hasattr(seed, "dtype")
+
+
 def check_seed(seed, dropout_p):
-    """seed as a Python int in [0, 2**64), for a call with dropout_p > 0."""
+    """seed as a Python int in [0, 2**64), for a call with dropout_p > 0; or an array holding its
+    8 bytes, which the kernels read on the device (so a CUDA graph's replays can draw new seeds):
+    a GPU array as it is, a NumPy array as the int it holds."""
     if seed is None:
         raise ValueError(f"seed is required when dropout_p > 0 (dropout_p={dropout_p!r}): "
-                         f"pass an integer in [0, 2**64)")
+                         f"pass an integer in [0, 2**64) or {SEED_ARRAY}")
+    if is_seed_array(seed):
+        dtype, shape = _arrays.dtype_name(seed), tuple(seed.shape)
+        if not ((dtype == "uint32" and shape == (2,)) or (dtype in ("int64", "uint64") and shape in ((), (1,)))):
+            raise TypeError(f"seed must be an integer in [0, 2**64) or {SEED_ARRAY}; got an array of dtype {dtype} and "
+                            f"shape {shape}")
+        if isinstance(seed, numpy.ndarray):
+            return int(numpy.ascontiguousarray(seed).reshape(-1).view(numpy.uint64)[0])
+        return seed
     if isinstance(seed, (bool, numpy.bool_)) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2 ** 64:
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     return int(seed)
@@ -277,8 +294,10 @@ OPTIONS = (
            "probability of dropping an attention probability, in [0, 1); needs `seed`",
            check_dropout_p, _fill_dropout, kernels="dropout", needs=("seed",), example=lambda rng, sizes, form: 0.17),
     Option("seed", "seed", None,
-           "an int in [0, 2**64): the Philox key of the dropout mask. The backward must get the same seed, "
-           "and regenerates the mask instead of storing it.",
+           "an int in [0, 2**64), or an array on q's device holding its 8 bytes (uint32 (2,): low word, high "
+           "word; or int64 of one element), read by the kernels so that a CUDA graph's replays can use new "
+           "seeds: the Philox key of the dropout mask. The backward must get the same seed, and regenerates "
+           "the mask instead of storing it.",
            _check_seed, example=lambda rng, sizes, form: int(rng.integers(0, 2 ** 63)) * 2 + 1),
     Option("deterministic", "flag", False,
            "the backward adds dq in a fixed order: bitwise reproducible (the default adds by atomics)",

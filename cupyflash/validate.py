@@ -5,9 +5,11 @@ The rules are the same on every path; only the dtypes of q, k, v differ (the ker
 and bfloat16, the NumPy reference also float32 and float64).
 """
 
+import contextlib
 import dataclasses
 import math
 import numbers
+import threading
 
 import numpy
 
@@ -247,9 +249,34 @@ def check_varlen_shapes(q, k, varlen):
             raise ValueError(f"max_seqlen_{side} must be an int >= 0 (the longest sequence), got {value!r}")
 
 
+_host_sync = threading.local()
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """A context in which GPU calls never wait on the host for device values: the varlen
+    cu_seqlens are not read and checked there. The kernels clamp each sequence into the packed
+    arrays and to max_seqlen, so values that would fail the check give wrong rows, never an access
+    outside the buffers. Capturing a CUDA graph implies it (a capture cannot read device memory)."""
+    before = getattr(_host_sync, "off", False)
+    _host_sync.off = True
+    try:
+        yield
+    finally:
+        _host_sync.off = before
+
+
+def reads_device_values(caller):
+    """Whether a call may read device values on the host (not under no_host_sync or a graph capture)."""
+    return caller.kind == "numpy" or not (getattr(_host_sync, "off", False) or caller.capturing())
+
+
 def check_varlen_values(varlen, arrays, caller):
     """cu_seqlens read on the host (a GPU array waits for the work that computes it): each
-    non-decreasing from 0 to its packed total, max_seqlen at least every length."""
+    non-decreasing from 0 to its packed total, max_seqlen at least every length. Skipped where
+    reads_device_values says no."""
+    if not reads_device_values(caller):
+        return
     for side in ("q", "k"):
         host = _arrays.to_host(getattr(varlen, f"cu_seqlens_{side}"), caller)
         check_cu_seqlens(f"cu_seqlens_{side}", host, None, arrays[side].shape[0])

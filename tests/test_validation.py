@@ -124,6 +124,9 @@ def test_mixed_kinds_are_refused():
     (dict(dropout_p=-0.1, seed=1), ValueError, r"dropout_p must be"),
     (dict(dropout_p=0.1), ValueError, r"seed is required when dropout_p > 0"),
     (dict(dropout_p=0.1, seed=-3), ValueError, r"seed must be .* got -3"),
+    (dict(dropout_p=0.1, seed=numpy.zeros(2, numpy.int32)), TypeError,
+     r"seed must be an integer in \[0, 2\*\*64\) or a uint32 array of shape \(2,\) .* got an array of dtype int32 and shape \(2,\)"),
+    (dict(dropout_p=0.1, seed=numpy.zeros(3, numpy.uint32)), TypeError, r"seed must be .* got an array of dtype uint32 and shape \(3,\)"),
     (dict(attn_bias=numpy.ones((2, 4, 17, 22), numpy.float32)), ValueError,
      r"attn_bias must broadcast from .* = \(2, 4, 17, 23\), got shape \(2, 4, 17, 22\)"),
     (dict(attn_bias=numpy.ones((3, 1, 17, 23), numpy.float32)), ValueError, r"attn_bias must broadcast"),
@@ -133,6 +136,16 @@ def test_mixed_kinds_are_refused():
 def test_bad_options(options, error, message):
     with pytest.raises(error, match=message):
         flash_attn_func(*_qkv(), **options)
+
+
+def test_a_seed_array_holds_the_seeds_eight_bytes():
+    q, k, v = _qkv()
+    seed = 0x0123456789ABCDEF
+    want = flash_attn_func(q, k, v, dropout_p=0.3, seed=seed)
+    for array in (numpy.array([seed & 0xFFFFFFFF, seed >> 32], numpy.uint32), numpy.array([seed], numpy.int64),
+                  numpy.array(seed, numpy.uint64)):
+        numpy.testing.assert_array_equal(flash_attn_func(q, k, v, dropout_p=0.3, seed=array), want)
+    assert not numpy.array_equal(flash_attn_func(q, k, v, dropout_p=0.3, seed=seed + 1), want)
 
 
 def test_backward_checks_deterministic_and_return_dbias():

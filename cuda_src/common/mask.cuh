@@ -18,10 +18,10 @@ struct Sequence {
         if (p.cu_seqlens_q == nullptr) {
             seqlen_q = p.seqlen_q; seqlen_k = p.seqlen_k; first_row_q = 0; first_row_k = 0;
         } else {
-            first_row_q = p.cu_seqlens_q[batch];
-            first_row_k = p.cu_seqlens_k[batch];
-            seqlen_q = p.cu_seqlens_q[batch + 1] - first_row_q;
-            seqlen_k = p.cu_seqlens_k[batch + 1] - first_row_k;
+            first_row_q = min(max(p.cu_seqlens_q[batch], 0), p.total_q);
+            first_row_k = min(max(p.cu_seqlens_k[batch], 0), p.total_k);
+            seqlen_q = min(min(max(p.cu_seqlens_q[batch + 1], first_row_q), p.total_q) - first_row_q, p.seqlen_q);
+            seqlen_k = min(min(max(p.cu_seqlens_k[batch + 1], first_row_k), p.total_k) - first_row_k, p.seqlen_k);
         }
     }
     __device__ __forceinline__ int diagonal(int row) const { return row + seqlen_k - seqlen_q; }

@@ -76,8 +76,12 @@ struct FlashParams {
 
     // Variable-length batches: when set, sequence b is rows [cu[b], cu[b + 1]) of the packed
     // tensors (whose batch strides are then 0), and seqlen_q / seqlen_k above are the maxima.
+    // The kernels clamp each sequence into [0, total) and to the maxima, so that cu_seqlens not
+    // checked on the host (CUDA-graph capture, JAX) cannot send them outside the buffers.
     const int* cu_seqlens_q;
     const int* cu_seqlens_k;
+    int total_q;                    // packed rows of q and k
+    int total_k;
 
     // Sliding window, read by the LOCAL kernels: row i sees keys [i + seqlen_k - seqlen_q - left,
     // i + seqlen_k - seqlen_q + right]. Causal is right = 0; an unbounded side is 1 << 30.
@@ -100,6 +104,7 @@ struct FlashParams {
     long long dbias_head_stride;
     long long dbias_row_stride;
     long long dropout_seed;         // Philox key (cupyflash/reference/philox.py has the same generator)
+    const void* dropout_seed_device; // when set, the key is read from here (8 bytes), so a graph replay sees a new one
     long long dropout_keep_below;   // an element is kept iff its 32-bit random word is below this
     float dropout_scale;            // 1 / (1 - dropout_p); 0 disables dropout
     int* dq_semaphore;              // DETERMINISTIC backward: one zeroed counter per (batch, head, query block)

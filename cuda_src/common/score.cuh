@@ -123,8 +123,10 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned long long seed)
 // sits at (row + 8 * (e / 2), col + e % 2), with row % 16 < 8 and col even. One Philox call per
 // tile element group, counter (col, row, batch * nheads + head, 0); word e decides element e.
 __device__ __forceinline__ uint32 dropout_keep_bits(const FlashParams& p, int batch, int head, int row, int col) {
-    const uint4 r = philox4x32_10(make_uint4(col, row, batch * p.nheads + head, 0),
-                                  static_cast<unsigned long long>(p.dropout_seed));
+    const unsigned long long key = p.dropout_seed_device == nullptr
+        ? static_cast<unsigned long long>(p.dropout_seed)
+        : __ldg(static_cast<const unsigned long long*>(p.dropout_seed_device));
+    const uint4 r = philox4x32_10(make_uint4(col, row, batch * p.nheads + head, 0), key);
     const uint32 below = static_cast<uint32>(p.dropout_keep_below);  // at most 2^32 - 1
     return (r.x < below) | (r.y < below) << 1 | (r.z < below) << 2 | (r.w < below) << 3;
 }

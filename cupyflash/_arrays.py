@@ -175,6 +175,18 @@ class Caller:
         import cupy
         return cupy.cuda.get_current_stream().is_capturing()
 
+    def allocator(self, shape, dtype, zeroed=False):
+        """A function of no arguments that returns a new array as empty() (zeros() if zeroed) would:
+        the dtype and device are resolved once, for launch plans that allocate on every call."""
+        import functools
+        if self.allocates_with_torch:
+            import torch
+            make = torch.zeros if zeroed else torch.empty
+            return functools.partial(make, shape, dtype=getattr(torch, dtype), device=torch.device("cuda", self.device_id))
+        import cupy
+        make = cupy.zeros if zeroed else cupy.empty
+        return functools.partial(make, shape, bfloat16_dtype() if dtype == "bfloat16" else numpy.dtype(dtype))
+
     def empty(self, shape, dtype):
         """A new uninitialised GPU array (torch's allocator for torch callers, CuPy's otherwise)."""
         if self.allocates_with_torch:

@@ -6,6 +6,7 @@ So a plan is cached under exactly those: a repeated call costs its output alloca
 patch and the launches (at seqlen 1k a kernel runs for tens of microseconds, so the host must not).
 """
 
+import ctypes
 import dataclasses
 import math
 import os
@@ -54,14 +55,14 @@ def plan_key(pass_, arrays, softmax_scale, causal, given, varlen, return_dbias=F
     except TypeError:
         return None
     for name, array in arrays.items():
-        kind = _arrays.kind_of_type(type(array))
+        cls = type(array)
+        kind = _arrays.kind_of_type(cls)
         if kind == "torch":
-            key += (name, array.shape, array.stride(), array.dtype, array.device)
+            key += (name, cls, array.shape, array.stride(), array.dtype, array.get_device())
         elif kind == "cupy":
-            key += (name, array.shape, array.strides, array.dtype, array.device.id)
+            key += (name, cls, array.shape, array.strides, array.dtype, array.data.device_id)
         else:
             return None
-        key.append(type(array))
     return tuple(key)
 
 
@@ -130,10 +131,18 @@ class _Launch:
 
 @dataclasses.dataclass(frozen=True)
 class _Output:
-    name: str           # its FlashParams field
+    name: str             # its FlashParams field
     shape: tuple
     dtype: str
     zeroed: bool = False
+    scratch: bool = False  # read by the kernels alone: carved from one workspace per call
+
+    @property
+    def nbytes(self):  # of scratch, which is never bfloat16 (NumPy has no name for that)
+        return math.prod(self.shape) * numpy.dtype(self.dtype).itemsize
+
+
+_SCRATCH_ALIGNMENT = 256
 
 
 class Plan:
@@ -146,25 +155,40 @@ class Plan:
     aligned as the kernels need (then the caller's slow path copies it)."""
 
     def __init__(self, caller, params, inputs, outputs, launches, finish):
-        self.caller = caller
+        import cupy
+        self.caller, self.device_id, self.finish = caller, caller.device_id, finish
+        self.hands_back = caller.kind not in ("torch", "cupy")  # results go back through give_back
         self.inputs = [(name, _alignment(name, array)) for name, array in inputs.items()]
-        self.outputs = outputs
-        self.finish = finish
         self.kernels = [l.kernel for l in launches]
         with caller.device():  # a kernel's CUfunction belongs to the device current when it is loaded
-            self.launches = [(load(l.kernel, caller.device()).kernel.ptr, l.grid, l.kernel.threads,
+            self.launches = [(load(l.kernel, caller.device()).kernel.ptr, *l.grid, l.kernel.threads,
                               l.kernel.smem_bytes) for l in launches if 0 not in l.grid]
-        self.words = params.view(numpy.uint64)
+        self.launch_kernel, self.get_device = cupy.cuda.driver.launchKernel, cupy.cuda.runtime.getDevice
+        self.words = (ctypes.c_uint64 * (params.nbytes // 8)).from_buffer(params)
+        self.params = params  # owns the words
         slot = lambda name: params.dtype.fields[_FIELDS.get(name, name)][1] // 8  # noqa: E731
-        self.slots = numpy.array([slot(name) for name, _ in self.inputs] + [slot(o.name) for o in outputs])
+        self.input_slots = [slot(name) for name, _ in self.inputs]
+        # Results: (name, slot, allocator). Scratch: per workspace (plain, zeroed), its allocator and
+        # (slot, byte offset) of each buffer in it.
+        self.results = [(o.name, slot(o.name), caller.allocator(o.shape, o.dtype, o.zeroed))
+                        for o in outputs if not o.scratch]
+        self.workspaces = []
+        for zeroed in (False, True):
+            offsets, size = [], 0
+            for o in outputs:
+                if o.scratch and o.zeroed == zeroed:
+                    offsets.append((slot(o.name), size))
+                    size += -(-o.nbytes // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT
+            if offsets:
+                self.workspaces.append((caller.allocator((size,), "uint8", zeroed), offsets))
         dropout = params["dropout_scale"][0] != 0
         self.seed_slot = slot("dropout_seed") if dropout and "seed" not in inputs else None
-        self.argv = numpy.array([self.words.ctypes.data], numpy.uint64)  # the kernels' one argument
-        self.argv_address = self.argv.ctypes.data
+        self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.words))  # the kernels' one argument
+        self.argv_address = ctypes.addressof(self.argv)
         self.lock = threading.Lock()
+        self.kept = []  # scratch of CuPy graph captures, which replays still write
 
     def run(self, arrays, seed, into=None, stream=None):
-        import cupy
         caller = self.caller
         pointers = []
         for name, alignment in self.inputs:
@@ -175,19 +199,39 @@ class Plan:
             pointers.append(pointer)
         if self.seed_slot is not None and not (isinstance(seed, (int, numpy.integer)) and 0 <= seed < 2 ** 64):
             return None  # the slow path names the bad seed
-        with caller.device():
-            outputs = {o.name: into[o.name] if into and o.name in into else
-                       (caller.zeros if o.zeroed else caller.empty)(o.shape, o.dtype) for o in self.outputs}
-            pointers += [a if type(a) is int else caller.data_pointer(a) for a in outputs.values()]
-            stream = caller.stream_pointer() if stream is None else stream
-            with self.lock:  # the launch copies the parameter block, so it is free again after it
-                self.words[self.slots] = pointers
-                if self.seed_slot is not None:
-                    self.words[self.seed_slot] = int(seed)
-                for function, grid, threads, smem_bytes in self.launches:
-                    cupy.cuda.driver.launchKernel(function, *grid, threads, 1, 1, smem_bytes, stream,
-                                                  self.argv_address, 0)
-            return tuple(None if a is None else caller.give_back(a) for a in self.finish(outputs))
+        previous = self.get_device()
+        if previous != self.device_id:  # allocations and launches need the arrays' device current
+            with caller.device():
+                return self.run(arrays, seed, into, stream)
+        outputs, slots = {}, list(self.input_slots)
+        for name, slot, allocate in self.results:
+            array = into[name] if into and name in into else allocate()
+            outputs[name] = array
+            slots.append(slot)
+            pointers.append(array if type(array) is int else caller.data_pointer(array))
+        workspaces = []
+        for allocate, offsets in self.workspaces:
+            workspace = allocate()
+            workspaces.append(workspace)
+            base = caller.data_pointer(workspace)
+            for slot, offset in offsets:
+                slots.append(slot)
+                pointers.append(base + offset)
+        if workspaces and caller.kind != "torch" and caller.capturing():
+            self.kept.append(workspaces)  # torch's graph pool keeps its own; CuPy's pool would reuse these
+        stream = caller.stream_pointer() if stream is None else stream
+        words = self.words
+        with self.lock:  # the launch copies the parameter block, so it is free again after it
+            for slot, pointer in zip(slots, pointers):
+                words[slot] = pointer
+            if self.seed_slot is not None:
+                words[self.seed_slot] = int(seed)
+            for function, gx, gy, gz, threads, smem_bytes in self.launches:
+                self.launch_kernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream, self.argv_address, 0)
+        results = self.finish(outputs)
+        if self.hands_back:
+            return tuple(None if a is None else caller.give_back(a) for a in results)
+        return results
 
 
 def _tensor_strides(strides, varlen):
@@ -264,13 +308,14 @@ def _backward_plan(call, inputs, return_dbias):
     strides.update({name: _tensor_strides(_contiguous_strides(like.shape), varlen)
                     for name, like in (("dq", q), ("dk", k), ("dv", v))})
     outputs = [_Output("dq", tuple(q.shape), call.dtype), _Output("dk", tuple(k.shape), call.dtype),
-               _Output("dv", tuple(v.shape), call.dtype), _Output("dout_dot_out", shape.stats, "float32"),
-               _Output("lse_log2", shape.stats, "float32"),
-               _Output("dq_accum", (*shape.stats[:-1], _dq_accum_rows(shape), tile.headdim), "float32")]  # zeroed by bwd_dot
+               _Output("dv", tuple(v.shape), call.dtype), _Output("dout_dot_out", shape.stats, "float32", scratch=True),
+               _Output("lse_log2", shape.stats, "float32", scratch=True),
+               _Output("dq_accum", (*shape.stats[:-1], _dq_accum_rows(shape), tile.headdim), "float32",
+                       scratch=True)]  # zeroed by bwd_dot
     semaphore_blocks = 0
     if call.needs("deterministic"):
         semaphore_blocks = -(-shape.seqlen_q // tile.block_m)
-        outputs.append(_Output("dq_semaphore", (shape.batch * shape.nheads * semaphore_blocks,), "int32", True))
+        outputs.append(_Output("dq_semaphore", (shape.batch * shape.nheads * semaphore_blocks,), "int32", True, True))
     finish = lambda o: (o["dq"], o["dk"], o["dv"])  # noqa: E731
     grid, block_major = _schedule.block_grid(-(-shape.seqlen_k // tile.block_n), shape.nheads_k, shape.batch,
                                              call.local)
@@ -299,8 +344,8 @@ def _split_last_wave(kernel, device, shape, grid, params, outputs):
     if not tail_units or batch + extra_z > MAX_GRID_YZ or (batch + extra_z) * blocks * heads_k >= 2 ** 31:
         return grid
     params["tail_units"], params["tail_parts"] = tail_units, tail_parts
-    outputs += [_Output("dkv_accum", (tail_units * 2 * tile.block_n * tile.headdim,), "float32", True),
-                _Output("tail_pieces_done", (tail_units,), "int32", True)]
+    outputs += [_Output("dkv_accum", (tail_units * 2 * tile.block_n * tile.headdim,), "float32", True, True),
+                _Output("tail_pieces_done", (tail_units,), "int32", True, True)]
     return blocks, heads_k, batch + extra_z
 
 

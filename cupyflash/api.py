@@ -114,18 +114,22 @@ def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, re
     new arrays (JAX's result buffers); those results come back as the addresses. A head dim that is
     not a multiple of 8 ignores it (its results are cut from padded ones)."""
     defaults, array_names = _TAKEN[pass_, varlen is not None]
-    for name in given:
-        if name not in defaults:
-            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
-    given = {**defaults, **given}
     if varlen is not None:
         arrays.update(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k)
-    for name in array_names:
-        if given[name] is not None:
-            arrays[name] = given[name]
-    if options.is_seed_array(given.get("seed")):
-        arrays["seed"] = given["seed"]  # read by the kernels on the device
-    key = _plan.plan_key(pass_, arrays, softmax_scale, causal, given, varlen, return_dbias)
+    key_options = given  # the plan key holds the options as given: defaults add nothing to it
+    if given:
+        for name in given:
+            if name not in defaults:
+                raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+        given = {**defaults, **given}
+        for name in array_names:
+            if given[name] is not None:
+                arrays[name] = given[name]
+        if options.is_seed_array(given.get("seed")):
+            arrays["seed"] = given["seed"]  # read by the kernels on the device
+    else:
+        given = defaults
+    key = _plan.plan_key(pass_, arrays, softmax_scale, causal, key_options, varlen, return_dbias)
     plan = _plan.cached(key)
     if plan is not None:
         if varlen is not None:

@@ -39,11 +39,11 @@ Tensor = torch.Tensor
 def _to_core(t):
     if t is None:
         return None
-    t = t.detach()  # .numpy() and DLPack refuse tensors that require grad
     if t.dim() and t.stride(-1) != 1:
         t = t.contiguous()  # the kernels read whole head-dim rows; flash_attn copies such inputs too
-    if t.device.type != "cpu":
-        return t
+    if t.is_cuda:
+        return t  # the kernels read its address alone: no detach needed
+    t = t.detach()  # .numpy() refuses tensors that require grad
     if t.dtype == torch.bfloat16:  # NumPy has no bfloat16 of torch's; float32 holds its values exactly
         return t.float().numpy().astype(bfloat16_dtype())
     return t.numpy()
@@ -95,14 +95,16 @@ def _core_options(arguments, pass_, varlen):
     result = {}
     for option in options.for_call(pass_, varlen):
         if option.kind == "pair":
-            result[option.name] = tuple(arguments[part] for part in option.parts)
+            value = tuple(arguments[part] for part in option.parts)
         elif option.kind == "array":
-            result[option.name] = _to_core(arguments[option.name])
+            value = _to_core(arguments[option.name])
         elif option.kind == "seed":
-            seed = arguments[option.name]
-            result[option.name] = None if seed is None else int(seed)
+            value = arguments[option.name]  # a CUDA tensor is read by the kernels; a CPU one here
+            value = value if value is None or value.is_cuda else int(value)
         else:
-            result[option.name] = arguments[option.name]
+            value = arguments[option.name]
+        if value != option.default if option.kind in ("pair", "real", "flag") else value is not None:
+            result[option.name] = value  # options left at their default are not passed: a shorter plan key
     return result
 
 
@@ -191,68 +193,78 @@ class _Differentiable:
 
     def __init__(self, forward, backward):
         self.forward, self.backward = forward, backward
-        # What the backward needs of the forward's arguments, saved as tensors (then out and lse).
+        # What the backward needs of the forward's arguments, saved as tensors (then out and lse);
+        # the op's other arguments are kept as they are. (The backward op takes the same names and
+        # dout, out, lse, return_dbias.)
         self.tensors = [n for n in forward.names if n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
         self.tensors += [o.name for o in options.OPTIONS if o.kind in ("array", "seed") and o.name in forward.names]
-        forward.op.register_autograd(self._gradient_of_op, setup_context=self.save)
+        self.others = [n for n in forward.names if n not in self.tensors]
+        self.takes_return_dbias = "return_dbias" in backward.names
+        forward.op.register_autograd(self._gradient_of_op, setup_context=self._save_op)
 
-    def __call__(self, *args, **kwargs):
-        arguments = self.forward.bind(*args, **kwargs)
-        if _eager(arguments.values()):
-            return _Eager.apply(self, *arguments.values())
+    def __call__(self, arguments):
+        """(out, lse) of the forward op's arguments (a dict with every one of them)."""
+        q, k, v, bias = arguments["q"], arguments["k"], arguments["v"], arguments.get(options.DIFFERENTIABLE)
+        if _eager(q, k, v, bias):
+            return _Eager.apply(self, arguments, q, k, v, bias)
         return self.forward.op(**arguments)
 
-    def save(self, ctx, inputs, output):
-        arguments = dict(zip(self.forward.names, inputs))
+    def save(self, ctx, arguments, output):
         bias = arguments.get(options.DIFFERENTIABLE)
         ctx.return_dbias = bias is not None and bias.requires_grad
-        ctx.save_for_backward(*(arguments[n] for n in self.tensors), *output)
-        ctx.others = {n: v for n, v in arguments.items() if n not in self.tensors}
+        ctx.save_for_backward(*[arguments[n] for n in self.tensors], *output)
+        ctx.others = [arguments[n] for n in self.others]
         ctx.mark_non_differentiable(output[1])
+
+    def _save_op(self, ctx, inputs, output):
+        self.save(ctx, dict(zip(self.forward.names, inputs)), output)
 
     def backward_arguments(self, ctx, dout):
         *saved, out, lse = ctx.saved_tensors
-        arguments = dict(ctx.others, **dict(zip(self.tensors, saved)), dout=dout, out=out, lse=lse)
-        if "return_dbias" in self.backward.names:
+        arguments = dict(zip(self.others, ctx.others))
+        arguments.update(zip(self.tensors, saved))
+        arguments.update(dout=dout, out=out, lse=lse)
+        if self.takes_return_dbias:
             arguments["return_dbias"] = ctx.return_dbias
-        return {n: arguments[n] for n in self.backward.names}
+        return arguments
 
-    def by_input(self, ctx, grads):
-        """One gradient per forward argument: q, k, v's, the bias's when asked for, else None."""
-        by_name = dict(zip(("q", "k", "v"), grads[:3]))
-        if ctx.return_dbias:
-            by_name[options.DIFFERENTIABLE] = grads[3]
-        return tuple(by_name.get(n) for n in self.forward.names)
+    def gradients(self, ctx, dout, run):
+        """(dq, dk, dv, dbias or None) from the backward's implementation or op `run`."""
+        grads = run(self.backward_arguments(ctx, dout))
+        return (*grads[:3], grads[3] if ctx.return_dbias else None)
 
     def _gradient_of_op(self, ctx, dout, _dlse):
-        return self.by_input(ctx, self.backward.op(**self.backward_arguments(ctx, dout)))
+        by_name = dict(zip(("q", "k", "v", options.DIFFERENTIABLE), self.gradients(
+            ctx, dout, lambda arguments: self.backward.op(**arguments))))
+        return tuple(by_name.get(n) for n in self.forward.names)
 
 
 class _Eager(torch.autograd.Function):
-    """_Differentiable's eager path: the ops' implementations (_Op.run) with the ops' save and gradient."""
+    """_Differentiable's eager path: the ops' implementations (_Op.run) with the ops' save and
+    gradient. Its inputs are the tensors that can have gradients; the rest of the op's arguments
+    travel in one dict (autograd's work per call grows with the inputs)."""
 
     @staticmethod
-    def forward(ctx, differentiable, *inputs):
-        output = differentiable.forward.run(dict(zip(differentiable.forward.names, inputs)))
-        differentiable.save(ctx, inputs, output)
+    def forward(ctx, differentiable, arguments, q, k, v, bias):
+        output = differentiable.forward.run(arguments)
+        differentiable.save(ctx, arguments, output)
         ctx.differentiable = differentiable
         return output
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         differentiable = ctx.differentiable
-        grads = differentiable.backward.run(differentiable.backward_arguments(ctx, dout))
-        return (None, *differentiable.by_input(ctx, grads))
+        return None, None, *differentiable.gradients(ctx, dout, differentiable.backward.run)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _eager(values):
+def _eager(*tensors):
     """Whether a call may skip the dispatcher: not traced by torch.compile or a functorch transform,
-    and every tensor a plain one."""
+    and q, k, v and the bias plain tensors (or no bias)."""
     return (not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
-            and all(type(v) in _PLAIN_TENSORS for v in values if isinstance(v, torch.Tensor)))
+            and all(type(t) in _PLAIN_TENSORS for t in tensors if t is not None))
 
 
 _attention = _Differentiable(_forward, _backward)
@@ -286,30 +298,55 @@ def _number(name, value):
     return float(value)
 
 
-def _op_arguments(q, softmax_scale, causal, given, varlen=False):
-    """The ops' arguments after the packing from a drop-in call's (checked here where the op's
-    schema would give a less helpful message; the core checks the rest). The dropout seed is drawn
-    only when dropout is on, so calls without it leave torch's generator alone, as flash_attn's do
-    (flash_attn applies dropout whenever dropout_p > 0; modules pass 0.0 in eval mode)."""
-    arguments = dict(softmax_scale=validate.check_scale(softmax_scale, q.shape[-1]),
-                     causal=validate.check_flag("causal", causal))
+def _op_arguments(tensors, softmax_scale, causal, given, varlen=False):
+    """The forward op's arguments from a drop-in call's: `tensors` (q, k, v and the varlen packing)
+    and the options, checked here where the op's schema would give a less helpful message (the
+    core checks the rest). The checked scalars are cached per distinct call, since a model makes
+    the same call many times. The dropout seed is drawn only when dropout is on, so calls without
+    it leave torch's generator alone, as flash_attn's do (flash_attn applies dropout whenever
+    dropout_p > 0; modules pass 0.0 in eval mode). While a CUDA graph is captured it is drawn on
+    the device, by torch's CUDA generator, so that every replay gets a new one."""
+    q = tensors["q"]
+    scalars = (varlen, q.shape[-1], softmax_scale, causal, *[given.get(n) for n in _SCALAR_OPTIONS])
+    try:
+        checked = _checked_scalars.get((tuple(type(x) for x in scalars), scalars))
+    except TypeError:  # an unhashable value (a list window_size): checked afresh
+        checked, scalars = None, None
+    if checked is None:
+        checked = _check_scalars(q, softmax_scale, causal, given, varlen)
+        if scalars is not None and len(_checked_scalars) < 1024:
+            _checked_scalars[tuple(type(x) for x in scalars), scalars] = checked
+    arguments = dict(tensors, **checked)
+    for option in options.OPTIONS:
+        if option.kind == "array" and (option.varlen or not varlen):
+            value = given.get(option.name)
+            _check_tensor(option.name, value)
+            arguments[option.name] = value
+    if arguments["dropout_p"]:
+        arguments["seed"] = (torch.randint(0, _SEED_BOUND, (), dtype=torch.int64, device=q.device)
+                             if q.is_cuda and torch.cuda.is_current_stream_capturing() else draw_dropout_seed())
+    return arguments
+
+
+_checked_scalars = {}
+_SCALAR_OPTIONS = [o.name for o in options.OPTIONS if o.kind in ("pair", "real", "flag")]
+
+
+def _check_scalars(q, softmax_scale, causal, given, varlen):
+    """The scale, causal and the pair, real and flag options as the ops take them (and no seed)."""
+    checked = dict(softmax_scale=validate.check_scale(softmax_scale, q.shape[-1]),
+                   causal=validate.check_flag("causal", causal), seed=None)
     for option in options.OPTIONS:
         if varlen and not option.varlen:
             continue
         value = given.get(option.name, option.default)
         if option.kind == "pair":
-            arguments.update(zip(option.parts, options.window_bounds(False, value)))
+            checked.update(zip(option.parts, options.window_bounds(False, value)))
         elif option.kind == "real":
-            arguments[option.name] = _number(option.name, value)
+            checked[option.name] = _number(option.name, value)
         elif option.kind == "flag":
-            arguments[option.name] = validate.check_flag(option.name, value)
-        elif option.kind == "array":
-            _check_tensor(option.name, value)
-            arguments[option.name] = value
-    for option in options.OPTIONS:
-        if "seed" in option.needs and arguments.get(option.name):
-            arguments["seed"] = draw_dropout_seed()
-    return arguments
+            checked[option.name] = validate.check_flag(option.name, value)
+    return checked
 
 
 def _result(out, lse, return_attn_probs):
@@ -332,10 +369,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k), float32 or q's dtype, added
     after softcap and with ALiBi; its gradient is computed when it requires grad.
     """
-    arguments = _op_arguments(q, softmax_scale, causal, dict(
+    arguments = _op_arguments(dict(q=q, k=k, v=v), softmax_scale, causal, dict(
         dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         deterministic=deterministic, attn_bias=attn_bias))
-    out, lse = _attention(q, k, v, **arguments)
+    out, lse = _attention(arguments)
     return _result(out, lse, return_attn_probs)
 
 
@@ -377,10 +414,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(value).__name__}")
-    arguments = _op_arguments(q, softmax_scale, causal, dict(
+    tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                   max_seqlen_k=max_seqlen_k)
+    arguments = _op_arguments(tensors, softmax_scale, causal, dict(
         dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         deterministic=deterministic), varlen=True)
-    out, lse = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **arguments)
+    out, lse = _varlen_attention(arguments)
     return _result(out, lse, return_attn_probs)
 
 

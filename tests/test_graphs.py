@@ -1,0 +1,234 @@
+"""CUDA graphs (marked `gpu`): forward+backward and varlen forward calls captured once, from CuPy
+(stream capture) and from PyTorch (torch.cuda.graph), and replayed 100 times with new values
+copied into the captured inputs, new dropout seeds and new cu_seqlens. A replay must equal the
+same call made eagerly: bit for bit for the forward and the deterministic backward; the default
+backward adds dq by atomics in no fixed order, so it meets the project's 3x rule against float64
+instead (every tenth replay: the float64 reference runs on the host).
+"""
+
+import numpy
+import pytest
+
+from cupyflash import _check
+from cupyflash._check import Case
+
+REPLAYS = 100
+CASE = dict(seqlen_q=113, seqlen_k=200, headdim=64, dtype="bfloat16", causal=True, batch=2, nheads=4, nheads_k=2)
+
+
+def _seed_words(seed):
+    return numpy.array([seed & 0xFFFFFFFF, seed >> 32], numpy.uint32)
+
+
+def _replays(case):
+    """(replay index, inputs) of every replay: fresh random q, k, v, dout and seed."""
+    for i in range(REPLAYS):
+        yield i, _check.random_inputs(case, 1000 + i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cupy_graph_replays_forward_and_backward(deterministic):
+    cupy = pytest.importorskip("cupy")
+    import cupyflash
+    case = Case(**CASE, dropout_p=0.17, deterministic=deterministic)
+    names = ("q", "k", "v", "dout")
+    static = {n: a.copy() for n, a in _check.to_cupy_inputs(case, _check.random_inputs(case, 0)).items() if n in names}
+    seed = cupy.zeros(2, cupy.uint32)
+
+    def step(arrays, seed):
+        q, k, v, dout = (arrays[n] for n in names)
+        out, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True, dropout_p=0.17, seed=seed)
+        grads = cupyflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, dropout_p=0.17, seed=seed,
+                                              deterministic=deterministic)
+        return out, lse, grads
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        step(static, seed)  # plans and kernels are made outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        captured = step(static, seed)
+        graph = stream.end_capture()
+        for i, inputs in _replays(case):
+            fresh = _check.to_cupy_inputs(case, inputs)
+            for n in names:
+                static[n][...] = fresh[n]
+            seed.set(_seed_words(inputs["seed"]))
+            graph.launch(stream)
+            eager = step(fresh, inputs["seed"])
+            stream.synchronize()
+            out, lse, grads = captured
+            assert bool((out == eager[0]).all()) and bool((lse == eager[1]).all()), f"replay {i}: forward"
+            if deterministic:
+                for name, x, y in zip(("dq", "dk", "dv"), grads, eager[2]):
+                    assert bool((x == y).all()), f"replay {i}: {name}"
+            elif i % 10 == 0:
+                host = [numpy.asarray(cupy.asnumpy(g), numpy.float64) for g in grads]
+                result = _check.compare(case, inputs, cupy.asnumpy(out).astype(numpy.float64),
+                                        cupy.asnumpy(lse).astype(numpy.float64), host)
+                assert result.ok, f"replay {i}: {result.describe()}"
+
+
+@pytest.mark.gpu
+def test_cupy_graph_replays_varlen_forward_with_new_cu_seqlens():
+    cupy = pytest.importorskip("cupy")
+    import cupyflash
+    rng = numpy.random.default_rng(7)
+    total, longest = 300, 200
+    q, k, v = (cupy.asarray(rng.standard_normal((total, 4, 64)).astype(numpy.float16)) for _ in range(3))
+    cu = cupy.zeros(4, cupy.int32)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cu.set(_splits(0, total))
+        cupyflash.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
+        stream.synchronize()
+        stream.begin_capture()
+        out, lse = cupyflash.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True, return_lse=True)
+        graph = stream.end_capture()
+        for i in range(REPLAYS):
+            host = _splits(i, total)
+            cu.set(host)
+            q[...] = cupy.asarray(rng.standard_normal((total, 4, 64)).astype(numpy.float16))
+            graph.launch(stream)
+            want_out, want_lse = cupyflash.flash_attn_varlen_func(q, k, v, cupy.asarray(host), cupy.asarray(host),
+                                                                  longest, longest, causal=True, return_lse=True)
+            stream.synchronize()
+            assert bool((out == want_out).all()) and bool((lse == want_lse).all()), f"replay {i}: {host}"
+
+
+def _splits(i, total):
+    """cu_seqlens of three sequences of at most 200 rows that change with i."""
+    first = 100 + i % 100
+    return numpy.array([0, first, first + (total - first) // 2, total], numpy.int32)
+
+
+def _torch_capture(torch, step, warmups=3):
+    """(graph, the captured call's results) of step(), warmed up on a side stream as torch asks."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        results = step()
+    return graph, results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_torch_graph_replays_dropin_forward_and_backward(deterministic):
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch as cft
+    case = Case(**CASE, deterministic=deterministic)
+    names = ("q", "k", "v", "dout")
+    to_torch = lambda inputs: {n: torch.as_tensor(a, device="cuda").to(torch.bfloat16)  # noqa: E731
+                               for n, a in inputs.items() if n in names}
+    static = to_torch(_check.random_inputs(case, 0))
+    leaves = [static[n].requires_grad_() for n in ("q", "k", "v")]
+
+    def step(q, k, v, dout):
+        out = cft.flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    graph, captured = _torch_capture(torch, lambda: step(*leaves, static["dout"]))
+    for i, inputs in _replays(case):
+        fresh = to_torch(inputs)
+        with torch.no_grad():
+            for n in names:
+                static[n].copy_(fresh[n])
+        graph.replay()
+        eager = step(*(fresh[n].requires_grad_() for n in ("q", "k", "v")), fresh["dout"])
+        torch.cuda.synchronize()
+        assert torch.equal(captured[0], eager[0]), f"replay {i}: out"
+        if deterministic:
+            for name, x, y in zip(("dq", "dk", "dv"), captured[1:], eager[1:]):
+                assert torch.equal(x, y), f"replay {i}: {name}"
+        elif i % 10 == 0:
+            (_, _, ref_grads), (_, _, lowp_grads) = _check._references(case, inputs, True)
+            for name, got, want, lowp in zip(("dq", "dk", "dv"), captured[1:], ref_grads, lowp_grads):
+                bound = 3 * _check._max_error(lowp, want) + _check._floor(case.dtype, want)
+                assert _check._max_error(got.double().cpu().numpy(), want) <= bound, f"replay {i}: {name}"
+
+
+@pytest.mark.gpu
+def test_torch_graph_draws_a_new_dropout_seed_per_replay():
+    """The drop-in draws its dropout seed on the device while a graph is captured: every replay
+    drops other elements."""
+    torch = pytest.importorskip("torch")
+    import cupyflash
+    import cupyflash.torch as cft
+    case = Case(**CASE)
+    inputs = _check.random_inputs(case, 3)
+    q, k, v, dout = (torch.as_tensor(inputs[n], device="cuda").to(torch.bfloat16) for n in ("q", "k", "v", "dout"))
+    q.requires_grad_()
+
+    def step():
+        out = cft.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
+        return out, torch.autograd.grad(out, (q,), dout)[0]
+
+    graph, (out, dq) = _torch_capture(torch, step)
+    outs, dqs = [], []
+    for _ in range(5):
+        graph.replay()
+        outs.append(out.clone())
+        dqs.append(dq.clone())
+    torch.cuda.synchronize()
+    for seen in (outs, dqs):
+        assert all(not torch.equal(seen[i], seen[j]) for i in range(5) for j in range(i + 1, 5))
+        assert all(torch.isfinite(x).all() for x in seen)
+    plain = cupyflash.flash_attn_func(q.detach(), k, v, causal=True)
+    assert not torch.equal(outs[-1], plain)
+
+
+@pytest.mark.gpu
+def test_torch_graph_replays_core_with_a_seed_tensor():
+    """The core API on torch tensors, captured with the dropout seed in a device tensor: each replay
+    takes the seed copied into it and equals the eager call with that seed as an int."""
+    torch = pytest.importorskip("torch")
+    import cupyflash
+    case = Case(**CASE, dropout_p=0.2, deterministic=True)
+    static = {n: torch.as_tensor(a, device="cuda").to(torch.bfloat16)
+              for n, a in _check.random_inputs(case, 0).items() if n in ("q", "k", "v", "dout")}
+    seed = torch.zeros(2, dtype=torch.int32, device="cuda").view(torch.uint32) if hasattr(torch, "uint32") else None
+    if seed is None:
+        pytest.skip("this torch has no uint32")
+
+    def step(seed):
+        q, k, v, dout = (static[n] for n in ("q", "k", "v", "dout"))
+        out, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True, dropout_p=0.2, seed=seed)
+        return (out, lse, *cupyflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, dropout_p=0.2,
+                                                         seed=seed, deterministic=True))
+
+    graph, captured = _torch_capture(torch, lambda: step(seed))
+    for i in range(REPLAYS):
+        value = int(numpy.random.default_rng(i).integers(0, 2 ** 63))
+        seed.copy_(torch.from_numpy(_seed_words(value).view(numpy.int32)).view(torch.uint32))
+        graph.replay()
+        eager = step(value)
+        torch.cuda.synchronize()
+        for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), captured, eager):
+            assert torch.equal(x, y), f"replay {i}: {name}"
+
+
+@pytest.mark.gpu
+def test_torch_graph_replays_varlen_forward_with_new_cu_seqlens():
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch as cft
+    total, longest = 300, 200
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(total, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, 100, 200, 300], dtype=torch.int32, device="cuda")
+    graph, out = _torch_capture(torch, lambda: cft.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest,
+                                                                          causal=True))
+    for i in range(REPLAYS):
+        host = torch.from_numpy(_splits(i, total))
+        cu.copy_(host)
+        q.copy_(torch.randn(total, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen))
+        graph.replay()
+        want = cft.flash_attn_varlen_func(q, k, v, host.cuda(), host.cuda(), longest, longest, causal=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"replay {i}: {host.tolist()}"

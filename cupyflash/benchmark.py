@@ -16,8 +16,9 @@ Peers: PyTorch SDPA with each backend, JAX's cuDNN attention, and FlashAttention
 flash_attn3_jax package where it is installed (a wheel; see bench/notes/v08-two-stage-forward-and-heavy-blocks-first.md).
 
 Host time (`bench --host`): microseconds of host time per call of each way of calling cupyflash
-(the core on CuPy arrays and on torch tensors, cupyflash.torch eager and compiled, cupyflash.jax
-under jit) beside SDPA flash and JAX cuDNN, at three small shapes; see run_host.
+(the core on CuPy arrays and on torch tensors, cupyflash.torch eager, through its custom ops and
+compiled, cupyflash.jax under jit) beside SDPA flash and JAX cuDNN, at three small shapes; see
+run_host.
 
 Memory: peak device memory of fwd+bwd beyond the inputs, batch 1, 16 heads, head dim 128, against
 seqlen, for cupyflash and for naive attention (PyTorch's math backend, which builds the full score
@@ -535,6 +536,21 @@ def _host_torch_eager(requires_grad):
     return make
 
 
+@contextlib.contextmanager
+def _through_the_ops():
+    """cupyflash.torch's eager calls go through its custom ops, as traced and transformed calls do."""
+    from . import torch as cupyflash_torch
+    eager, cupyflash_torch._eager = cupyflash_torch._eager, lambda values: False
+    try:
+        yield
+    finally:
+        cupyflash_torch._eager = eager
+
+
+def _host_torch_ops(q, k, v, dout, pass_):
+    return dataclasses.replace(_host_torch_eager(True)(q, k, v, dout, pass_), context=_through_the_ops)
+
+
 def _host_torch_compiled(mode):
     """The drop-in's forward under torch.compile(fullgraph=True); fwd+bwd differentiates its output
     outside, through AOTAutograd's compiled backward, as a training step does (torch.autograd.grad
@@ -594,6 +610,8 @@ HOST_COLUMNS = {  # name: (maker, what a call does)
                                                        "grad; fwd+bwd: torch.autograd.grad(out, (q, k, v), dout)"),
     "cupyflash.torch fwd (no grad)": (_host_torch_eager(False), "the same forward on tensors that do not require "
                                                                 "grad (fwd only)"),
+    "cupyflash.torch via ops": (_host_torch_ops, "the eager calls through the custom ops (the dispatcher), as "
+                                                 "torch.compile and functorch transforms call them"),
     "cupyflash.torch compiled": (_host_torch_compiled(None), "torch.compile(fullgraph=True) of that forward; "
                                  "fwd+bwd: torch.autograd.grad of its output (AOTAutograd's compiled backward)"),
     "cupyflash.torch reduce-overhead": (_host_torch_compiled("reduce-overhead"),

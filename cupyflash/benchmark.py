@@ -612,8 +612,9 @@ HOST_COLUMNS = {  # name: (maker, what a call does)
                                                                 "grad (fwd only)"),
     "cupyflash.torch via ops": (_host_torch_ops, "the eager calls through the custom ops (the dispatcher), as "
                                                  "torch.compile and functorch transforms call them"),
-    "cupyflash.torch compiled": (_host_torch_compiled(None), "torch.compile(fullgraph=True) of that forward; "
-                                 "fwd+bwd: torch.autograd.grad of its output (AOTAutograd's compiled backward)"),
+    "cupyflash.torch compiled": (_host_torch_compiled(None),
+                                 "torch.compile(fullgraph=True) of the eager column's forward; fwd+bwd: "
+                                 "torch.autograd.grad of its output (AOTAutograd's compiled backward)"),
     "cupyflash.torch reduce-overhead": (_host_torch_compiled("reduce-overhead"),
                                         "the same with mode='reduce-overhead' (CUDA graphs): the same tensors "
                                         "each call, torch.compiler.cudagraph_mark_step_begin() before each"),

@@ -220,6 +220,13 @@ def bench(args):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to CuPy and torch
     impls = args.impls or list(benchmark.IMPLEMENTATIONS)
     status = 0
+    if args.host or args.profile:
+        shapes = [benchmark.host_shape(s) for s in args.host_shapes]
+        columns = [args.profile] if args.profile else list(benchmark.HOST_COLUMNS)
+        cells = benchmark.run_host(shapes, args.host_calls, columns, profile=bool(args.profile))
+        if not args.profile:  # a profile times one column: host.md keeps the last full table
+            print(benchmark.write_host(cells, args.out, benchmark.host_environment(), args.host_calls))
+        return status
     if args.options_only:
         print(benchmark.write_options(benchmark.run_options(), args.out))
         return status
@@ -252,7 +259,7 @@ def _parser():
     bench_parser = commands.add_parser(
         "bench", help="speed and memory beside the peers on this machine (needs a GPU)",
         description="Times cupyflash beside every attention implementation it finds, and writes CSV, markdown "
-                    "and PNG files.")
+                    "and PNG files. --host times the host's work per call instead (host.md, host.csv).")
     bench_parser.add_argument("--out", default="bench/results",
                               help="folder for the CSV, markdown and PNG files (default: %(default)s)")
     bench_parser.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256],
@@ -272,7 +279,37 @@ def _parser():
     bench_parser.add_argument("--options-only", action="store_true",
                               help="only the attention options' table (each option beside the plain kernel and a peer) "
                                    "(default: off)")
+    bench_parser.add_argument("--host", action="store_true",
+                              help="only the host-time table: microseconds per call of each way of calling "
+                                   "cupyflash beside SDPA flash and JAX cuDNN, written to host.md and host.csv "
+                                   "(default: off)")
+    bench_parser.add_argument("--host-shapes", type=_host_shape, nargs="+", default=list(benchmark.HOST_SHAPES),
+                              metavar="SHAPE",
+                              help="shapes of the host table: " + ", ".join(
+                                  f"{name} ({'x'.join(map(str, shape))})" for name, shape in
+                                  benchmark.HOST_SHAPES.items()) + ", or BxSxHxD (default: %(default)s)")
+    bench_parser.add_argument("--host-calls", type=_positive, default=benchmark.HOST_CALLS,
+                              help=f"back-to-back calls per timed repetition of the host table (the median of "
+                                   f"{benchmark.HOST_REPS} repetitions) (default: %(default)s)")
+    bench_parser.add_argument("--profile", choices=list(benchmark.HOST_COLUMNS), metavar="COLUMN",
+                              help="time only this column of the host table and print cProfile's top entries for "
+                                   "its calls in each cell, writing no files; one of: "
+                                   + ", ".join(map(repr, benchmark.HOST_COLUMNS)) + " (default: off)")
     return parser
+
+
+def _positive(text):
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"a positive integer, got {text!r}")
+    return int(text)
+
+
+def _host_shape(spec):
+    try:
+        benchmark.host_shape(spec)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return spec
 
 
 def main(argv=None):

@@ -15,16 +15,26 @@ and gradients are first compared with cupyflash's: a pass whose results are wron
 Peers: PyTorch SDPA with each backend, JAX's cuDNN attention, and FlashAttention-3 through the
 flash_attn3_jax package where it is installed (a wheel; see bench/notes/v08-two-stage-forward-and-heavy-blocks-first.md).
 
+Host time (`bench --host`): microseconds of host time per call of each way of calling cupyflash
+(the core on CuPy arrays and on torch tensors, cupyflash.torch eager, through its custom ops and
+compiled, cupyflash.jax under jit) beside SDPA flash and JAX cuDNN, at three small shapes; see
+run_host.
+
 Memory: peak device memory of fwd+bwd beyond the inputs, batch 1, 16 heads, head dim 128, against
 seqlen, for cupyflash and for naive attention (PyTorch's math backend, which builds the full score
 matrix).
 """
 
+import contextlib
+import cProfile
 import csv
 import dataclasses
+import io
 import math
 import os
+import pstats
 import random
+import sys
 import time
 
 import numpy
@@ -431,6 +441,343 @@ def write_options(results, out_dir):
     with open(os.path.join(out_dir, "options.md"), "w") as f:
         f.write(text)
     return text
+
+
+# ------------------------------------------------------------------------------------------- host
+# Host time per call: what each way of calling cupyflash costs the host, beside SDPA flash and JAX
+# cuDNN, at shapes small enough that the host sets the pace (where a call's GPU work takes longer,
+# as it can at the large shape, the figure is the GPU's time). Timing: `calls` back-to-back calls
+# after the warm-up (which takes any torch.compile or jax.jit compilation), synchronised once at the
+# end, wall time / calls; the median of HOST_REPS repetitions.
+
+HOST_SHAPES = {"small": (1, 128, 8, 64), "medium": (4, 512, 16, 128), "large": (8, 2048, 16, 128)}
+HOST_PASSES = ("fwd", "fwd+bwd")
+HOST_CALLS, HOST_REPS = 200, 5
+HOST_WARMUP = 5  # CUDA graph trees record on the second call and replay from the third
+HOST_TARGETS = ("cupyflash.torch eager fwd+bwd <= 1.2x SDPA flash and fwd <= 1.3x SDPA flash; cupyflash core fwd "
+                "(CuPy) <= 20 us at 1x128x8x64; cupyflash.jax fwd+bwd <= 1.2x JAX cuDNN")
+
+
+def host_shape(spec):
+    """(batch, seqlen, nheads, headdim) of a --host-shapes entry: a name of HOST_SHAPES or BxSxHxD."""
+    if spec in HOST_SHAPES:
+        return HOST_SHAPES[spec]
+    parts = spec.split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"a host shape is one of {', '.join(HOST_SHAPES)} or BxSxHxD (e.g. 2x256x8x64), got {spec!r}")
+    return tuple(map(int, parts))
+
+
+def _shape_text(shape):
+    return "x".join(map(str, shape))
+
+
+@dataclasses.dataclass
+class HostCall:
+    fn: object                                # the work of one call
+    sync: object                              # (last result) -> returns once the device has done every call
+    context: object = contextlib.nullcontext  # () -> a context entered once around the warm-up and the timing
+    caveat: object = None                     # () -> a note on the figure, asked after the timing, or ""
+
+
+@dataclasses.dataclass
+class HostCell:
+    shape: tuple
+    pass_: str
+    column: str
+    us: float       # NaN when the cell could not run
+    note: str = ""  # why it could not, or a caveat of its figure
+
+
+def _torch_sync(q):
+    import torch
+    return (lambda result: torch.cuda.synchronize()) if q.is_cuda else (lambda result: None)
+
+
+# Each column makes the HostCall of a pass from torch tensors q, k, v, dout (batch, seqlen, nheads,
+# headdim), or None where it has no such pass.
+
+def _host_core_cupy(q, k, v, dout, pass_):
+    import cupy
+    from ._arrays import bfloat16_dtype
+    arrays = (cupy.random.standard_normal(q.shape, dtype=cupy.float32).astype(bfloat16_dtype()) for _ in range(4))
+    fn, _ = _cupyflash(*arrays, causal=True).timed[pass_]
+    return HostCall(fn, lambda result: cupy.cuda.Device().synchronize())
+
+
+def _host_timed(make_calls):
+    """The column of a speed-table implementation: its call of the pass, with its own sync (JAX's)
+    or the device's."""
+    def make(q, k, v, dout, pass_):
+        fn, sync = make_calls(q, k, v, dout, True).timed[pass_]
+        return HostCall(fn, sync or _torch_sync(q))
+    return make
+
+
+def _cupyflash_jax(q, k, v, dout, causal):
+    from .jax import flash_attn
+    return _jax_calls(lambda q, k, v: flash_attn(q, k, v, causal=causal), q, k, v, dout)
+
+
+def _host_torch_eager(requires_grad):
+    def make(q, k, v, dout, pass_):
+        if pass_ != "fwd" and not requires_grad:
+            return None
+        import torch
+        from .torch import flash_attn_func
+        qg, kg, vg = (x.detach().requires_grad_(requires_grad) for x in (q, k, v))
+
+        def forward():
+            return flash_attn_func(qg, kg, vg, causal=True)
+
+        def both():
+            return torch.autograd.grad(forward(), (qg, kg, vg), dout)
+        return HostCall(forward if pass_ == "fwd" else both, _torch_sync(q))
+    return make
+
+
+@contextlib.contextmanager
+def _through_the_ops():
+    """cupyflash.torch's eager calls go through its custom ops, as traced and transformed calls do."""
+    from . import torch as cupyflash_torch
+    eager, cupyflash_torch._eager = cupyflash_torch._eager, lambda values: False
+    try:
+        yield
+    finally:
+        cupyflash_torch._eager = eager
+
+
+def _host_torch_ops(q, k, v, dout, pass_):
+    return dataclasses.replace(_host_torch_eager(True)(q, k, v, dout, pass_), context=_through_the_ops)
+
+
+def _host_torch_compiled(mode):
+    """The drop-in's forward under torch.compile(fullgraph=True); fwd+bwd differentiates its output
+    outside, through AOTAutograd's compiled backward, as a training step does (torch.autograd.grad
+    inside a fullgraph region is off by default: torch._dynamo.config.trace_autograd_ops)."""
+    def make(q, k, v, dout, pass_):
+        import torch
+        import torch._dynamo
+        from .torch import flash_attn_func
+        # Each cell compiles afresh: its own shape, static, within the recompile limit, in its mode.
+        torch._dynamo.reset()
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True, mode=mode)
+        # CUDA graphs replay over fixed input addresses (hence the same tensors every call); the step
+        # mark lets a replay overwrite the outputs of the call before.
+        graphs = mode == "reduce-overhead"
+        step = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)
+
+        def forward():
+            step()
+            return compiled(qg, kg, vg)
+
+        def both():
+            step()
+            return torch.autograd.grad(compiled(qg, kg, vg), (qg, kg, vg), dout)
+        counters = torch._dynamo.utils.counters["inductor"]
+        skips = counters["cudagraph_skips"]
+
+        def caveat():
+            skipped = graphs and counters["cudagraph_skips"] > skips
+            return "CUDA graphs skipped (TORCH_LOGS=cudagraphs says why)" if skipped else ""
+        return HostCall(forward if pass_ == "fwd" else both, _torch_sync(q), caveat=caveat)
+    return make
+
+
+def _host_sdpa_flash(q, k, v, dout, pass_):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))  # SDPA's (b, h, s, d), views
+    dot = dout.transpose(1, 2)
+
+    def forward():
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    def both():
+        return torch.autograd.grad(forward(), (qt, kt, vt), dot)
+    # The backend is picked once around the calls: the context manager's cost is not the call's.
+    return HostCall(forward if pass_ == "fwd" else both, _torch_sync(q),
+                    lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))
+
+
+HOST_COLUMNS = {  # name: (maker, what a call does)
+    "cupyflash core (CuPy)": (_host_core_cupy, "cupyflash.flash_attn_func on CuPy arrays; fwd+bwd: the forward "
+                                               "with return_lse=True, then cupyflash.flash_attn_backward"),
+    "cupyflash core (torch)": (_host_timed(_cupyflash), "the same on torch tensors"),
+    "cupyflash.torch eager": (_host_torch_eager(True), "cupyflash.torch.flash_attn_func on tensors that require "
+                                                       "grad; fwd+bwd: torch.autograd.grad(out, (q, k, v), dout)"),
+    "cupyflash.torch fwd (no grad)": (_host_torch_eager(False), "the same forward on tensors that do not require "
+                                                                "grad (fwd only)"),
+    "cupyflash.torch via ops": (_host_torch_ops, "the eager calls through the custom ops (the dispatcher), as "
+                                                 "torch.compile and functorch transforms call them"),
+    "cupyflash.torch compiled": (_host_torch_compiled(None),
+                                 "torch.compile(fullgraph=True) of the eager column's forward; fwd+bwd: "
+                                 "torch.autograd.grad of its output (AOTAutograd's compiled backward)"),
+    "cupyflash.torch reduce-overhead": (_host_torch_compiled("reduce-overhead"),
+                                        "the same with mode='reduce-overhead' (CUDA graphs): the same tensors "
+                                        "each call, torch.compiler.cudagraph_mark_step_begin() before each"),
+    "cupyflash.jax jit": (_host_timed(_cupyflash_jax), "jax.jit of cupyflash.jax.flash_attn; fwd+bwd: jax.jit of "
+                                                       "jax.vjp's gradients of q, k, v"),
+    "SDPA flash": (_host_sdpa_flash, "F.scaled_dot_product_attention(is_causal=True) under "
+                                     "sdpa_kernel(SDPBackend.FLASH_ATTENTION), on (b, h, s, d) views that "
+                                     "require grad"),
+    "JAX cuDNN": (_host_timed(_jax_cudnn), "jax.jit of jax.nn.dot_product_attention(implementation='cudnn'); "
+                                           "fwd+bwd as for cupyflash.jax"),
+}
+HOST_RATIOS = (("cupyflash.torch eager", "SDPA flash"), ("cupyflash.jax jit", "JAX cuDNN"))
+
+
+def host_us(call, calls=HOST_CALLS, reps=HOST_REPS, warmup=HOST_WARMUP):
+    """Median over `reps` repetitions of the wall time of `calls` back-to-back calls, synchronised
+    once at the end, per call, in microseconds."""
+    samples = []
+    with call.context():
+        for _ in range(warmup):
+            result = call.fn()
+        call.sync(result)
+        for _ in range(reps):
+            begin = time.perf_counter()
+            for _ in range(calls):
+                result = call.fn()
+            call.sync(result)
+            samples.append((time.perf_counter() - begin) / calls * 1e6)
+    return float(numpy.median(samples))
+
+
+def profile_host(call, calls=HOST_CALLS, top=25):
+    """cProfile's `top` functions by own time over `calls` calls after a warm-up, as a table in
+    microseconds per call (own time, cumulative time) and times run per call. cProfile's own cost
+    inflates every figure: compare rows, not totals with the timed ones."""
+    profile = cProfile.Profile()
+    with call.context():
+        for _ in range(HOST_WARMUP):
+            result = call.fn()
+        call.sync(result)
+        profile.enable()
+        for _ in range(calls):
+            result = call.fn()
+        call.sync(result)
+        profile.disable()
+    stats = pstats.Stats(profile).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    prefixes = sorted((os.path.join(p, "") for p in sys.path if p), key=len, reverse=True)
+
+    def where(file, line, name):
+        file = next((file[len(p):] for p in prefixes if file.startswith(p)), file)
+        return f"{file}:{line}({name})" if line else name
+
+    lines = [f"{'own us':>8} {'cum us':>8} {'runs':>6}  function (per call, {calls} calls)"]
+    for key, (_, runs, own, cumulative, _) in sorted(stats.items(), key=lambda item: -item[1][2])[:top]:
+        lines.append(f"{own / calls * 1e6:8.2f} {cumulative / calls * 1e6:8.2f} {runs / calls:6.1f}  {where(*key)}")
+    return "\n".join(lines)
+
+
+def _error_note(error):
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:160]}" if lines else type(error).__name__
+
+
+def run_host(shapes=tuple(HOST_SHAPES.values()), calls=HOST_CALLS, columns=tuple(HOST_COLUMNS), profile=False,
+             device="cuda", report=print):
+    """[HostCell] for every shape, pass and column (bf16, causal). A column that fails in a cell
+    (not installed, not supported here) gives a NaN cell with the reason. With `profile`, each cell's
+    cProfile report is printed after its timing. `device` other than "cuda" only exercises the
+    plumbing (the tests run it on the CPU)."""
+    import torch
+    cells = []
+    for shape in shapes:
+        generator = torch.Generator(device=device).manual_seed(0)
+        q, k, v, dout = (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=generator)
+                         for _ in range(4))
+        for pass_ in HOST_PASSES:
+            for column in columns:
+                note = ""
+                call = None
+                try:
+                    call = HOST_COLUMNS[column][0](q, k, v, dout, pass_)
+                    if call is None:
+                        continue
+                    us = host_us(call, calls)
+                    note = call.caveat() if call.caveat else ""
+                except Exception as error:  # a column that cannot run is a "-" cell with its reason
+                    us, note = math.nan, _error_note(error)
+                cells.append(HostCell(shape, pass_, column, us, note))
+                report(f"host {_shape_text(shape)} {pass_} {column}: "
+                       + (f"{us:.1f} us" if not math.isnan(us) else "-") + (f" ({note})" if note else ""))
+                if profile and not math.isnan(us):
+                    report(profile_host(call, calls))
+    return cells
+
+
+def host_environment():
+    """The device, the versions of torch, JAX and CuPy, and today's date, on one line."""
+    import datetime
+    import importlib
+    import torch
+    from . import __version__
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    versions = []
+    for name in ("torch", "jax", "cupy"):
+        try:
+            versions.append(f"{name} {importlib.import_module(name).__version__}")
+        except ImportError:
+            versions.append(f"{name} missing")
+    return f"{device}; {', '.join(versions)}, cupyflash {__version__}; {datetime.date.today().isoformat()}"
+
+
+def write_host(cells, out_dir, environment, calls=HOST_CALLS):
+    """host.csv (one row per cell) and host.md (rows shape x pass, a column per way of calling, the
+    ratios of HOST_RATIOS; a "-" cell's reason in a footnote); returns the markdown."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "host.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["batch", "seqlen", "nheads", "headdim", "pass", "column", "us", "note"])
+        writer.writerows([*c.shape, c.pass_, c.column, "" if math.isnan(c.us) else f"{c.us:.2f}", c.note]
+                         for c in cells)
+    by_key = {(c.shape, c.pass_, c.column): c for c in cells}
+    columns = list(dict.fromkeys(c.column for c in cells))
+    shapes = list(dict.fromkeys(c.shape for c in cells))
+    notes = {}  # (column, note): footnote number
+
+    def text(cell):
+        if cell is None:
+            return ""
+        value = "-" if math.isnan(cell.us) else f"{cell.us:.1f}"
+        if cell.note:
+            value += f" ({notes.setdefault((cell.column, cell.note), len(notes) + 1)})"
+        return value
+
+    def ratio(shape, pass_, a, b):
+        x, y = by_key.get((shape, pass_, a)), by_key.get((shape, pass_, b))
+        return "" if x is None or y is None or math.isnan(x.us / y.us) else f"{x.us / y.us:.2f}"
+
+    ratios = [(a, b) for a, b in HOST_RATIOS if a in columns and b in columns]
+    lines = ["# Host time per call", "", environment, "",
+             f"Microseconds per call (lower is better): the wall time of {calls} back-to-back calls after "
+             f"{HOST_WARMUP} warm-up calls (which take any torch.compile or jax.jit compilation), synchronised "
+             f"once at the end, divided by {calls}; the median of {HOST_REPS} repetitions. bf16, causal; shapes "
+             "are batch x seqlen x nheads x headdim; fwd+bwd is the forward, then the gradients of q, k and v for "
+             "a fixed dout. Where a call's GPU work takes longer than its host work (the large shape), the "
+             "figure is the GPU's time.", "",
+             f"Targets: {HOST_TARGETS}.", "",
+             "| shape | pass | " + " | ".join(columns + [f"{a} / {b}" for a, b in ratios]) + " |",
+             "|" + "---|" * (2 + len(columns) + len(ratios))]
+    for shape in shapes:
+        for pass_ in HOST_PASSES:
+            if not any((shape, pass_, c) in by_key for c in columns):
+                continue
+            lines.append(f"| {_shape_text(shape)} | {pass_} | "
+                         + " | ".join([text(by_key.get((shape, pass_, c))) for c in columns]
+                                      + [ratio(shape, pass_, a, b) for a, b in ratios]) + " |")
+    lines += ["", "Columns:"]
+    lines += [f"- {c}: {HOST_COLUMNS[c][1] if c in HOST_COLUMNS else ''}" for c in columns]
+    if notes:
+        lines += [""] + [f"({number}) {column}: {note}" for (column, note), number in notes.items()]
+    markdown = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "host.md"), "w") as f:
+        f.write(markdown)
+    return markdown
 
 
 # ----------------------------------------------------------------------------------------- output

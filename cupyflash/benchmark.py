@@ -540,7 +540,7 @@ def _host_torch_eager(requires_grad):
 def _through_the_ops():
     """cupyflash.torch's eager calls go through its custom ops, as traced and transformed calls do."""
     from . import torch as cupyflash_torch
-    eager, cupyflash_torch._eager = cupyflash_torch._eager, lambda values: False
+    eager, cupyflash_torch._eager = cupyflash_torch._eager, lambda *tensors: False
     try:
         yield
     finally:

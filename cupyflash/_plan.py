@@ -161,7 +161,7 @@ class Plan:
         self.inputs = [(name, _alignment(name, array)) for name, array in inputs.items()]
         self.kernels = [l.kernel for l in launches]
         with caller.device():  # a kernel's CUfunction belongs to the device current when it is loaded
-            self.launches = [(load(l.kernel, caller.device()).kernel.ptr, *l.grid, l.kernel.threads,
+            self.launches = [(load(l.kernel, caller.device()).kernel.ptr, l.grid, l.kernel.threads,
                               l.kernel.smem_bytes) for l in launches if 0 not in l.grid]
         self.launch_kernel, self.get_device = cupy.cuda.driver.launchKernel, cupy.cuda.runtime.getDevice
         self.words = (ctypes.c_uint64 * (params.nbytes // 8)).from_buffer(params)
@@ -226,7 +226,7 @@ class Plan:
                 words[slot] = pointer
             if self.seed_slot is not None:
                 words[self.seed_slot] = int(seed)
-            for function, gx, gy, gz, threads, smem_bytes in self.launches:
+            for function, (gx, gy, gz), threads, smem_bytes in self.launches:
                 self.launch_kernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream, self.argv_address, 0)
         results = self.finish(outputs)
         if self.hands_back:

@@ -102,11 +102,15 @@ def test_cpu_handler_errors_reach_python(on_cpu):
 @functools.cache
 def _probe_target():
     """Registers (once per process: XLA refuses a second handler under one name) a CPU target that
-    records what it gets and then asks for a CUDA stream."""
+    records what it gets, read both ways (the raw loads of the CUDA handlers' fast path and the
+    full decoding), and then asks for a CUDA stream."""
     seen = {}
 
     def probe(call):
-        seen.update(ordinal=call.device_ordinal(), attrs=dict(call.attrs), shapes=[a.shape for a in call.args])
+        seen.update(ordinal=call.device_ordinal(), attrs=dict(call.attrs), shapes=[a.shape for a in call.args],
+                    args=call.arg_pointers() == [a.pointer for a in call.args],
+                    rets=call.ret_pointers() == [r.pointer for r in call.rets],
+                    first=(call.first_scalar(b"a"), call.first_scalar(b"b"), call.first_scalar(b"i")))
         call.cuda_stream()
 
     jax.ffi.register_ffi_target("cupyflash_test_probe", _xla_ffi.handler_capsule(probe), platform="cpu")
@@ -116,14 +120,21 @@ def _probe_target():
 def test_cpu_api_functions_and_attributes(on_cpu):
     """The API table entries the CUDA handlers call, reached from a probe target on the CPU backend:
     DeviceOrdinal_Get answers 0, Stream_Get answers XLA's own error (no GPU context), which the
-    handler hands back to XLA as it is; scalar attributes of several types arrive decoded."""
+    handler hands back to XLA as it is; scalar attributes of several types arrive decoded; the raw
+    loads find the buffers' addresses and the first attribute (by name, and only an int64)."""
     seen = _probe_target()
     seen.clear()
     x = jnp.ones((2, 3, 5), jnp.float32)
-    call = jax.ffi.ffi_call("cupyflash_test_probe", jax.ShapeDtypeStruct((2,), jnp.float32))
+    call = jax.ffi.ffi_call("cupyflash_test_probe", (jax.ShapeDtypeStruct((2,), jnp.float32),) * 2)
     with pytest.raises(Exception, match="GPU context is not available"):
-        jax.block_until_ready(call(x, x[0], i=numpy.int32(-7), f=numpy.float32(0.5), d=numpy.float64(0.1), b=True))
-    assert seen == {"ordinal": 0, "attrs": {"b": True, "d": 0.1, "f": 0.5, "i": -7}, "shapes": [(2, 3, 5), (3, 5)]}
+        jax.block_until_ready(call(x, x[0], i=numpy.int64(-7), f=numpy.float32(0.5), d=numpy.float64(0.1), b=True,
+                                   a=numpy.int64(-2 ** 62 - 3)))
+    assert seen == {"ordinal": 0, "attrs": {"a": -2 ** 62 - 3, "b": True, "d": 0.1, "f": 0.5, "i": -7},
+                    "shapes": [(2, 3, 5), (3, 5)], "args": True, "rets": True, "first": (-2 ** 62 - 3, None, None)}
+    seen.clear()
+    with pytest.raises(Exception, match="GPU context is not available"):
+        jax.block_until_ready(call(x, b=numpy.bool_(True)))  # the first attribute is not an int64
+    assert seen["first"] == (None, None, None)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

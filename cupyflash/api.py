@@ -108,11 +108,9 @@ _TAKEN = {(pass_, varlen): ({o.name: o.default for o in options.for_call(pass_, 
           for pass_ in ("fwd", "bwd") for varlen in (False, True)}
 
 
-def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False, into=None):
-    """One public call: the cached plan of its signature if there is one, else checks and a new plan.
-    `into` maps result names (out, lse; dq, dk, dv) to device addresses the kernels write instead of
-    new arrays (JAX's result buffers); those results come back as the addresses. A head dim that is
-    not a multiple of 8 ignores it (its results are cut from padded ones)."""
+def _gather(pass_, arrays, given, function, varlen):
+    """Every option of the call (`given` with the defaults filled in); adds the call's other arrays
+    (cu_seqlens, the options' arrays, a seed array) to `arrays`."""
     defaults, array_names = _TAKEN[pass_, varlen is not None]
     for name in given:
         if name not in defaults:
@@ -125,6 +123,15 @@ def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, re
             arrays[name] = given[name]
     if options.is_seed_array(given.get("seed")):
         arrays["seed"] = given["seed"]  # read by the kernels on the device
+    return given
+
+
+def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False, into=None):
+    """One public call: the cached plan of its signature if there is one, else checks and a new plan.
+    `into` maps result names (out, lse; dq, dk, dv) to device addresses the kernels write instead of
+    new arrays (JAX's result buffers); those results come back as the addresses. A head dim that is
+    not a multiple of 8 ignores it (its results are cut from padded ones)."""
+    given = _gather(pass_, arrays, given, function, varlen)
     key = _plan.plan_key(pass_, arrays, softmax_scale, causal, given, varlen, return_dbias)
     plan = _plan.cached(key)
     if plan is not None:
@@ -140,6 +147,25 @@ def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, re
         return _padded_head_dim(call, arrays, given, return_dbias)
     plan, inputs = _plan.new_plan(call, arrays, key, return_dbias)
     return plan.run(inputs, call.checked.get("seed"), into)
+
+
+def plan_of(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False):
+    """The launch plan of a GPU call (arguments as _call's, checked as _call checks them), for a
+    caller that runs it again on other buffers of the same layout by their addresses:
+    `plan.run(addresses by input name, None, into=..., stream=...)` (cupyflash.jax's handlers
+    keep it per custom call); None where no plan runs the call (a head dim that is not a multiple
+    of 8, NumPy arrays)."""
+    given = _gather(pass_, arrays, given, function, varlen)
+    key = _plan.plan_key(pass_, arrays, softmax_scale, causal, given, varlen, return_dbias)
+    plan = _plan.cached(key)
+    if plan is not None:
+        if varlen is not None:
+            validate.check_varlen_values(varlen, arrays, plan.caller)
+        return plan
+    call = validate.check_call(pass_, arrays, softmax_scale, causal, given, varlen)
+    if call.caller.kind == "numpy" or call.shape.headdim % 8:
+        return None
+    return _plan.new_plan(call, arrays, key, return_dbias)[0]
 
 
 def _padded_head_dim(call, arrays, given, return_dbias):

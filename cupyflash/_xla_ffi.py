@@ -37,7 +37,6 @@ _ARG_BUFFER = _RET_BUFFER = 1
 _ATTR_SCALAR = 3
 _S64 = 5  # XLA_FFI_DataType_S64
 _ERROR_INTERNAL = 13
-_MEMCPY_DEVICE_TO_DEVICE = 3
 
 c_size_t, c_int64, c_int32, c_void_p = ctypes.c_size_t, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 c_enum = ctypes.c_int  # C enums are int-sized on the platforms JAX supports
@@ -154,12 +153,6 @@ class Array:
         import cupy
         memory = cupy.cuda.UnownedMemory(self.pointer, self.nbytes, None, device_id)
         return cupy.ndarray(self.shape, self.dtype, cupy.cuda.MemoryPointer(memory, 0))
-
-    def copy_from_cupy(self, source, stream):
-        """Device-to-device copy of a C-contiguous CuPy array of our shape and dtype, on `stream`."""
-        import cupy
-        assert source.shape == self.shape and source.dtype == self.dtype and source.flags.c_contiguous
-        cupy.cuda.runtime.memcpyAsync(self.pointer, source.data.ptr, self.nbytes, _MEMCPY_DEVICE_TO_DEVICE, stream)
 
 
 _load = ctypes.c_uint64.from_address  # one 64-bit word of XLA's memory

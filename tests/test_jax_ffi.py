@@ -83,7 +83,7 @@ def test_cpu_program_calls_the_ffi_targets(on_cpu):
     assert re.search(r"custom_call.*cupyflash_flash_attn_fwd", hlo)
     assert re.search(r"custom_call.*cupyflash_flash_attn_bwd", hlo)
     # The options travel as typed FFI attributes (mhlo.backend_config as a dictionary), the scale as f64.
-    assert re.search(r"causal = false, softmax_scale = 2\.50*e-01 : f64", hlo)
+    assert re.search(r"_signature = -?\d+ : i64, causal = false, softmax_scale = 2\.50*e-01 : f64", hlo)
     assert "callback" not in hlo  # no host callback in the program
 
 
@@ -153,6 +153,16 @@ def test_cpu_low_precision_buffers(on_cpu, dtype):
     assert numpy.all(error <= float(info.eps) * numpy.abs(want) + float(info.smallest_subnormal))
 
 
+def _backend_config(hlo, target):
+    """(operands, attributes) of the first custom call of `target`, the attributes without the
+    signature (which the call must have, first)."""
+    found = re.search(r"custom_call @%s\((.*?)\) \{.*?mhlo.backend_config = \{(.*?)\}" % target, hlo)
+    assert found, hlo
+    attributes = re.fullmatch(r"_signature = -?\d+ : i64, (.*)", found.group(2))
+    assert attributes, found.group(2)
+    return found.group(1), attributes.group(1)
+
+
 def test_cpu_options_travel_as_attributes_and_operands(on_cpu):
     """Static options are FFI attributes (only those that are on), arrays are operands in a fixed order."""
     q = _random((1, 8, 2, 16), 40)
@@ -163,16 +173,16 @@ def test_cpu_options_travel_as_attributes_and_operands(on_cpu):
                           dropout_p=0.5, dropout_seed=seed, deterministic=True).sum()
 
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, bias, slopes, seed).as_text()
-    forward = re.search(r"custom_call @cupyflash_flash_attn_fwd\((.*?)\) \{.*?mhlo.backend_config = \{(.*?)\}", hlo)
-    backward = re.search(r"custom_call @cupyflash_flash_attn_bwd\((.*?)\) \{.*?mhlo.backend_config = \{(.*?)\}", hlo)
-    assert forward and backward, hlo
-    assert forward.group(2) == ("causal = true, dropout_p = 5.000000e-01 : f64, has_alibi_slopes = true, "
-                                "has_attn_bias = true, softcap = 3.000000e+00 : f64, softmax_scale = 2.500000e-01 : f64, "
-                                "window_left = 4 : i64, window_right = -1 : i64")
-    assert backward.group(2) == forward.group(2).replace("causal = true, ", "causal = true, deterministic = true, ")
-    assert forward.group(1).count("%") == 6 and backward.group(1).count("%") == 9  # q, k, v, slopes, bias, seed
+    forward, backward = _backend_config(hlo, "cupyflash_flash_attn_fwd"), _backend_config(hlo, "cupyflash_flash_attn_bwd")
+    assert forward[1] == ("causal = true, dropout_p = 5.000000e-01 : f64, has_alibi_slopes = true, "
+                          "has_attn_bias = true, softcap = 3.000000e+00 : f64, softmax_scale = 2.500000e-01 : f64, "
+                          "window_left = 4 : i64, window_right = -1 : i64")
+    # The bias is differentiated (argnums), so the backward returns its gradient.
+    assert backward[1] == forward[1].replace("causal = true, ", "causal = true, deterministic = true, ").replace(
+        "has_attn_bias = true, ", "has_attn_bias = true, return_dbias = true, ")
+    assert forward[0].count("%") == 6 and backward[0].count("%") == 9  # q, k, v, slopes, bias, seed
     plain = jax.jit(lambda q: flash_attn(q, q, q)).lower(q).as_text()
-    assert re.search(r"mhlo.backend_config = \{causal = false, softmax_scale = 2\.50*e-01 : f64\}", plain)
+    assert _backend_config(plain, "cupyflash_flash_attn_fwd")[1] == "causal = false, softmax_scale = 2.500000e-01 : f64"
 
 
 def test_cpu_handler_checks_its_operand_count(on_cpu):
@@ -183,3 +193,27 @@ def test_cpu_handler_checks_its_operand_count(on_cpu):
     with pytest.raises(Exception, match="3 operands, expected 4: q, k, v, attn_bias"):
         jax.block_until_ready(call(q, q, q, softmax_scale=numpy.float64(0.25), causal=numpy.bool_(False),
                                    has_attn_bias=numpy.bool_(True)))
+
+
+def test_cpu_signature_is_checked(on_cpu):
+    """The signature attribute names everything a launch depends on: another shape, dtype or
+    option gives another; the handlers refuse a call whose signature is not its own (the CUDA
+    handlers find their cached launch by it)."""
+    from cupyflash import jax as cfjax
+    q = _random((1, 8, 2, 16), 42)
+
+    def signature(q, **options):
+        hlo = jax.jit(lambda q: flash_attn(q, q, q, **options)).lower(q).as_text()
+        return re.search(r"_signature = (-?\d+) : i64", hlo).group(1)
+
+    first, causal = signature(q), signature(q, causal=True)
+    assert signature(q) == first
+    assert len({first, causal, signature(q[:, :7]), signature(q.astype(jnp.float16)), signature(q, softmax_scale=0.3),
+                signature(q, window_size=(3, 3))}) == 6
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((1, 2, 8), jnp.float32))
+    call = jax.ffi.ffi_call(cfjax._FORWARD, results)
+    attrs = dict(softmax_scale=numpy.float64(0.25), causal=numpy.bool_(False))
+    out, _ = call(q, q, q, **attrs, _signature=numpy.int64(first))
+    assert numpy.array_equal(out, flash_attn(q, q, q))
+    with pytest.raises(Exception, match="the _signature attribute does not match the call"):
+        jax.block_until_ready(call(q, q, q, **attrs, _signature=numpy.int64(causal)))  # the causal call's

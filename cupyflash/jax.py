@@ -26,13 +26,9 @@ device, so a repeated call reads the buffers' addresses and the stream from the 
 launches. Two cases copy: a head dim that is not a multiple of 8 (the core pads it), and dbias,
 which CuPy reduces from the kernels' float32 accumulator and copies into XLA's buffer.
 
-GPU memory: the backward's scratch (a float32 dq accumulator, twice dq's bytes, two float32 row
-statistics, and dbias's accumulator) comes from CuPy's memory pool, beside XLA's own, on XLA's
-stream (current in CuPy while the plan runs, so a freed block is reused in stream order); the
-forward allocates nothing. XLA preallocates 75% of the GPU at start: keep that only if the rest
-holds the backward's scratch (and CuPy's cached blocks, which it keeps until
-cupy.get_default_memory_pool().free_all_blocks()); else XLA_PYTHON_CLIENT_MEM_FRACTION or
-XLA_PYTHON_CLIENT_PREALLOCATE=false.
+GPU memory: the backward's scratch (and the padded head dims' arrays) come from CuPy's memory
+pool, beside XLA's own, with XLA's stream current in CuPy while the plan runs, so a freed block is
+reused in stream order; README's JAX section says what that means for XLA's preallocation.
 
 jax.experimental.buffer_callback (JAX >= 0.7) hands a Python callback the same buffers without
 the ctypes structures of _xla_ffi.py; bench/jax_handlers.py compares the two mechanisms' host time

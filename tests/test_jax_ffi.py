@@ -1,9 +1,11 @@
 """cupyflash.jax, the XLA typed FFI: the ctypes structures against the installed jaxlib's header, the
 custom calls and their attributes in the lowered program, handler errors reaching Python, the API
-functions reached from a probe target, and float16/bfloat16 buffers crossing the FFI (CPU backend).
+functions reached from a probe target, and float16/bfloat16 buffers crossing the FFI (CPU backend);
+the signature attribute; the CUDA handlers' plumbing with the GPU parts stubbed.
 (The test_jax_*.py files are split by concern; test_jax_grad.py lists them.)
 """
 
+import contextlib
 import functools
 import os
 import re
@@ -217,3 +219,103 @@ def test_cpu_signature_is_checked(on_cpu):
     assert numpy.array_equal(out, flash_attn(q, q, q))
     with pytest.raises(Exception, match="the _signature attribute does not match the call"):
         jax.block_until_ready(call(q, q, q, **attrs, _signature=numpy.int64(causal)))  # the causal call's
+
+
+class _FakeCall:
+    """What the CUDA handler reads of a call, without XLA: addresses, attributes, shapes."""
+
+    class Buffer:
+        def __init__(self, shape, dtype, pointer):
+            self.shape, self.dtype, self.pointer = shape, numpy.dtype(dtype), pointer
+
+        def cupy(self, device):
+            return ("view", self.pointer, device)
+
+    def __init__(self, target, attrs, args, rets):
+        from cupyflash import jax as cfjax
+        self.args = [self.Buffer(s, d, 1000 + 16 * i) for i, (s, d) in enumerate(args)]
+        self.rets = [self.Buffer(s, d, 5000 + 16 * i) for i, (s, d) in enumerate(rets)]
+        self.attrs = dict(attrs, _signature=cfjax._signature(target, attrs, self.args, self.rets))
+
+    def first_scalar(self, name):
+        return self.attrs["_signature"] if name == b"_signature" else None
+
+    def arg_pointers(self):
+        return [a.pointer for a in self.args]
+
+    def ret_pointers(self):
+        return [r.pointer for r in self.rets]
+
+    def cuda_stream(self):
+        return 77
+
+    def device_ordinal(self):
+        return 0
+
+
+def test_cuda_handler_plumbing_without_a_gpu(monkeypatch):
+    """The CUDA handlers' Python with the GPU parts stubbed: the first call of a signature builds the
+    plan (api.plan_of, on CuPy views); every call runs it with the operands' and results' addresses by
+    the core's names and XLA's stream; the backward's scratch runs with XLA's stream current; dbias is
+    copied into its result; a plan that cannot take the addresses falls back to the copying path."""
+    cupy = pytest.importorskip("cupy")
+    from cupyflash import api, jax as cfjax
+
+    class Plan:
+        def __init__(self, outputs, results):
+            self.outputs = [type("Output", (), {"name": name}) for name in outputs]
+            self.results, self.runs = results, []
+
+        def run(self, arrays, seed, into, stream):
+            self.runs.append((arrays, seed, into, stream, entered[:]))
+            return self.results
+
+    planned, copies, copying, entered = [], [], [], []
+    monkeypatch.setattr(cfjax, "_launches", {})
+    monkeypatch.setattr(cfjax, "_one_device", lambda: True)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(cfjax, "_external_stream", lambda stream, device: _entered(entered, stream))
+    monkeypatch.setattr(cfjax, "_copy", lambda *args: copies.append(args))
+    monkeypatch.setattr(cfjax, "_run_copying", lambda request, call, device, stream: copying.append(stream))
+    monkeypatch.setattr(api, "plan_of", lambda *args: planned.append(args) or plans.pop(0))
+
+    q, stats = ((1, 8, 2, 16), "bfloat16"), ((1, 2, 8), "float32")
+    forward = cfjax._cuda_handler(cfjax._FORWARD, "fwd", False)
+    call = _FakeCall(cfjax._FORWARD, dict(softmax_scale=0.25, causal=True), [q, q, q], [q, stats])
+    plans = [Plan(["out", "lse"], (5000, 5016))]
+    forward(call)
+    forward(call)
+    assert len(planned) == 1
+    pass_, arrays, scale, causal, given, function, varlen, return_dbias = planned[0]
+    assert (pass_, scale, causal, varlen, return_dbias) == ("fwd", 0.25, True, None, False)
+    assert arrays == {n: ("view", 1000 + 16 * i, 0) for i, n in enumerate("qkv")}
+    (launch,) = cfjax._launches.values()
+    assert launch.plan.runs == [({"q": 1000, "k": 1016, "v": 1032}, None, {"out": 5000, "lse": 5016}, 77, [])] * 2
+
+    backward = cfjax._cuda_handler(cfjax._BACKWARD, "bwd", False)
+    bias = ((2, 8, 8), "float32")
+    call = _FakeCall(cfjax._BACKWARD, dict(softmax_scale=0.25, causal=False, has_attn_bias=True, return_dbias=True),
+                     [q, q, q, q, q, stats, bias], [q, q, q, bias])
+    dbias = object()
+    plans = [Plan(["dq", "dk", "dv", "dq_accum", "dbias_accum"], (5000, 5016, 5032, dbias))]
+    backward(call)
+    arrays, given = planned[1][1], planned[1][4]
+    assert list(arrays) == ["dout", "q", "k", "v", "out", "lse"] and given["attn_bias"] == ("view", 1096, 0)
+    (run,) = cfjax._launches[call.attrs["_signature"], 0, os.environ.get("CUPYFLASH_TILES")].plan.runs
+    assert run[0] == {n: 1000 + 16 * i for i, n in enumerate(["dout", "q", "k", "v", "out", "lse", "attn_bias"])}
+    assert run[2:] == ({"dq": 5000, "dk": 5016, "dv": 5032}, 77, [77])  # XLA's stream current for the scratch
+    assert copies == [(5048, dbias, 77)] and not copying
+
+    call = _FakeCall(cfjax._FORWARD, dict(softmax_scale=0.5, causal=False), [q, q, q], [q, stats])
+    plans = [Plan(["out", "lse"], None)]  # an address the kernels cannot take
+    forward(call)
+    assert copying == [77]
+
+
+@contextlib.contextmanager
+def _entered(entered, stream):
+    entered.append(stream)
+    try:
+        yield
+    finally:
+        entered.pop()

@@ -152,9 +152,9 @@ def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, re
 def plan_of(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False):
     """The launch plan of a GPU call (arguments as _call's, checked as _call checks them), for a
     caller that runs it again on other buffers of the same layout by their addresses:
-    `plan.run(addresses by input name, None, into=..., stream=...)` (cupyflash.jax's handlers
-    keep it per custom call); None where no plan runs the call (a head dim that is not a multiple
-    of 8, NumPy arrays)."""
+    `plan.run(addresses by input name, None, into=..., stream=...)`, a dropout seed being an array
+    among the inputs (cupyflash.jax's handlers keep it per custom call); None where no plan runs
+    the call (a head dim that is not a multiple of 8, NumPy arrays)."""
     given = _gather(pass_, arrays, given, function, varlen)
     key = _plan.plan_key(pass_, arrays, softmax_scale, causal, given, varlen, return_dbias)
     plan = _plan.cached(key)

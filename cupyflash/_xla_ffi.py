@@ -6,15 +6,19 @@ The structures below mirror xla/ffi/api/c_api.h as jaxlib ships it (`jax.ffi.inc
 Only fields whose offsets are the same in API versions 0.3 (jaxlib 0.10), 0.4 (0.11) and 0.5
 (0.12) are read or written: versions since then renamed the extension type, some API functions
 and added fields at struct ends and API functions at the API struct's end, which moves nothing
-used here. tests/test_jax_integration.py checks these layouts against the installed header.
+used here. tests/test_jax_ffi.py checks these layouts against the installed header.
 
 A handler is called in two ways:
   * at registration, with a metadata extension in `extension_start`: it must answer the API
     version it was written for (XLA refuses versions outside its supported range) and its
-    traits (none: not safe to capture into a CUDA graph, since it allocates through CuPy);
+    traits (none: not safe to capture into a CUDA graph, since the backward allocates through CuPy);
   * at execution (stage EXECUTE), with its buffers, attributes and a context from which the
     CUDA stream and device ordinal are read.
 A Python exception becomes an XLA_FFI_Error carrying its message, which JAX raises.
+
+XLA runs a GPU handler on the host for every call, so `Call` reads the frame only where asked:
+the buffers' addresses and one scalar attribute cost a few raw loads each (`arg_pointers`,
+`ret_pointers`, `first_scalar`); `args`, `rets` and `attrs` decode everything.
 """
 
 import ctypes
@@ -31,8 +35,8 @@ _EXTENSION_METADATA = 1
 _STAGE_EXECUTE = 3
 _ARG_BUFFER = _RET_BUFFER = 1
 _ATTR_SCALAR = 3
+_S64 = 5  # XLA_FFI_DataType_S64
 _ERROR_INTERNAL = 13
-_MEMCPY_DEVICE_TO_DEVICE = 3
 
 c_size_t, c_int64, c_int32, c_void_p = ctypes.c_size_t, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 c_enum = ctypes.c_int  # C enums are int-sized on the platforms JAX supports
@@ -101,7 +105,7 @@ CallFrame = _struct("XLA_FFI_CallFrame", [
 CALL_FRAME_SIZE = CallFrame.attrs.offset + ctypes.sizeof(Attrs)
 _BUFFER_SIZE = Buffer.dims.offset + ctypes.sizeof(ctypes.c_void_p)
 
-_Handler = ctypes.CFUNCTYPE(c_void_p, ctypes.POINTER(CallFrame))
+_Handler = ctypes.CFUNCTYPE(c_void_p, c_void_p)  # the frame as an address: no ctypes object per call
 
 
 @functools.cache
@@ -150,32 +154,80 @@ class Array:
         memory = cupy.cuda.UnownedMemory(self.pointer, self.nbytes, None, device_id)
         return cupy.ndarray(self.shape, self.dtype, cupy.cuda.MemoryPointer(memory, 0))
 
-    def copy_from_cupy(self, source, stream):
-        """Device-to-device copy of a C-contiguous CuPy array of our shape and dtype, on `stream`."""
-        import cupy
-        assert source.shape == self.shape and source.dtype == self.dtype and source.flags.c_contiguous
-        cupy.cuda.runtime.memcpyAsync(self.pointer, source.data.ptr, self.nbytes, _MEMCPY_DEVICE_TO_DEVICE, stream)
+
+_load = ctypes.c_uint64.from_address  # one 64-bit word of XLA's memory
+_int32 = ctypes.c_int32.from_address
+# Offsets of the words the fast readers load (module constants: a dictionary lookup costs as much).
+_EXT, _API, _CTX, _STAGE = (getattr(CallFrame, f).offset for f in ("extension_start", "api", "ctx", "stage"))
+_ARGS_SIZE, _ARGS = CallFrame.args.offset + Args.size.offset, CallFrame.args.offset + Args.args.offset
+_RETS_SIZE, _RETS = CallFrame.rets.offset + Rets.size.offset, CallFrame.rets.offset + Rets.rets.offset
+_ATTRS_SIZE, _ATTR_TYPES, _ATTR_NAMES, _ATTRS = (CallFrame.attrs.offset + getattr(Attrs, f).offset
+                                                  for f in ("size", "types", "names", "attrs"))
+_DATA = Buffer.data.offset
+
+
+def _pointers(frame, size, table):
+    start = _load(frame + table).value
+    return [_load(_load(start + 8 * i).value + _DATA).value for i in range(_load(frame + size).value)]
 
 
 class Call:
-    """What a handler gets at execution: args and rets (Arrays), attrs (name -> Python scalar)."""
+    """What a handler gets at execution, read from the call frame at `address` on demand:
+    arg_pointers() and ret_pointers() (the buffers' addresses), first_scalar(name), cuda_stream(),
+    device_ordinal(); args and rets (Arrays) and attrs (name -> Python scalar) decode everything."""
 
-    def __init__(self, frame):
-        self._frame = frame
-        self.args = [self._buffer(frame.args.types[i], _ARG_BUFFER, frame.args.args[i], f"argument {i}")
-                     for i in range(frame.args.size)]
-        self.rets = [self._buffer(frame.rets.types[i], _RET_BUFFER, frame.rets.rets[i], f"result {i}")
-                     for i in range(frame.rets.size)]
-        self.attrs = {}
-        for i in range(frame.attrs.size):
-            span = frame.attrs.names[i].contents
+    def __init__(self, address):
+        self.address = address
+
+    @property
+    def frame(self):
+        return CallFrame.from_address(self.address)
+
+    def arg_pointers(self):
+        """The operands' addresses, in order (every operand of our custom calls is a buffer)."""
+        return _pointers(self.address, _ARGS_SIZE, _ARGS)
+
+    def ret_pointers(self):
+        return _pointers(self.address, _RETS_SIZE, _RETS)
+
+    def first_scalar(self, name):
+        """The value of attribute `name` (bytes) if it is the first attribute (XLA sorts them by
+        name) and an int64 scalar, else None."""
+        frame = self.address
+        if not _load(frame + _ATTRS_SIZE).value:
+            return None
+        span = _load(_load(frame + _ATTR_NAMES).value).value
+        if _load(span + 8).value != len(name) or ctypes.string_at(_load(span).value, len(name)) != name or \
+                _int32(_load(frame + _ATTR_TYPES).value).value != _ATTR_SCALAR:
+            return None
+        scalar = _load(_load(frame + _ATTRS).value).value
+        if _int32(scalar).value != _S64:
+            return None
+        return ctypes.c_int64.from_address(_load(scalar + 8).value).value
+
+    @functools.cached_property
+    def args(self):
+        args = self.frame.args
+        return [self._buffer(args.types[i], _ARG_BUFFER, args.args[i], f"argument {i}") for i in range(args.size)]
+
+    @functools.cached_property
+    def rets(self):
+        rets = self.frame.rets
+        return [self._buffer(rets.types[i], _RET_BUFFER, rets.rets[i], f"result {i}") for i in range(rets.size)]
+
+    @functools.cached_property
+    def attrs(self):
+        frame_attrs, attrs = self.frame.attrs, {}
+        for i in range(frame_attrs.size):
+            span = frame_attrs.names[i].contents
             name = ctypes.string_at(span.ptr, span.len).decode()
-            if frame.attrs.types[i] != _ATTR_SCALAR:
+            if frame_attrs.types[i] != _ATTR_SCALAR:
                 raise TypeError(f"attribute {name}: only scalar attributes are supported")
-            scalar = ctypes.cast(frame.attrs.attrs[i], ctypes.POINTER(Scalar)).contents
+            scalar = ctypes.cast(frame_attrs.attrs[i], ctypes.POINTER(Scalar)).contents
             if scalar.dtype not in _SCALAR_TYPES:
                 raise TypeError(f"attribute {name}: unsupported scalar type {scalar.dtype}")
-            self.attrs[name] = ctypes.cast(scalar.value, ctypes.POINTER(_SCALAR_TYPES[scalar.dtype])).contents.value
+            attrs[name] = ctypes.cast(scalar.value, ctypes.POINTER(_SCALAR_TYPES[scalar.dtype])).contents.value
+        return attrs
 
     @staticmethod
     def _buffer(kind, expected, pointer, what):
@@ -183,12 +235,10 @@ class Call:
             raise TypeError(f"{what}: expected a buffer, got XLA FFI type {kind}")
         return Array(pointer, what)
 
-    def _api_call(self, name, args_type, **fields):
-        api = self._frame.api.contents
-        if api.struct_size < getattr(Api, name).offset + ctypes.sizeof(c_void_p):
-            raise RuntimeError(f"this XLA's FFI API has no {name}")
-        args = args_type(struct_size=ctypes.sizeof(args_type), ctx=self._frame.ctx, **fields)
-        error = getattr(api, name)(ctypes.byref(args))
+    def _api_call(self, name, args_type):
+        function = _api_function(_load(self.address + _API).value, name)
+        args = args_type(ctypes.sizeof(args_type), None, _load(self.address + _CTX).value)
+        error = function(args)
         if error:
             raise FfiError(f"XLA_FFI_{name} failed", error)
         return args
@@ -199,6 +249,19 @@ class Call:
 
     def device_ordinal(self):
         return self._api_call("DeviceOrdinal_Get", DeviceOrdinalGetArgs).device_ordinal
+
+
+_api_functions = {}  # (API table address, name) -> the callable entry; XLA's table lives as long as the process
+
+
+def _api_function(api, name):
+    function = _api_functions.get((api, name))
+    if function is None:
+        table = Api.from_address(api)
+        if table.struct_size < getattr(Api, name).offset + ctypes.sizeof(c_void_p):
+            raise RuntimeError(f"this XLA's FFI API has no {name}")
+        function = _api_functions[api, name] = getattr(table, name)
+    return function
 
 
 def _answer_metadata(frame):
@@ -216,23 +279,24 @@ def _error(frame, message):
     return frame.api.contents.Error_Create(ctypes.byref(args))
 
 
-def _run(function, frame_pointer):
-    frame = frame_pointer.contents
+def _run(function, address):
     try:
-        if frame.struct_size < CALL_FRAME_SIZE:
-            return _error(frame, f"XLA_FFI_CallFrame of {frame.struct_size} bytes, expected {CALL_FRAME_SIZE}")
-        if frame.extension_start and frame.extension_start.contents.type == _EXTENSION_METADATA:
-            _answer_metadata(frame)
+        if _load(address).value < CALL_FRAME_SIZE:  # struct_size
+            return _error(CallFrame.from_address(address),
+                          f"XLA_FFI_CallFrame of {_load(address).value} bytes, expected {CALL_FRAME_SIZE}")
+        extension = _load(address + _EXT).value
+        if extension and ExtensionBase.from_address(extension).type == _EXTENSION_METADATA:
+            _answer_metadata(CallFrame.from_address(address))
             return None
-        if frame.stage != _STAGE_EXECUTE:
+        if _int32(address + _STAGE).value != _STAGE_EXECUTE:
             return None  # only an execute handler is registered; nothing to do at other stages
-        function(Call(frame))
+        function(Call(address))
         return None
     except FfiError as error:
         return error.pointer
     except BaseException as error:  # noqa: BLE001 -- nothing may unwind through XLA's C frames
         detail = "".join(traceback.format_exception_only(type(error), error)).strip()
-        return _error(frame, f"cupyflash: {detail}")
+        return _error(CallFrame.from_address(address), f"cupyflash: {detail}")
 
 
 _keep_alive = []  # the callbacks must outlive every XLA executable that may call them
@@ -240,7 +304,7 @@ _keep_alive = []  # the callbacks must outlive every XLA executable that may cal
 
 def handler_capsule(function):
     """A PyCapsule holding a C function pointer that runs `function(Call)` at execution."""
-    callback = _Handler(lambda frame_pointer: _run(function, frame_pointer))
+    callback = _Handler(lambda address: _run(function, address))
     _keep_alive.append(callback)
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype = ctypes.py_object

@@ -108,28 +108,34 @@ _TAKEN = {(pass_, varlen): ({o.name: o.default for o in options.for_call(pass_, 
           for pass_ in ("fwd", "bwd") for varlen in (False, True)}
 
 
+def _gather(pass_, arrays, given, function, varlen):
+    """(every option of the call: `given` with the defaults filled in, `given` itself: the options
+    as the plan key holds them, for which defaults add nothing); adds the call's other arrays
+    (cu_seqlens, the options' arrays, a seed array) to `arrays`."""
+    defaults, array_names = _TAKEN[pass_, varlen is not None]
+    if varlen is not None:
+        arrays.update(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k)
+    if not given:
+        return defaults, given
+    for name in given:
+        if name not in defaults:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+    every = {**defaults, **given}
+    for name in array_names:
+        if every[name] is not None:
+            arrays[name] = every[name]
+    if options.is_seed_array(every.get("seed")):
+        arrays["seed"] = every["seed"]  # read by the kernels on the device
+    return every, given
+
+
 def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False, into=None):
     """One public call: the cached plan of its signature if there is one, else checks and a new plan.
     `into` maps result names (out, lse; dq, dk, dv) to device addresses the kernels write instead of
     new arrays (JAX's result buffers); those results come back as the addresses. A head dim that is
     not a multiple of 8 ignores it (its results are cut from padded ones)."""
-    defaults, array_names = _TAKEN[pass_, varlen is not None]
-    if varlen is not None:
-        arrays.update(cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_k=varlen.cu_seqlens_k)
-    key_options = given  # the plan key holds the options as given: defaults add nothing to it
-    if given:
-        for name in given:
-            if name not in defaults:
-                raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
-        given = {**defaults, **given}
-        for name in array_names:
-            if given[name] is not None:
-                arrays[name] = given[name]
-        if options.is_seed_array(given.get("seed")):
-            arrays["seed"] = given["seed"]  # read by the kernels on the device
-    else:
-        given = defaults
-    key = _plan.plan_key(pass_, arrays, softmax_scale, causal, key_options, varlen, return_dbias)
+    given, as_given = _gather(pass_, arrays, given, function, varlen)
+    key = _plan.plan_key(pass_, arrays, softmax_scale, causal, as_given, varlen, return_dbias)
     plan = _plan.cached(key)
     if plan is not None:
         if varlen is not None:
@@ -144,6 +150,25 @@ def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, re
         return _padded_head_dim(call, arrays, given, return_dbias)
     plan, inputs = _plan.new_plan(call, arrays, key, return_dbias)
     return plan.run(inputs, call.checked.get("seed"), into)
+
+
+def plan_of(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False):
+    """The launch plan of a GPU call (arguments as _call's, checked as _call checks them), for a
+    caller that runs it again on other buffers of the same layout by their addresses:
+    `plan.run(addresses by input name, None, into=..., stream=...)`, a dropout seed being an array
+    among the inputs (cupyflash.jax's handlers keep it per custom call); None where no plan runs
+    the call (a head dim that is not a multiple of 8, NumPy arrays)."""
+    given, as_given = _gather(pass_, arrays, given, function, varlen)
+    key = _plan.plan_key(pass_, arrays, softmax_scale, causal, as_given, varlen, return_dbias)
+    plan = _plan.cached(key)
+    if plan is not None:
+        if varlen is not None:
+            validate.check_varlen_values(varlen, arrays, plan.caller)
+        return plan
+    call = validate.check_call(pass_, arrays, softmax_scale, causal, given, varlen)
+    if call.caller.kind == "numpy" or call.shape.headdim % 8:
+        return None
+    return _plan.new_plan(call, arrays, key, return_dbias)[0]
 
 
 def _padded_head_dim(call, arrays, given, return_dbias):

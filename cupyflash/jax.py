@@ -13,21 +13,33 @@ without a GPU (and float32/float64 inputs work there).
 
 Options (the core's, cupyflash.options): the pair, real and flag options are static (Python
 values, part of the trace, sent as custom call attributes); the array options, dropout_seed and the
-varlen cu_seqlens are operands (traced arrays). An array option with a gradient gets it, the
-others a zero cotangent.
+varlen cu_seqlens are operands (traced arrays). An array option with a gradient (attn_bias) gets
+it where it is differentiated (custom_vjp's `perturbed`: the backward computes dbias only then),
+the others a zero cotangent.
 
-What goes through the host: the dropout seed and the cu_seqlens are read by the handler on the host
-(on the GPU a small device-to-host copy that waits for XLA's stream to reach the call), as the core
-checks cu_seqlens on the host and writes the seed into the kernels' parameters.
+On the GPU nothing goes through the host and nothing is copied: the kernels read the seed and the
+cu_seqlens where XLA wrote them (the core runs under validate.no_host_sync, so bad cu_seqlens give
+wrong rows, never an access outside the buffers) and write out, lse, dq, dk and dv into XLA's
+result buffers. Each custom call carries a signature attribute (a digest of its target,
+attributes, shapes and dtypes); the CUDA handler keeps the core's launch plan per signature and
+device, so a repeated call reads the buffers' addresses and the stream from the call frame and
+launches. Two cases copy: a head dim that is not a multiple of 8 (the core pads it), and dbias,
+which CuPy reduces from the kernels' float32 accumulator and copies into XLA's buffer.
 
-GPU memory: the kernels' outputs and the backward's scratch come from CuPy's memory pool, beside
-XLA's own; XLA takes 75% of the GPU at start unless XLA_PYTHON_CLIENT_PREALLOCATE=false (or a
-smaller XLA_PYTHON_CLIENT_MEM_FRACTION) leaves CuPy more.
+GPU memory: the backward's scratch (and the padded head dims' arrays) come from CuPy's memory
+pool, beside XLA's own, with XLA's stream current in CuPy while the plan runs, so a freed block is
+reused in stream order; README's JAX section says what that means for XLA's preallocation.
+
+jax.experimental.buffer_callback (JAX >= 0.7) hands a Python callback the same buffers without
+the ctypes structures of _xla_ffi.py; bench/jax_handlers.py compares the two mechanisms' host time
+per call, and bench/notes/jax-handlers.md says why the typed FFI stays.
 """
 
 import dataclasses
 import functools
+import hashlib
 import numbers
+import os
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +80,10 @@ def flash_attn(q, k, v, softmax_scale=None, causal=False, **given):
 
     Options, as cupyflash.flash_attn_func takes them (cupyflash.options). Static (Python values
     under jit): softmax_scale, causal and the pair, real and flag options. Arrays: the array
-    options; one with a gradient gets it in every backward (pass it only where it is wanted, or wrap
-    it in jax.lax.stop_gradient and accept the cost), the others a zero cotangent.
+    options; attn_bias gets its gradient where it is differentiated (an argument of jax.grad or
+    jax.vjp, or computed from one): only then does the backward compute dbias, so a constant bias,
+    one outside grad's argnums or one under jax.lax.stop_gradient costs nothing extra; the others
+    get a zero cotangent.
     dropout_seed, needed when dropout is on: the Philox key of the dropout mask
     (the backward uses the same), either a uint32 array of shape (2,) (low word, high word; e.g.
     jax.random.bits(key, (2,), jnp.uint32)): a traced operand, so a new seed each step does not
@@ -88,7 +102,8 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     q is (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim); sequence b is rows
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v.
     cu_seqlens_q and cu_seqlens_k are int32 arrays of length batch + 1 (operands: they may change
-    without a retrace; the handler checks their values on the host when the call runs);
+    without a retrace; on the CPU the handler checks their values, on the GPU the kernels read
+    them where XLA wrote them and clamp each sequence into the packed arrays, unchecked);
     max_seqlen_q and max_seqlen_k are static ints at least every length. Options as in flash_attn
     but those the varlen functions do not take; masks are per sequence.
     """
@@ -126,11 +141,13 @@ class _Static:
     operands: tuple
     max_seqlens: tuple = None  # (max_seqlen_q, max_seqlen_k) for varlen
 
-    def attributes(self, pass_):
+    def attributes(self, pass_, return_dbias=False):
         """The custom call's attributes: a float64 scale keeps it exact, a bool arrives as PRED.
         Options that are off are left out (the handlers read them as off), so that a call without
-        options is the custom call it always was."""
+        options is the custom call it always was; so is return_dbias (the backward's dbias)."""
         attrs = {"softmax_scale": numpy.float64(self.softmax_scale), "causal": numpy.bool_(self.causal)}
+        if return_dbias:
+            attrs["return_dbias"] = numpy.bool_(True)
         taken = {o.name for o in options.for_call(pass_, self.max_seqlens is not None)}
         for name, value in self.values:
             option = options.by_name(name)
@@ -167,25 +184,40 @@ def _flash_attn(q, k, v, operands, static):
     return _forward(q, k, v, operands, static)[0]
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Gradients:
+    """The operands whose gradient the backward computes (a static residual)."""
+    names: tuple
+
+
+_WITH_GRADIENT = tuple(o.name for o in options.OPTIONS if o.gradient)
+
+
 def _flash_attn_fwd(q, k, v, operands, static):
-    out, lse = _forward(q, k, v, operands, static)
-    return out, (q, k, v, operands, out, lse)
+    # The primals come wrapped with `perturbed` (symbolic_zeros=True): whether each is
+    # differentiated, which is all that tells a wanted dbias from a wasted one.
+    values = {name: primal.value for name, primal in operands.items()}
+    out, lse = _forward(q.value, k.value, v.value, values, static)
+    wanted = _Gradients(tuple(name for name in _WITH_GRADIENT if name in operands and operands[name].perturbed))
+    return out, (q.value, k.value, v.value, values, out, lse, wanted)
 
 
 def _flash_attn_bwd(static, residuals, dout):
-    q, k, v, operands, out, lse = residuals
+    q, k, v, operands, out, lse, wanted = residuals
+    if isinstance(dout, jax.custom_derivatives.SymbolicZero):
+        return None, None, None, {name: None for name in operands}
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
-    gradients = [o.name for o in options.OPTIONS if o.gradient and o.name in static.operands]
-    results += [jax.ShapeDtypeStruct(operands[name].shape, operands[name].dtype) for name in gradients]
-    call = jax.ffi.ffi_call(static.targets[1], results, vmap_method="sequential")
-    grads = call(dout.astype(q.dtype), q, k, v, out, lse, *_operand_list(operands, static),
-                 **static.attributes("bwd"))
-    # Cotangents of the operands: their gradient where they have one; none (zero) for the rest.
-    by_name = dict(zip(gradients, grads[3:]))
+    results += [jax.ShapeDtypeStruct(operands[name].shape, operands[name].dtype) for name in wanted.names]
+    grads = _custom_call(static.targets[1], results, [dout.astype(q.dtype), q, k, v, out, lse,
+                                                      *_operand_list(operands, static)],
+                         static.attributes("bwd", return_dbias=bool(wanted.names)))
+    # Cotangents of the operands: their gradient where it was wanted; none (zero) for the rest.
+    by_name = dict(zip(wanted.names, grads[3:]))
     return (*grads[:3], {name: by_name.get(name) for name in operands})
 
 
-_flash_attn.defvjp(_flash_attn_fwd, _flash_attn_bwd)
+_flash_attn.defvjp(_flash_attn_fwd, _flash_attn_bwd, symbolic_zeros=True)
 
 
 def _forward(q, k, v, operands, static):
@@ -193,8 +225,27 @@ def _forward(q, k, v, operands, static):
     stats = (nheads, q.shape[0]) if static.max_seqlens is not None else (q.shape[0], nheads, q.shape[1])
     lse_dtype = validate.lse_dtype(numpy.dtype(q.dtype).name)
     results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(stats, lse_dtype))
-    call = jax.ffi.ffi_call(static.targets[0], results, vmap_method="sequential")
-    return tuple(call(q, k, v, *_operand_list(operands, static), **static.attributes("fwd")))
+    return tuple(_custom_call(static.targets[0], results, [q, k, v, *_operand_list(operands, static)],
+                              static.attributes("fwd")))
+
+
+def _custom_call(target, results, operands, attrs):
+    """The custom call's results, its signature added to its attributes."""
+    attrs[_SIGNATURE] = numpy.int64(_signature(target, attrs, operands, results))
+    return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*operands, **attrs)
+
+
+_SIGNATURE = "_signature"  # first of the attributes, which XLA sorts by name: the CUDA handlers read it by one load
+
+
+def _signature(target, attrs, operands, results):
+    """A 64-bit digest of all a custom call's launch depends on but its buffers' addresses: the
+    target, the attributes (but the signature) and the operands' and results' shapes and dtypes.
+    The same from the traced call as from the frame the handlers get (they check it)."""
+    text = repr((target, sorted((name, value.item() if isinstance(value, numpy.generic) else value)
+                                for name, value in attrs.items() if name != _SIGNATURE),
+                 [(tuple(x.shape), numpy.dtype(x.dtype).name) for x in (*operands, *results)]))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def _operand_list(operands, static):
@@ -266,21 +317,26 @@ def _seed_operand(seed):
 # --------------------------------------------------------------------------------------------
 # The handlers, run by XLA at execution (see _xla_ffi.Call for what they get).
 
+_LEADING = {"fwd": ("q", "k", "v"), "bwd": ("dout", "q", "k", "v", "out", "lse")}
+_RESULTS = {"fwd": ("out", "lse"), "bwd": ("dq", "dk", "dv")}  # Plan.run's names for the custom call's results
+
+
 @dataclasses.dataclass
 class _Request:
     """What one custom call asks for, from its attributes: the operands' names and the core's arguments."""
+    target: str
     pass_: str
     names: list
     scale: float
     causal: bool
     values: dict
-    varlen: bool
     max_seqlens: tuple
+    return_dbias: bool
 
     @classmethod
-    def of(cls, call, pass_, varlen):
+    def of(cls, call, target, pass_, varlen):
         attrs = call.attrs
-        names = ["dout", "q", "k", "v", "out", "lse"] if pass_ == "bwd" else ["q", "k", "v"]
+        names = list(_LEADING[pass_])
         if varlen:
             names += ["cu_seqlens_q", "cu_seqlens_k"]
         values = {}
@@ -297,58 +353,136 @@ class _Request:
         if len(names) != len(call.args):
             raise ValueError(f"the custom call has {len(call.args)} operands, expected {len(names)}: "
                              f"{', '.join(names)}")
+        return_dbias = bool(attrs.get("return_dbias", False))
+        results = len(_RESULTS[pass_]) + return_dbias
+        if len(call.rets) != results:
+            raise ValueError(f"the custom call has {len(call.rets)} results, expected {results}")
+        signature = attrs.get(_SIGNATURE)
+        if signature is not None and signature != _signature(target, attrs, call.args, call.rets):
+            raise ValueError(f"{target}: the {_SIGNATURE} attribute does not match the call")
         max_seqlens = (int(attrs["max_seqlen_q"]), int(attrs["max_seqlen_k"])) if varlen else None
-        return cls(pass_, names, float(attrs["softmax_scale"]), bool(attrs["causal"]), values, varlen, max_seqlens)
+        return cls(target, pass_, names, float(attrs["softmax_scale"]), bool(attrs["causal"]), values, max_seqlens,
+                   return_dbias)
 
-    def run(self, args, read_seed):
-        """The core's results for the operands `args` (NumPy or CuPy arrays, in self.names order);
-        read_seed(array) gives the seed operand's two words on the host."""
-        arrays = dict(zip(self.names, args))
+    def core_call(self, operands):
+        """api._call's and api.plan_of's arguments for the operands (NumPy or CuPy arrays, in
+        self.names order); the seed operand is passed as the array it is (the kernels read it)."""
+        arrays = dict(zip(self.names, operands))
         given = dict(self.values)
-        for option in options.for_call(self.pass_, self.varlen):
-            if option.kind == "array":
-                given[option.name] = arrays.get(option.name)
-            elif option.kind == "seed" and option.name in arrays:
-                low, high = (int(word) for word in read_seed(arrays[option.name]))
-                given[option.name] = low | high << 32
-        leading = [arrays[n] for n in (("dout", "q", "k", "v", "out", "lse") if self.pass_ == "bwd" else ("q", "k", "v"))]
-        if self.varlen:
-            leading += [arrays["cu_seqlens_q"], arrays["cu_seqlens_k"], *self.max_seqlens]
-        if self.pass_ == "fwd":
-            function = api.flash_attn_varlen_func if self.varlen else api.flash_attn_func
-            return function(*leading, self.scale, self.causal, return_lse=True, **given)
-        if self.varlen:
-            return api.flash_attn_varlen_backward(*leading, self.scale, self.causal, **given)
-        gradients = [o.name for o in options.OPTIONS if o.gradient and o.name in arrays]
-        grads = api.flash_attn_backward(*leading, self.scale, self.causal, return_dbias=bool(gradients), **given)
-        return grads if gradients else grads[:3]  # (dq, dk, dv) and dbias with a bias: the custom call's results
+        for option in options.for_call(self.pass_, self.max_seqlens is not None):
+            if option.kind in ("array", "seed") and option.name in arrays:
+                given[option.name] = arrays.pop(option.name)
+        varlen = None
+        if self.max_seqlens is not None:
+            varlen = validate.Varlen(arrays.pop("cu_seqlens_q"), arrays.pop("cu_seqlens_k"), *self.max_seqlens)
+        return (self.pass_, arrays, self.scale, self.causal, given, self.target, varlen, self.return_dbias)
+
+    def run(self, operands):
+        """The core's results for the operands: (out, lse), or (dq, dk, dv) and dbias if asked for."""
+        return api._call(*self.core_call(operands))
 
 
-def _cpu_handler(pass_, varlen):
+def _cpu_handler(target, pass_, varlen):
     def handler(call):
-        request = _Request.of(call, pass_, varlen)
-        results = request.run([a.numpy() for a in call.args], read_seed=lambda seed: seed)
+        request = _Request.of(call, target, pass_, varlen)
+        results = request.run([a.numpy() for a in call.args])
         for ret, result in zip(call.rets, results, strict=True):
             numpy.copyto(ret.numpy(), result)
     return handler
 
 
-def _cuda_handler(pass_, varlen):
-    """Runs the kernels on XLA's device and stream, then copies the results into XLA's result
-    buffers on that stream.
+# --- CUDA: the kernels write XLA's result buffers, on XLA's stream -------------------------
 
-    The copy is one extra device-to-device pass over out (and dq, dk, dv): the core allocates its
-    results itself; an out= parameter in the core would let the kernels write XLA's buffers."""
-    def handler(call):
+class _Launch:
+    """A CUDA custom call's cached launch (per signature and device): the core's plan and how the
+    frame's buffers map to its names. `plan` is None where none runs the call (a head dim that is
+    not a multiple of 8: the core pads and cuts, and the results are copied)."""
+
+    def __init__(self, request, plan):
+        self.request, self.plan, self.names = request, plan, request.names
+        self.results = _RESULTS[request.pass_]
+        self.dbias = request.return_dbias
+        # Scratch (the backward's) comes from CuPy's pool, which reuses a block on the stream that
+        # was current when it was freed: so XLA's stream must be current while the plan runs.
+        self.allocates = plan is not None and (self.dbias or any(o.name not in self.results for o in plan.outputs))
+
+    def run(self, call, device, stream):
+        """Runs the plan on the call's buffers; False where it cannot (an address not aligned as
+        the kernels need)."""
+        plan, rets = self.plan, call.ret_pointers()
+        arrays, into = dict(zip(self.names, call.arg_pointers())), dict(zip(self.results, rets))
+        if not self.allocates:
+            return plan.run(arrays, None, into, stream) is not None
         import cupy
-        request = _Request.of(call, pass_, varlen)
-        device_id, stream_ptr = call.device_ordinal(), call.cuda_stream()
-        with cupy.cuda.Device(device_id), _external_stream(cupy, stream_ptr, device_id):
-            # cupy.asnumpy copies on the current stream, XLA's: the seed is read once it is written.
-            results = request.run([a.cupy(device_id) for a in call.args], read_seed=cupy.asnumpy)
-            for ret, result in zip(call.rets, results, strict=True):
-                ret.copy_from_cupy(cupy.ascontiguousarray(result), stream_ptr)
+        with cupy.cuda.Device(device), _external_stream(stream, device):
+            results = plan.run(arrays, None, into, stream)
+            if results is not None and self.dbias:  # reduced by CuPy from the kernels' float32 accumulator
+                _copy(rets[3], results[3], stream)
+        return results is not None
+
+
+_launches = {}  # (signature, device, CUPYFLASH_TILES) -> _Launch
+_MAX_LAUNCHES = 4096  # custom calls seen by one process; past this the cache starts afresh
+
+
+def _cuda_handler(target, pass_, varlen):
+    """Runs the kernels on XLA's device and stream, writing XLA's result buffers. A repeated call
+    (its signature attribute seen before on this device) reads its buffers' addresses and the
+    stream from the frame and runs the cached plan: nothing is decoded, allocated (but the
+    backward's scratch) or read from the device."""
+    def handler(call):
+        signature = call.first_scalar(_SIGNATURE_BYTES)
+        device = _device(call)
+        key = (signature, device, os.environ.get("CUPYFLASH_TILES"))  # a forced tile table is part of a plan
+        launch = _launches.get(key)
+        stream = call.cuda_stream()
+        if launch is None:
+            launch = _new_launch(call, target, pass_, varlen, device, stream)
+            if signature is not None:
+                if len(_launches) >= _MAX_LAUNCHES:
+                    _launches.clear()
+                _launches[key] = launch
+        if launch.plan is None or not launch.run(call, device, stream):
+            _run_copying(launch.request, call, device, stream)
     return handler
+
+
+_SIGNATURE_BYTES = _SIGNATURE.encode()
+
+
+def _new_launch(call, target, pass_, varlen, device, stream):
+    import cupy
+    request = _Request.of(call, target, pass_, varlen)
+    with cupy.cuda.Device(device), _external_stream(stream, device), validate.no_host_sync():
+        plan = api.plan_of(*request.core_call([a.cupy(device) for a in call.args]))
+    return _Launch(request, plan)
+
+
+def _run_copying(request, call, device, stream):
+    """The core's own path (results in CuPy arrays, then copied into XLA's): for head dims that
+    are not a multiple of 8, and for buffers the plan cannot take by address."""
+    import cupy
+    with cupy.cuda.Device(device), _external_stream(stream, device), validate.no_host_sync():
+        results = request.run([a.cupy(device) for a in call.args])
+        for ret, result in zip(call.ret_pointers(), results, strict=True):
+            _copy(ret, cupy.ascontiguousarray(result), stream)
+
+
+def _copy(pointer, source, stream):
+    import cupy
+    cupy.cuda.runtime.memcpyAsync(pointer, source.data.ptr, source.nbytes, cupy.cuda.runtime.memcpyDeviceToDevice,
+                                  stream)
+
+
+@functools.cache
+def _one_device():
+    import cupy
+    return cupy.cuda.runtime.getDeviceCount() == 1
+
+
+def _device(call):
+    """The call's CUDA device: 0 where the process sees one, else XLA's answer (one API call)."""
+    return 0 if _one_device() else call.device_ordinal()
 
 
 class _StreamHandle:
@@ -360,10 +494,21 @@ class _StreamHandle:
         return 0, self.ptr
 
 
-def _external_stream(cupy, ptr, device_id):
-    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14 deprecates ExternalStream
-        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-    return cupy.cuda.ExternalStream(ptr, device_id)
+_streams = {}  # (CUstream, device) -> CuPy's stream object for it
+
+
+def _external_stream(ptr, device_id):
+    stream = _streams.get((ptr, device_id))
+    if stream is None:
+        import cupy
+        if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14 deprecates ExternalStream
+            stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+        else:
+            stream = cupy.cuda.ExternalStream(ptr, device_id)
+        if len(_streams) >= 64:
+            _streams.clear()
+        _streams[ptr, device_id] = stream
+    return stream
 
 
 def _register():
@@ -371,7 +516,7 @@ def _register():
                (_VARLEN_BACKWARD, "bwd", True)}
     for name, pass_, varlen in sorted(targets):
         for platform, make in (("cpu", _cpu_handler), ("CUDA", _cuda_handler)):
-            jax.ffi.register_ffi_target(name, _xla_ffi.handler_capsule(make(pass_, varlen)), platform=platform)
+            jax.ffi.register_ffi_target(name, _xla_ffi.handler_capsule(make(name, pass_, varlen)), platform=platform)
 
 
 _register()  # once per process: the module is imported once

@@ -1,9 +1,11 @@
 """cupyflash.jax, the XLA typed FFI: the ctypes structures against the installed jaxlib's header, the
 custom calls and their attributes in the lowered program, handler errors reaching Python, the API
-functions reached from a probe target, and float16/bfloat16 buffers crossing the FFI (CPU backend).
+functions reached from a probe target, and float16/bfloat16 buffers crossing the FFI (CPU backend);
+the signature attribute; the CUDA handlers' plumbing with the GPU parts stubbed.
 (The test_jax_*.py files are split by concern; test_jax_grad.py lists them.)
 """
 
+import contextlib
 import functools
 import os
 import re
@@ -83,7 +85,7 @@ def test_cpu_program_calls_the_ffi_targets(on_cpu):
     assert re.search(r"custom_call.*cupyflash_flash_attn_fwd", hlo)
     assert re.search(r"custom_call.*cupyflash_flash_attn_bwd", hlo)
     # The options travel as typed FFI attributes (mhlo.backend_config as a dictionary), the scale as f64.
-    assert re.search(r"causal = false, softmax_scale = 2\.50*e-01 : f64", hlo)
+    assert re.search(r"_signature = -?\d+ : i64, causal = false, softmax_scale = 2\.50*e-01 : f64", hlo)
     assert "callback" not in hlo  # no host callback in the program
 
 
@@ -102,11 +104,15 @@ def test_cpu_handler_errors_reach_python(on_cpu):
 @functools.cache
 def _probe_target():
     """Registers (once per process: XLA refuses a second handler under one name) a CPU target that
-    records what it gets and then asks for a CUDA stream."""
+    records what it gets, read both ways (the raw loads of the CUDA handlers' fast path and the
+    full decoding), and then asks for a CUDA stream."""
     seen = {}
 
     def probe(call):
-        seen.update(ordinal=call.device_ordinal(), attrs=dict(call.attrs), shapes=[a.shape for a in call.args])
+        seen.update(ordinal=call.device_ordinal(), attrs=dict(call.attrs), shapes=[a.shape for a in call.args],
+                    args=call.arg_pointers() == [a.pointer for a in call.args],
+                    rets=call.ret_pointers() == [r.pointer for r in call.rets],
+                    first=(call.first_scalar(b"a"), call.first_scalar(b"b"), call.first_scalar(b"i")))
         call.cuda_stream()
 
     jax.ffi.register_ffi_target("cupyflash_test_probe", _xla_ffi.handler_capsule(probe), platform="cpu")
@@ -116,14 +122,21 @@ def _probe_target():
 def test_cpu_api_functions_and_attributes(on_cpu):
     """The API table entries the CUDA handlers call, reached from a probe target on the CPU backend:
     DeviceOrdinal_Get answers 0, Stream_Get answers XLA's own error (no GPU context), which the
-    handler hands back to XLA as it is; scalar attributes of several types arrive decoded."""
+    handler hands back to XLA as it is; scalar attributes of several types arrive decoded; the raw
+    loads find the buffers' addresses and the first attribute (by name, and only an int64)."""
     seen = _probe_target()
     seen.clear()
     x = jnp.ones((2, 3, 5), jnp.float32)
-    call = jax.ffi.ffi_call("cupyflash_test_probe", jax.ShapeDtypeStruct((2,), jnp.float32))
+    call = jax.ffi.ffi_call("cupyflash_test_probe", (jax.ShapeDtypeStruct((2,), jnp.float32),) * 2)
     with pytest.raises(Exception, match="GPU context is not available"):
-        jax.block_until_ready(call(x, x[0], i=numpy.int32(-7), f=numpy.float32(0.5), d=numpy.float64(0.1), b=True))
-    assert seen == {"ordinal": 0, "attrs": {"b": True, "d": 0.1, "f": 0.5, "i": -7}, "shapes": [(2, 3, 5), (3, 5)]}
+        jax.block_until_ready(call(x, x[0], i=numpy.int64(-7), f=numpy.float32(0.5), d=numpy.float64(0.1), b=True,
+                                   a=numpy.int64(-2 ** 62 - 3)))
+    assert seen == {"ordinal": 0, "attrs": {"a": -2 ** 62 - 3, "b": True, "d": 0.1, "f": 0.5, "i": -7},
+                    "shapes": [(2, 3, 5), (3, 5)], "args": True, "rets": True, "first": (-2 ** 62 - 3, None, None)}
+    seen.clear()
+    with pytest.raises(Exception, match="GPU context is not available"):
+        jax.block_until_ready(call(x, b=numpy.bool_(True)))  # the first attribute is not an int64
+    assert seen["first"] == (None, None, None)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -142,6 +155,16 @@ def test_cpu_low_precision_buffers(on_cpu, dtype):
     assert numpy.all(error <= float(info.eps) * numpy.abs(want) + float(info.smallest_subnormal))
 
 
+def _backend_config(hlo, target):
+    """(operands, attributes) of the first custom call of `target`, the attributes without the
+    signature (which the call must have, first)."""
+    found = re.search(r"custom_call @%s\((.*?)\) \{.*?mhlo.backend_config = \{(.*?)\}" % target, hlo)
+    assert found, hlo
+    attributes = re.fullmatch(r"_signature = -?\d+ : i64, (.*)", found.group(2))
+    assert attributes, found.group(2)
+    return found.group(1), attributes.group(1)
+
+
 def test_cpu_options_travel_as_attributes_and_operands(on_cpu):
     """Static options are FFI attributes (only those that are on), arrays are operands in a fixed order."""
     q = _random((1, 8, 2, 16), 40)
@@ -152,16 +175,16 @@ def test_cpu_options_travel_as_attributes_and_operands(on_cpu):
                           dropout_p=0.5, dropout_seed=seed, deterministic=True).sum()
 
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, bias, slopes, seed).as_text()
-    forward = re.search(r"custom_call @cupyflash_flash_attn_fwd\((.*?)\) \{.*?mhlo.backend_config = \{(.*?)\}", hlo)
-    backward = re.search(r"custom_call @cupyflash_flash_attn_bwd\((.*?)\) \{.*?mhlo.backend_config = \{(.*?)\}", hlo)
-    assert forward and backward, hlo
-    assert forward.group(2) == ("causal = true, dropout_p = 5.000000e-01 : f64, has_alibi_slopes = true, "
-                                "has_attn_bias = true, softcap = 3.000000e+00 : f64, softmax_scale = 2.500000e-01 : f64, "
-                                "window_left = 4 : i64, window_right = -1 : i64")
-    assert backward.group(2) == forward.group(2).replace("causal = true, ", "causal = true, deterministic = true, ")
-    assert forward.group(1).count("%") == 6 and backward.group(1).count("%") == 9  # q, k, v, slopes, bias, seed
+    forward, backward = _backend_config(hlo, "cupyflash_flash_attn_fwd"), _backend_config(hlo, "cupyflash_flash_attn_bwd")
+    assert forward[1] == ("causal = true, dropout_p = 5.000000e-01 : f64, has_alibi_slopes = true, "
+                          "has_attn_bias = true, softcap = 3.000000e+00 : f64, softmax_scale = 2.500000e-01 : f64, "
+                          "window_left = 4 : i64, window_right = -1 : i64")
+    # The bias is differentiated (argnums), so the backward returns its gradient.
+    assert backward[1] == forward[1].replace("causal = true, ", "causal = true, deterministic = true, ").replace(
+        "has_attn_bias = true, ", "has_attn_bias = true, return_dbias = true, ")
+    assert forward[0].count("%") == 6 and backward[0].count("%") == 9  # q, k, v, slopes, bias, seed
     plain = jax.jit(lambda q: flash_attn(q, q, q)).lower(q).as_text()
-    assert re.search(r"mhlo.backend_config = \{causal = false, softmax_scale = 2\.50*e-01 : f64\}", plain)
+    assert _backend_config(plain, "cupyflash_flash_attn_fwd")[1] == "causal = false, softmax_scale = 2.500000e-01 : f64"
 
 
 def test_cpu_handler_checks_its_operand_count(on_cpu):
@@ -172,3 +195,127 @@ def test_cpu_handler_checks_its_operand_count(on_cpu):
     with pytest.raises(Exception, match="3 operands, expected 4: q, k, v, attn_bias"):
         jax.block_until_ready(call(q, q, q, softmax_scale=numpy.float64(0.25), causal=numpy.bool_(False),
                                    has_attn_bias=numpy.bool_(True)))
+
+
+def test_cpu_signature_is_checked(on_cpu):
+    """The signature attribute names everything a launch depends on: another shape, dtype or
+    option gives another; the handlers refuse a call whose signature is not its own (the CUDA
+    handlers find their cached launch by it)."""
+    from cupyflash import jax as cfjax
+    q = _random((1, 8, 2, 16), 42)
+
+    def signature(q, **options):
+        hlo = jax.jit(lambda q: flash_attn(q, q, q, **options)).lower(q).as_text()
+        return re.search(r"_signature = (-?\d+) : i64", hlo).group(1)
+
+    first, causal = signature(q), signature(q, causal=True)
+    assert signature(q) == first
+    assert len({first, causal, signature(q[:, :7]), signature(q.astype(jnp.float16)), signature(q, softmax_scale=0.3),
+                signature(q, window_size=(3, 3))}) == 6
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((1, 2, 8), jnp.float32))
+    call = jax.ffi.ffi_call(cfjax._FORWARD, results)
+    attrs = dict(softmax_scale=numpy.float64(0.25), causal=numpy.bool_(False))
+    out, _ = call(q, q, q, **attrs, _signature=numpy.int64(first))
+    assert numpy.array_equal(out, flash_attn(q, q, q))
+    with pytest.raises(Exception, match="the _signature attribute does not match the call"):
+        jax.block_until_ready(call(q, q, q, **attrs, _signature=numpy.int64(causal)))  # the causal call's
+
+
+class _FakeCall:
+    """What the CUDA handler reads of a call, without XLA: addresses, attributes, shapes."""
+
+    class Buffer:
+        def __init__(self, shape, dtype, pointer):
+            self.shape, self.dtype, self.pointer = shape, numpy.dtype(dtype), pointer
+
+        def cupy(self, device):
+            return ("view", self.pointer, device)
+
+    def __init__(self, target, attrs, args, rets):
+        from cupyflash import jax as cfjax
+        self.args = [self.Buffer(s, d, 1000 + 16 * i) for i, (s, d) in enumerate(args)]
+        self.rets = [self.Buffer(s, d, 5000 + 16 * i) for i, (s, d) in enumerate(rets)]
+        self.attrs = dict(attrs, _signature=cfjax._signature(target, attrs, self.args, self.rets))
+
+    def first_scalar(self, name):
+        return self.attrs["_signature"] if name == b"_signature" else None
+
+    def arg_pointers(self):
+        return [a.pointer for a in self.args]
+
+    def ret_pointers(self):
+        return [r.pointer for r in self.rets]
+
+    def cuda_stream(self):
+        return 77
+
+    def device_ordinal(self):
+        return 0
+
+
+def test_cuda_handler_plumbing_without_a_gpu(monkeypatch):
+    """The CUDA handlers' Python with the GPU parts stubbed: the first call of a signature builds the
+    plan (api.plan_of, on CuPy views); every call runs it with the operands' and results' addresses by
+    the core's names and XLA's stream; the backward's scratch runs with XLA's stream current; dbias is
+    copied into its result; a plan that cannot take the addresses falls back to the copying path."""
+    cupy = pytest.importorskip("cupy")
+    from cupyflash import api, jax as cfjax
+
+    class Plan:
+        def __init__(self, outputs, results):
+            self.outputs = [type("Output", (), {"name": name}) for name in outputs]
+            self.results, self.runs = results, []
+
+        def run(self, arrays, seed, into, stream):
+            self.runs.append((arrays, seed, into, stream, entered[:]))
+            return self.results
+
+    planned, copies, copying, entered = [], [], [], []
+    monkeypatch.setattr(cfjax, "_launches", {})
+    monkeypatch.setattr(cfjax, "_one_device", lambda: True)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(cfjax, "_external_stream", lambda stream, device: _entered(entered, stream))
+    monkeypatch.setattr(cfjax, "_copy", lambda *args: copies.append(args))
+    monkeypatch.setattr(cfjax, "_run_copying", lambda request, call, device, stream: copying.append(stream))
+    monkeypatch.setattr(api, "plan_of", lambda *args: planned.append(args) or plans.pop(0))
+
+    q, stats = ((1, 8, 2, 16), "bfloat16"), ((1, 2, 8), "float32")
+    forward = cfjax._cuda_handler(cfjax._FORWARD, "fwd", False)
+    call = _FakeCall(cfjax._FORWARD, dict(softmax_scale=0.25, causal=True), [q, q, q], [q, stats])
+    plans = [Plan(["out", "lse"], (5000, 5016))]
+    forward(call)
+    forward(call)
+    assert len(planned) == 1
+    pass_, arrays, scale, causal, given, function, varlen, return_dbias = planned[0]
+    assert (pass_, scale, causal, varlen, return_dbias) == ("fwd", 0.25, True, None, False)
+    assert arrays == {n: ("view", 1000 + 16 * i, 0) for i, n in enumerate("qkv")}
+    (launch,) = cfjax._launches.values()
+    assert launch.plan.runs == [({"q": 1000, "k": 1016, "v": 1032}, None, {"out": 5000, "lse": 5016}, 77, [])] * 2
+
+    backward = cfjax._cuda_handler(cfjax._BACKWARD, "bwd", False)
+    bias = ((2, 8, 8), "float32")
+    call = _FakeCall(cfjax._BACKWARD, dict(softmax_scale=0.25, causal=False, has_attn_bias=True, return_dbias=True),
+                     [q, q, q, q, q, stats, bias], [q, q, q, bias])
+    dbias = object()
+    plans = [Plan(["dq", "dk", "dv", "dq_accum", "dbias_accum"], (5000, 5016, 5032, dbias))]
+    backward(call)
+    arrays, given = planned[1][1], planned[1][4]
+    assert list(arrays) == ["dout", "q", "k", "v", "out", "lse"] and given["attn_bias"] == ("view", 1096, 0)
+    (run,) = cfjax._launches[call.attrs["_signature"], 0, os.environ.get("CUPYFLASH_TILES")].plan.runs
+    assert run[0] == {n: 1000 + 16 * i for i, n in enumerate(["dout", "q", "k", "v", "out", "lse", "attn_bias"])}
+    assert run[2:] == ({"dq": 5000, "dk": 5016, "dv": 5032}, 77, [77])  # XLA's stream current for the scratch
+    assert copies == [(5048, dbias, 77)] and not copying
+
+    call = _FakeCall(cfjax._FORWARD, dict(softmax_scale=0.5, causal=False), [q, q, q], [q, stats])
+    plans = [Plan(["out", "lse"], None)]  # an address the kernels cannot take
+    forward(call)
+    assert copying == [77]
+
+
+@contextlib.contextmanager
+def _entered(entered, stream):
+    entered.append(stream)
+    try:
+        yield
+    finally:
+        entered.pop()

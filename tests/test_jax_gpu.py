@@ -1,12 +1,15 @@
 """cupyflash.jax on the GPU (marked `gpu`): the kernels on XLA's stream, eager and under jit, under
 cupyflash/_check.py's rule against the float64 reference: plain, the options and varlen, ordering
 with XLA's own work, the deterministic backward, the dropout seed and cu_seqlens computed in the
-program, and grad against jax.nn with a bias and a mask.
+program, and grad against jax.nn with a bias and a mask; then the handlers writing XLA's buffers:
+bit for bit the eager core's, for new seeds and packings under one jit, dbias only when asked for,
+back-to-back steps, and no copy.
 (The test_jax_*.py files are split by concern; test_jax_grad.py lists them.)
 """
 
 import functools
 import os
+import re
 
 import numpy
 import pytest
@@ -142,8 +145,8 @@ def test_gpu_dropout_seed_is_a_traced_operand():
 
 @pytest.mark.gpu
 def test_gpu_varlen_cu_seqlens_computed_by_xla():
-    """cu_seqlens that XLA computes on the GPU in the same program, right before the call: the handler's
-    host read waits for them (reading them early would see garbage or the previous packing)."""
+    """cu_seqlens that XLA computes on the GPU in the same program, right before the call: the kernels
+    read them on XLA's stream, after they are written (no host read)."""
     case = Case.packed((300, 17, 200), (250, 500, 17), 64, "bfloat16", True, nheads=4, nheads_k=2)
     inputs = _check.random_inputs(case, 47)
 
@@ -201,3 +204,239 @@ def test_gpu_grad_matches_dot_product_attention_with_bias_and_mask():
         floor = 2.0 ** -7 * (numpy.abs(t).max() + 2.0 ** -6)
         error, naive_error = numpy.abs(x - t).max(), numpy.abs(n - t).max()
         assert error <= 3 * naive_error + floor, f"{name}: error {error:.3g}, naive {naive_error:.3g}"
+
+
+# --------------------------------------------------------------------------------------------
+# The handlers in place: jitted results bit for bit the eager core's (the same kernels on the same
+# inputs; deterministic backwards), for new seeds and packings without a retrace, with nothing copied.
+
+def _same_bits(name, got, want):
+    got, want = numpy.asarray(got), numpy.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    assert got.tobytes() == want.tobytes(), f"{name}: not bit for bit the eager core's"
+
+
+def _arrays_of(case, inputs):
+    """(q, k, v, dout, the differentiated bias or None, the other options in cupyflash.jax's
+    spelling, the same in the core's) as GPU arrays; the backward deterministic, the seed an array
+    for JAX and its int for the core."""
+    dtype = jnp.bfloat16 if case.dtype == "bfloat16" else jnp.float16
+    q, k, v, dout = (jnp.asarray(inputs[n]).astype(dtype) for n in ("q", "k", "v", "dout"))
+    bias, jax_options = None, {"deterministic": True}
+    for name, setting in case.options:
+        if name == "attn_bias":
+            bias = jnp.asarray(inputs[name]).astype(dtype if setting == "heads" else jnp.float32)
+        elif name != "deterministic":
+            jax_options[name] = jnp.asarray(inputs[name]) if name == "alibi_slopes" else setting
+    core_options = dict(jax_options)  # the backward's; the forward's are these but deterministic
+    if "seed" in inputs:
+        seed = inputs["seed"]
+        jax_options["dropout_seed"] = jnp.asarray([seed & 0xFFFFFFFF, seed >> 32], jnp.uint32)
+        core_options["seed"] = seed
+    return q, k, v, dout, bias, jax_options, core_options
+
+
+def _jitted_and_core(case, inputs):
+    """((out, lse, grads) of cupyflash.jax under jit, the same from the eager core)."""
+    import cupyflash
+    from cupyflash.jax import flash_attn_varlen
+    with jax.default_device(_gpu()):
+        q, k, v, dout, bias, jax_options, core_options = _arrays_of(case, inputs)
+        forward_options = {n: x for n, x in core_options.items() if n != "deterministic"}
+        scale = case.headdim ** -0.5
+        if case.varlen:
+            packing = (*(jnp.asarray(c) for c in case.cu_seqlens()), case.seqlen_q, case.seqlen_k)
+            attention = lambda q, k, v: flash_attn_varlen(q, k, v, *packing, scale, case.causal,  # noqa: E731
+                                                          **jax_options)
+            forward = jax.jit(lambda q, k, v: varlen_forward_with_lse(q, k, v, *packing, scale, case.causal,
+                                                                      **jax_options))
+            out, lse = cupyflash.flash_attn_varlen_func(q, k, v, *packing, scale, case.causal, return_lse=True,
+                                                        **forward_options)
+            core_grads = cupyflash.flash_attn_varlen_backward(dout, q, k, v, out, lse, *packing, scale, case.causal,
+                                                              **core_options)
+        else:
+            attention = lambda q, k, v, *bias: flash_attn(q, k, v, scale, case.causal,  # noqa: E731
+                                                          attn_bias=(bias or [None])[0], **jax_options)
+            forward = jax.jit(lambda q, k, v: forward_with_lse(q, k, v, scale, case.causal, attn_bias=bias,
+                                                               **jax_options))
+            out, lse = cupyflash.flash_attn_func(q, k, v, scale, case.causal, return_lse=True, attn_bias=bias,
+                                                 **forward_options)
+            core_grads = cupyflash.flash_attn_backward(dout, q, k, v, out, lse, scale, case.causal, attn_bias=bias,
+                                                       return_dbias=bias is not None, **core_options)
+        primals = (q, k, v) + ((bias,) if bias is not None else ())
+        _poison_xla_memory()
+        jitted = (*forward(q, k, v), jax.jit(lambda *p: jax.vjp(attention, *p)[1](dout))(*primals))
+    return jitted, (out, lse, tuple(g for g in core_grads if g is not None))
+
+
+BITWISE_CASES = [Case(113, 113, 64, "bfloat16", True), Case(17, 113, 128, "float16", True, nheads=6, nheads_k=2),
+                 Case(113, 150, 20, "bfloat16", True),  # a head dim the core pads: the copying path
+                 Case(113, 150, 64, "float16", True, nheads=4, nheads_k=2, attn_bias="heads"),
+                 option_cases.GPU_CASES[8],  # every option at once
+                 Case.packed((0, 1, 17, 113, 5), (3, 0, 17, 200, 5), 64, "float16", False, nheads=4, nheads_k=2,
+                             window_size=(20, 5), alibi_slopes=True, dropout_p=0.2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", BITWISE_CASES, ids=str)
+def test_gpu_jit_is_the_eager_core_bit_for_bit(case):
+    """out, lse, dq, dk, dv (and dbias) of jitted calls, written by the kernels into XLA's buffers,
+    equal the eager core's on the same inputs bit for bit."""
+    (out, lse, grads), (core_out, core_lse, core_grads) = _jitted_and_core(case, _check.random_inputs(case, 60))
+    _same_bits("out", out, core_out)
+    _same_bits("lse", lse, core_lse)
+    assert len(grads) == len(core_grads)
+    for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, core_grads):
+        _same_bits(name, got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_seed_operand_under_one_jit():
+    """A new dropout_seed under the same jitted fwd+bwd gives a new mask without a retrace; each
+    seed's results are the eager core's with that seed's int, bit for bit."""
+    import cupyflash
+    case = Case(113, 200, 64, "bfloat16", True, nheads=4, nheads_k=2, dropout_p=0.2)
+    inputs = _check.random_inputs(case, 61)
+    traces = []
+
+    @jax.jit
+    def step(q, k, v, dout, seed):
+        traces.append(seed)
+        attention = functools.partial(flash_attn, causal=True, dropout_p=0.2, dropout_seed=seed, deterministic=True)
+        out, vjp = jax.vjp(attention, q, k, v)
+        return out, vjp(dout)
+
+    with jax.default_device(_gpu()):
+        q, k, v, dout = (jnp.asarray(inputs[n]).astype(jnp.bfloat16) for n in ("q", "k", "v", "dout"))
+        seeds = [(5, 7), (5, 7), (6, 7), (5, 8)]
+        runs = [step(q, k, v, dout, jnp.asarray(s, jnp.uint32)) for s in seeds]
+        for (low, high), (out, grads) in zip(seeds, runs):
+            core_out, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True, dropout_p=0.2,
+                                                      seed=low | high << 32)
+            core_grads = cupyflash.flash_attn_backward(dout, q, k, v, core_out, lse, causal=True, dropout_p=0.2,
+                                                       seed=low | high << 32, deterministic=True)
+            _same_bits("out", out, core_out)
+            for name, got, want in zip(("dq", "dk", "dv"), grads, core_grads):
+                _same_bits(name, got, want)
+    assert len(traces) == 1
+    _same_bits("same seed", runs[1][0], runs[0][0])
+    assert not numpy.array_equal(numpy.asarray(runs[2][0]), numpy.asarray(runs[0][0]))
+    assert not numpy.array_equal(numpy.asarray(runs[3][0]), numpy.asarray(runs[0][0]))
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_new_cu_seqlens_under_one_jit():
+    """Packings of one shape under one jitted fwd+bwd (one launch plan): each is the eager core's
+    with its own cu_seqlens, bit for bit."""
+    import cupyflash
+    from cupyflash.jax import flash_attn_varlen
+    total, traces = 330, []
+
+    @jax.jit
+    def step(q, k, v, dout, cu_q, cu_k):
+        traces.append(cu_q)
+        attention = functools.partial(flash_attn_varlen, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=total,
+                                      max_seqlen_k=total, causal=True, deterministic=True)
+        out, vjp = jax.vjp(attention, q, k, v)
+        return out, vjp(dout)
+
+    rng = numpy.random.default_rng(62)
+    with jax.default_device(_gpu()):
+        q, k, v, dout = (jnp.asarray(rng.standard_normal((total, 4, 64), numpy.float32)).astype(jnp.bfloat16)
+                         for _ in range(4))
+        for lengths_q, lengths_k in [((300, 30), (30, 300)), ((1, 329), (329, 1)), ((330, 0), (0, 330))]:
+            cu_q, cu_k = (jnp.asarray(numpy.cumsum((0,) + lengths), jnp.int32) for lengths in (lengths_q, lengths_k))
+            out, grads = step(q, k, v, dout, cu_q, cu_k)
+            core_out, lse = cupyflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, total, total, causal=True,
+                                                             return_lse=True)
+            core_grads = cupyflash.flash_attn_varlen_backward(dout, q, k, v, core_out, lse, cu_q, cu_k, total, total,
+                                                              causal=True, deterministic=True)
+            _same_bits(f"{lengths_q} out", out, core_out)
+            for name, got, want in zip(("dq", "dk", "dv"), grads, core_grads):
+                _same_bits(f"{lengths_q} {name}", got, want)
+    assert len(traces) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_dbias_only_when_the_bias_is_differentiated():
+    """With a constant bias the backward leaves dbias out and dq, dk, dv do not change."""
+    case = Case(113, 150, 64, "bfloat16", True, nheads=4, nheads_k=2, attn_bias="full")
+    inputs = _check.random_inputs(case, 63)
+    with jax.default_device(_gpu()):
+        q, k, v, dout, bias, jax_options, _ = _arrays_of(case, inputs)
+
+        def attention(q, k, v, bias):
+            return flash_attn(q, k, v, causal=True, attn_bias=bias, **jax_options)
+
+        with_dbias = jax.jit(lambda *p: jax.vjp(attention, *p)[1](dout))(q, k, v, bias)
+        without = jax.jit(lambda q, k, v: jax.vjp(lambda *p: attention(*p, bias), q, k, v)[1](dout))(q, k, v)
+    assert len(without) == 3 and with_dbias[3].shape == bias.shape
+    for name, got, want in zip(("dq", "dk", "dv"), without, with_dbias):
+        _same_bits(name, got, want)
+
+
+def _fwd_bwd(q, k, v, dout):
+    out, vjp = jax.vjp(functools.partial(flash_attn, causal=True), q, k, v)
+    return out, vjp(dout)
+
+
+@pytest.mark.gpu
+def test_gpu_jit_copies_nothing(monkeypatch):
+    """A jitted fwd+bwd has no copy in XLA's compiled program and the handlers issue none (their one
+    copy, cupyflash.jax._copy, runs only for the head dims the core pads)."""
+    from cupyflash import jax as cfjax
+    copies = []
+    monkeypatch.setattr(cfjax, "_copy", lambda *args: copies.append(args))
+    with jax.default_device(_gpu()):
+        arrays = [jax.random.normal(key, (2, 128, 4, 64), jnp.float32).astype(jnp.bfloat16)
+                  for key in jax.random.split(jax.random.PRNGKey(64), 4)]
+        step = jax.jit(_fwd_bwd)
+        jax.block_until_ready([step(*arrays) for _ in range(3)])
+        hlo = step.lower(*arrays).compile().as_text()
+        assert not copies and not re.findall(r"= \S+ copy(-start|-done)?\(", hlo)
+        jax.block_until_ready(step(*(x[..., :20] for x in arrays)))  # padded: copies
+    assert copies
+
+
+@pytest.mark.gpu
+def test_gpu_back_to_back_jitted_steps():
+    """Twenty jitted fwd+bwd steps on new inputs with no wait between them (the backward's scratch
+    reused from CuPy's pool on XLA's stream), each the eager core's bit for bit afterwards."""
+    import cupyflash
+
+    @jax.jit
+    def step(q, k, v, dout):
+        out, vjp = jax.vjp(functools.partial(flash_attn, causal=True, deterministic=True), q, k, v)
+        return out, vjp(dout)
+
+    with jax.default_device(_gpu()):
+        keys = jax.random.split(jax.random.PRNGKey(65), 20)
+        inputs = [[jax.random.normal(k, (2, 256, 4, 64), jnp.float32).astype(jnp.bfloat16)
+                   for k in jax.random.split(key, 4)] for key in keys]
+        jax.block_until_ready(inputs)
+        results = [step(*arrays) for arrays in inputs]
+        for (q, k, v, dout), (out, grads) in zip(inputs, results):
+            core_out, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+            _same_bits("out", out, core_out)
+            core_grads = cupyflash.flash_attn_backward(dout, q, k, v, core_out, lse, causal=True, deterministic=True)
+            for name, got, want in zip(("dq", "dk", "dv"), grads, core_grads):
+                _same_bits(name, got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_calls_find_their_launch(monkeypatch):
+    """The first call of each custom call builds its launch; later calls (new inputs, same shapes)
+    find it by the signature attribute, which the handler reads as the first attribute."""
+    from cupyflash import jax as cfjax
+    built = []
+    new_launch = cfjax._new_launch
+    monkeypatch.setattr(cfjax, "_launches", {})
+    monkeypatch.setattr(cfjax, "_new_launch", lambda *args: built.append(args[1]) or new_launch(*args))
+    step = jax.jit(_fwd_bwd)
+    with jax.default_device(_gpu()):
+        for key in jax.random.split(jax.random.PRNGKey(66), 3):
+            arrays = [jax.random.normal(k, (1, 128, 2, 64), jnp.float32).astype(jnp.bfloat16)
+                      for k in jax.random.split(key, 4)]
+            jax.block_until_ready(step(*arrays))
+    assert sorted(built) == [cfjax._BACKWARD, cfjax._FORWARD]
+    assert all(signature is not None for signature, _, _ in cfjax._launches)

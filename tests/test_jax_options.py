@@ -8,6 +8,7 @@ attn_bias against jax.nn.dot_product_attention; the dropout seed as a traced ope
 
 import functools
 import os
+import re
 
 import numpy
 import pytest
@@ -97,6 +98,50 @@ def test_cpu_dropout_seed_is_traced(on_cpu):
     assert numpy.array_equal(out1, by_int)
     plain, _ = forward_with_lse(q, k, v, causal=True)
     assert not numpy.array_equal(out1, plain)
+
+
+def test_cpu_dbias_only_when_the_bias_is_differentiated(on_cpu):
+    """The backward computes dbias only when attn_bias is differentiated (custom_vjp's `perturbed`):
+    not for a constant bias, a bias outside argnums or under stop_gradient; dq is the same either way."""
+    q = _random((2, 9, 4, 16), 50)
+    bias = _random((4, 9, 9), 51)
+
+    def loss(q, bias, stop=False):
+        return jnp.sum(jnp.sin(flash_attn(q, q, q, 0.3, True, attn_bias=jax.lax.stop_gradient(bias) if stop else bias)))
+
+    def backward_attributes(function, *args):
+        hlo = jax.jit(function).lower(*args).as_text()
+        return re.search(r"custom_call @cupyflash_flash_attn_bwd\(.*?mhlo.backend_config = \{(.*?)\}", hlo).group(1)
+
+    both = jax.grad(loss, argnums=(0, 1))
+    assert "return_dbias = true" in backward_attributes(both, q, bias)
+    dq, dbias = jax.jit(both)(q, bias)
+    _assert_close("dbias", dbias, jax.grad(lambda b: jnp.sum(jnp.sin(_attention_with_bias(q, b))))(bias))
+    without = {"argnums": jax.grad(loss), "constant": jax.grad(lambda q: loss(q, bias)),
+               "stop_gradient": jax.grad(functools.partial(loss, stop=True), argnums=(0, 1))}
+    for name, function in without.items():
+        args = (q,) if name == "constant" else (q, bias)
+        assert "has_attn_bias = true" in backward_attributes(function, *args), name
+        assert "return_dbias" not in backward_attributes(function, *args), name
+        got = jax.jit(function)(*args)
+        assert numpy.array_equal(got[0] if name == "stop_gradient" else got, dq), name
+        if name == "stop_gradient":
+            assert not numpy.asarray(got[1]).any()
+
+
+def _attention_with_bias(q, bias):
+    mask, full_bias = _mask_and_bias(9, 9, True, (-1, -1), jnp.zeros(4), bias)
+    return jax.nn.dot_product_attention(q, q, q, bias=full_bias, mask=mask, scale=0.3, implementation="xla")
+
+
+def test_cpu_backward_of_a_symbolic_zero(on_cpu):
+    """A symbolic zero cotangent (symbolic_zeros=True) gives zero cotangents without a custom call."""
+    from cupyflash import jax as cfjax
+    q = _random((1, 8, 2, 16), 52)
+    static, operands = cfjax._prepare(q, q, q, None, False, {}, "flash_attn")
+    zero = jax.custom_derivatives.SymbolicZero.from_primal_value(q)
+    assert cfjax._flash_attn_bwd(static, (q, q, q, operands, q, None, cfjax._Gradients(())), zero) == \
+        (None, None, None, {})
 
 
 @pytest.mark.parametrize("options, error, match", [

@@ -188,6 +188,11 @@ class Plan:
         self.lock = threading.Lock()
         self.kept = []  # scratch of CuPy graph captures, which replays still write
 
+    def allocates_beyond(self, names):
+        """Whether a run with results `names` given by address (`into`) still allocates: scratch,
+        or a result not among them."""
+        return bool(self.workspaces) or any(name not in names for name, _, _ in self.results)
+
     def run(self, arrays, seed, into=None, stream=None):
         caller = self.caller
         pointers = []

@@ -404,7 +404,7 @@ class _Launch:
         self.dbias = request.return_dbias
         # Scratch (the backward's) comes from CuPy's pool, which reuses a block on the stream that
         # was current when it was freed: so XLA's stream must be current while the plan runs.
-        self.allocates = plan is not None and (self.dbias or any(o.name not in self.results for o in plan.outputs))
+        self.allocates = plan is not None and (self.dbias or plan.allocates_beyond(self.results))
 
     def run(self, call, device, stream):
         """Runs the plan on the call's buffers; False where it cannot (an address not aligned as

@@ -160,10 +160,13 @@ class Plan:
         self.hands_back = caller.kind not in ("torch", "cupy")  # results go back through give_back
         self.inputs = [(name, _alignment(name, array)) for name, array in inputs.items()]
         self.kernels = [l.kernel for l in launches]
+        self.set_device = cupy.cuda.runtime.setDevice
         with caller.device():  # a kernel's CUfunction belongs to the device current when it is loaded
+            self.set_device(self.device_id)  # its primary context current on this thread
             self.launches = [(load(l.kernel, caller.device()).kernel.ptr, l.grid, l.kernel.threads,
                               l.kernel.smem_bytes) for l in launches if 0 not in l.grid]
-        self.launch_kernel, self.get_device = cupy.cuda.driver.launchKernel, cupy.cuda.runtime.getDevice
+            self.context = cupy.cuda.driver.ctxGetCurrent()
+        self.launch_kernel, self.current_context = cupy.cuda.driver.launchKernel, cupy.cuda.driver.ctxGetCurrent
         self.words = (ctypes.c_uint64 * (params.nbytes // 8)).from_buffer(params)
         self.params = params  # owns the words
         slot = lambda name: params.dtype.fields[_FIELDS.get(name, name)][1] // 8  # noqa: E731
@@ -204,9 +207,11 @@ class Plan:
             pointers.append(pointer)
         if self.seed_slot is not None and not (isinstance(seed, (int, numpy.integer)) and 0 <= seed < 2 ** 64):
             return None  # the slow path names the bad seed
-        previous = self.get_device()
-        if previous != self.device_id:  # allocations and launches need the arrays' device current
+        if self.current_context() != self.context:
+            # Launches need the device's context current: another device's may be, or none (a new
+            # thread, such as autograd's, whose first CUDA call this may be).
             with caller.device():
+                self.set_device(self.device_id)
                 return self.run(arrays, seed, into, stream)
         outputs, slots = {}, list(self.input_slots)
         for name, slot, allocate in self.results:

@@ -140,6 +140,16 @@ class _Op:
 
     def run(self, a):
         """The op's implementation on its bound arguments."""
+        results = self.compute(a)
+        if self.pass_ == "bwd" and not self.varlen:
+            # Custom ops cannot return an optional tensor: without return_dbias (or attn_bias) the
+            # op's dbias is an empty (0,) tensor.
+            return (*results[:3], a["q"].new_empty(0) if results[3] is None else results[3])
+        return results
+
+    def compute(self, a):
+        """The core's results for the op's arguments: (out, lse), (dq, dk, dv), or for the dense
+        backward (dq, dk, dv, dbias or None)."""
         varlen = self.varlen
         arrays = [_to_core(a[n]) for n in self.leading]
         if varlen:
@@ -152,12 +162,9 @@ class _Op:
         if varlen:
             return tuple(_from_core(g) for g in api.flash_attn_varlen_backward(*arrays, a["softmax_scale"],
                                                                                 a["causal"], **opts))
-        # (dq, dk, dv, dbias); custom ops cannot return an optional tensor: without return_dbias
-        # (or attn_bias) dbias is an empty (0,) tensor.
         grads = api.flash_attn_backward(*arrays, a["softmax_scale"], a["causal"], return_dbias=a["return_dbias"],
                                         **opts)
-        dbias = grads[3] if a["return_dbias"] else None
-        return (*(_from_core(g) for g in grads[:3]), a["q"].new_empty(0) if dbias is None else _from_core(dbias))
+        return (*(_from_core(g) for g in grads[:3]), _from_core(grads[3]) if a["return_dbias"] else None)
 
     def _fake(self, a):
         q = a["q"]
@@ -206,7 +213,10 @@ class _Differentiable:
         """(out, lse) of the forward op's arguments (a dict with every one of them)."""
         q, k, v, bias = arguments["q"], arguments["k"], arguments["v"], arguments.get(options.DIFFERENTIABLE)
         if _eager(q, k, v, bias):
-            return _Eager.apply(self, arguments, q, k, v, bias)
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                            or (bias is not None and bias.requires_grad)):
+                return _Eager.apply(self, arguments, q, k, v, bias)
+            return self.forward.compute(arguments)  # nothing to differentiate: no autograd node
         return self.forward.op(**arguments)
 
     def save(self, ctx, arguments, output):
@@ -231,7 +241,7 @@ class _Differentiable:
     def gradients(self, ctx, dout, run):
         """(dq, dk, dv, dbias or None) from the backward's implementation or op `run`."""
         grads = run(self.backward_arguments(ctx, dout))
-        return (*grads[:3], grads[3] if ctx.return_dbias else None)
+        return (*grads[:3], grads[3] if ctx.return_dbias else None)  # varlen: no dbias
 
     def _gradient_of_op(self, ctx, dout, _dlse):
         by_name = dict(zip(("q", "k", "v", options.DIFFERENTIABLE), self.gradients(
@@ -254,7 +264,7 @@ class _Eager(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         differentiable = ctx.differentiable
-        return None, None, *differentiable.gradients(ctx, dout, differentiable.backward.run)
+        return None, None, *differentiable.gradients(ctx, dout, differentiable.backward.compute)
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)

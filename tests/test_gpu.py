@@ -158,6 +158,33 @@ def test_cached_plan_checks_option_types():
         flash_attn_func(q, q, q, softmax_scale=True)
 
 
+def test_a_cached_plan_runs_on_a_new_thread():
+    """A cached plan launched from a thread with no CUDA context current yet (autograd's backward
+    thread is one) makes the device's context current first, on CuPy and torch arrays."""
+    import threading
+    import cupy
+    from cupyflash import flash_attn_backward, flash_attn_func
+    arrays = [cupy.asarray(numpy.random.default_rng(5).standard_normal((2, 65, 2, 64)), dtype=numpy.float16)]
+    torch = pytest.importorskip("torch")
+    arrays.append(torch.as_tensor(arrays[0], device="cuda"))
+    for q in arrays:
+        out, lse = flash_attn_func(q, q, q, causal=True, return_lse=True)
+        want = flash_attn_backward(out, q, q, q, out, lse, causal=True, deterministic=True)
+        got, errors = [], []
+
+        def call():
+            try:
+                got.append(flash_attn_backward(out, q, q, q, out, lse, causal=True, deterministic=True))
+            except Exception as error:  # reported below: an exception in a thread would pass unseen
+                errors.append(error)
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+        assert not errors, errors
+        for x, y in zip(got[0], want):
+            assert bool((x == y).all())
+
+
 def test_params_layout_matches_numpy():
     """The device's own offsets of every FlashParams field equal the NumPy dtype's (NVRTC has no
     offsetof, so the compile-time check covers only the size)."""

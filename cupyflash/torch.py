@@ -13,6 +13,8 @@ cupyflash's own (an additive score bias, differentiable). Dropout's Philox key i
 Python functions from torch's default CPU generator (so torch.manual_seed fixes it) as an int64
 scalar tensor, and passed to the forward and backward ops as an explicit input: the backward
 regenerates the forward's mask from it, and the ops stay functional (opcheck-clean, traceable).
+While a CUDA graph is captured the key is drawn on the device instead (torch's CUDA generator),
+and the kernels read it there, so that every replay drops a new mask.
 """
 
 import inspect
@@ -68,7 +70,8 @@ def _empty(like, shape=None, dtype=None):
 # resolve None), causal, then every option of either pass in table order (a forward op takes the
 # backward's options too, so that its autograd formula can pass them on), then the backward's
 # return_dbias. A pair travels as two ints, an array as a Tensor?, the dropout seed as an int64
-# scalar Tensor? (any device; read on the host). Each option defaults to off.
+# scalar Tensor? (a CPU one is read on the host, a CUDA one by the kernels). Each option defaults
+# to off.
 
 _KIND_ANNOTATIONS = {"flag": bool, "real": float, "array": Optional[Tensor], "seed": Optional[Tensor]}
 

@@ -5,7 +5,7 @@ core backward timed on the main thread and on a plain Python thread for comparis
 Usage (GPU): PYTHONPATH=. python bench/autograd_handoff.py
 """
 import time, statistics, threading
-import torch, cupyflash
+import torch
 from cupyflash import api
 
 g = torch.Generator(device="cuda").manual_seed(0)

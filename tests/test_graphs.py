@@ -232,3 +232,22 @@ def test_torch_graph_replays_varlen_forward_with_new_cu_seqlens():
         want = cft.flash_attn_varlen_func(q, k, v, host.cuda(), host.cuda(), longest, longest, causal=True)
         torch.cuda.synchronize()
         assert torch.equal(out, want), f"replay {i}: {host.tolist()}"
+
+
+@pytest.mark.gpu
+def test_unchecked_cu_seqlens_stay_inside_the_buffers():
+    """Under no_host_sync, cu_seqlens that the host check would refuse (decreasing, past the packed
+    length, longer than max_seqlen) run without an error: the kernels clamp every sequence into the
+    packed arrays (tests/sanitize_run.py's memcheck would see an access outside them)."""
+    cupy = pytest.importorskip("cupy")
+    import cupyflash
+    rng = numpy.random.default_rng(11)
+    q, k, v = (cupy.asarray(rng.standard_normal((50, 4, 64)).astype(numpy.float16)) for _ in range(3))
+    bad = cupy.asarray(numpy.array([0, 40, 10, 99999], numpy.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        cupyflash.flash_attn_varlen_func(q, k, v, bad, bad, 30, 30)
+    with cupyflash.no_host_sync():
+        out, lse = cupyflash.flash_attn_varlen_func(q, k, v, bad, bad, 30, 30, return_lse=True)
+        grads = cupyflash.flash_attn_varlen_backward(out, q, k, v, out, lse, bad, bad, 30, 30)
+    cupy.cuda.Device().synchronize()
+    assert out.shape == q.shape and all(g.shape == q.shape for g in grads)

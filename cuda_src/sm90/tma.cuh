@@ -1,0 +1,40 @@
+// The tensor memory accelerator (sm_90): bulk tensor copies from global to shared memory that
+// complete on an mbarrier. A copy is named by a tensor map (CUtensorMap, 128 bytes) that the host
+// encodes (cupyflash/_tma.py) and the kernel receives by value as a __grid_constant__ parameter.
+#pragma once
+
+#include "../common/ptx.cuh"
+
+// CUtensorMap's size and alignment, without the CUDA headers.
+struct alignas(64) TensorMap {
+    unsigned long long words[16];
+};
+
+__device__ __forceinline__ void mbarrier_init(uint32 bar, int arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(arrivals) : "memory");
+}
+// Makes initialised mbarriers visible to the copy engine.
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also tells the barrier how many bytes its copies will deliver.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32 bar, uint32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+// Waits until the barrier's phase `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32 bar, int parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n}\n"
+        :: "r"(bar), "r"(parity) : "memory");
+}
+
+// The box of `map` at coordinates (x, y) (x the innermost dimension, in elements) into shared
+// memory at `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32 dst, const TensorMap* map, uint32 bar, int x, int y) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+        :: "r"(dst), "l"(map), "r"(bar), "r"(x), "r"(y) : "memory");
+}

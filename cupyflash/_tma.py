@@ -1,0 +1,42 @@
+"""Tensor maps for the tensor memory accelerator (sm_90): the driver's cuTensorMapEncodeTiled,
+through ctypes on libcuda (CuPy does not bind it), giving the 128 bytes that a kernel takes by
+value as a __grid_constant__ TensorMap (cuda_src/sm90/tma.cuh)."""
+
+import ctypes
+import functools
+
+_DATA_TYPES = {"uint8": 0, "float16": 6, "float32": 7, "bfloat16": 9}  # CUtensorMapDataType
+_SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle, by the swizzle's span in bytes
+_L2_PROMOTION_128B = 2
+_MAP_BYTES, _MAP_ALIGNMENT = 128, 64
+
+
+@functools.cache
+def _encode_tiled():
+    function = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+def encode_tiled(address, dtype, dims, strides_bytes, box, swizzle_bytes=128):
+    """The bytes of a CUtensorMap of the tensor at device `address`: `dims` its sizes in elements,
+    innermost first; `strides_bytes` the byte strides of every dimension but the innermost (which
+    is contiguous; each a multiple of 16); copied in boxes of `box` elements (the innermost box
+    side at most `swizzle_bytes` bytes when swizzled). Out-of-range elements of a box read as zero."""
+    rank = len(dims)
+    if not (len(strides_bytes) == rank - 1 and len(box) == rank and 1 <= rank <= 5):
+        raise ValueError(f"a tensor map takes 1 to 5 dims with one stride fewer and a box side each; got dims "
+                         f"{dims}, strides {strides_bytes}, box {box}")
+    storage = ctypes.create_string_buffer(_MAP_BYTES + _MAP_ALIGNMENT)
+    aligned = ctypes.addressof(storage) + (-ctypes.addressof(storage)) % _MAP_ALIGNMENT  # the driver wants 64
+    status = _encode_tiled()(
+        aligned, _DATA_TYPES[dtype], rank, address, (ctypes.c_uint64 * rank)(*dims),
+        (ctypes.c_uint64 * max(rank - 1, 1))(*strides_bytes), (ctypes.c_uint32 * rank)(*box),
+        (ctypes.c_uint32 * rank)(*([1] * rank)), 0, _SWIZZLES[swizzle_bytes], _L2_PROMOTION_128B, 0)
+    if status:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {status}) for a {dtype} tensor of dims {dims}, "
+                           f"strides {strides_bytes} bytes, box {box}, {swizzle_bytes}-byte swizzle")
+    return ctypes.string_at(aligned, _MAP_BYTES)

@@ -176,8 +176,9 @@ class Caller:
         return cupy.cuda.get_current_stream().is_capturing()
 
     def allocator(self, shape, dtype, zeroed=False):
-        """A function of no arguments that returns a new array as empty() (zeros() if zeroed) would:
-        the dtype and device are resolved once, for launch plans that allocate on every call."""
+        """A function of no arguments that returns a new GPU array (zero-filled if `zeroed`): torch's
+        allocator for torch callers, CuPy's otherwise. The dtype and device are resolved once, for
+        launch plans that allocate on every call."""
         import functools
         if self.allocates_with_torch:
             import torch
@@ -189,19 +190,11 @@ class Caller:
 
     def empty(self, shape, dtype):
         """A new uninitialised GPU array (torch's allocator for torch callers, CuPy's otherwise)."""
-        if self.allocates_with_torch:
-            import torch
-            return torch.empty(shape, dtype=getattr(torch, dtype), device=self.device_id)  # an int is a CUDA ordinal
-        import cupy
-        return cupy.empty(shape, dtype=bfloat16_dtype() if dtype == "bfloat16" else dtype)
+        return self.allocator(shape, dtype)()
 
     def zeros(self, shape, dtype):
         """empty(), zero-filled (on the caller's stream)."""
-        if self.allocates_with_torch:
-            import torch
-            return torch.zeros(shape, dtype=getattr(torch, dtype), device=self.device_id)
-        import cupy
-        return cupy.zeros(shape, dtype=bfloat16_dtype() if dtype == "bfloat16" else dtype)
+        return self.allocator(shape, dtype, zeroed=True)()
 
     def reduce(self, array, axes, shape, dtype):
         """array summed over `axes` (in a fixed order), reshaped to `shape`, cast to `dtype`."""

@@ -129,17 +129,24 @@ def _gather(pass_, arrays, given, function, varlen):
     return every, given
 
 
+def _lookup(pass_, arrays, softmax_scale, causal, given, function, varlen, return_dbias):
+    """(every option of the call, its plan key, its cached plan or None) after _gather; a cached
+    varlen plan's cu_seqlens are checked, since their values change from call to call."""
+    given, as_given = _gather(pass_, arrays, given, function, varlen)
+    key = _plan.plan_key(pass_, arrays, softmax_scale, causal, as_given, varlen, return_dbias)
+    plan = _plan.cached(key)
+    if plan is not None and varlen is not None:
+        validate.check_varlen_values(varlen, arrays, plan.caller)
+    return given, key, plan
+
+
 def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False, into=None):
     """One public call: the cached plan of its signature if there is one, else checks and a new plan.
     `into` maps result names (out, lse; dq, dk, dv) to device addresses the kernels write instead of
     new arrays (JAX's result buffers); those results come back as the addresses. A head dim that is
     not a multiple of 8 ignores it (its results are cut from padded ones)."""
-    given, as_given = _gather(pass_, arrays, given, function, varlen)
-    key = _plan.plan_key(pass_, arrays, softmax_scale, causal, as_given, varlen, return_dbias)
-    plan = _plan.cached(key)
+    given, key, plan = _lookup(pass_, arrays, softmax_scale, causal, given, function, varlen, return_dbias)
     if plan is not None:
-        if varlen is not None:
-            validate.check_varlen_values(varlen, arrays, plan.caller)  # their values change from call to call
         result = plan.run(arrays, given.get("seed"), into)
         if result is not None:
             return result
@@ -158,12 +165,8 @@ def plan_of(pass_, arrays, softmax_scale, causal, given, function, varlen=None, 
     `plan.run(addresses by input name, None, into=..., stream=...)`, a dropout seed being an array
     among the inputs (cupyflash.jax's handlers keep it per custom call); None where no plan runs
     the call (a head dim that is not a multiple of 8, NumPy arrays)."""
-    given, as_given = _gather(pass_, arrays, given, function, varlen)
-    key = _plan.plan_key(pass_, arrays, softmax_scale, causal, as_given, varlen, return_dbias)
-    plan = _plan.cached(key)
+    given, key, plan = _lookup(pass_, arrays, softmax_scale, causal, given, function, varlen, return_dbias)
     if plan is not None:
-        if varlen is not None:
-            validate.check_varlen_values(varlen, arrays, plan.caller)
         return plan
     call = validate.check_call(pass_, arrays, softmax_scale, causal, given, varlen)
     if call.caller.kind == "numpy" or call.shape.headdim % 8:

@@ -106,7 +106,7 @@ def _core_options(arguments, pass_, varlen):
             value = value if value is None or value.is_cuda else int(value)
         else:
             value = arguments[option.name]
-        if value != option.default if option.kind in ("pair", "real", "flag") else value is not None:
+        if option.is_on(value):
             result[option.name] = value  # options left at their default are not passed: a shorter plan key
     return result
 

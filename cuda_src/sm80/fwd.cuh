@@ -14,63 +14,9 @@
 #pragma once
 #include "../common/mask.cuh"
 #include "../common/math.cuh"
+#include "../common/online_softmax.cuh"
 #include "../common/score.cuh"
 #include "tile.cuh"
-
-// Sets the elements of a warp's accumulator fragment (tile origin row0, col0) that their row does
-// not see to `hidden`. Per row, the visible keys are a range [lo, hi] relative to the lane's first
-// column, so each element costs two compares against compile-time column offsets.
-template <bool LOCAL, int MT, int NT>
-__device__ __forceinline__ void mask_fragment(float (&s)[MT][NT][4], const FlashParams& p, const Sequence& seq,
-                                              int row0, int col0, float hidden) {
-    const int lane_col0 = col0 + fragment_col(0, 0);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = row0 + fragment_row(mt, 2 * half);
-            int hi = seq.seqlen_k - 1 - lane_col0, lo = -lane_col0;
-            if (LOCAL) {
-                hi = min(hi, seq.diagonal(row) + p.window_right - lane_col0);
-                lo = max(lo, seq.diagonal(row) - p.window_left - lane_col0);
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-                    if (8 * nt + j > hi || (LOCAL && 8 * nt + j < lo)) s[mt][nt][2 * half + j] = hidden;
-        }
-}
-
-// The score modifiers over a warp's S fragment (tile at row0, col0), one modifier at a time: each
-// pass is a branch-free unrolled loop, where per-element branches would stall the schedule.
-template <int MT, int NT, typename Mods>
-__device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const Mods& mods, int row0, int col0) {
-    mods.for_each([&](const auto& mod) {
-        if (mod.on()) {
-            for_each_element<MT, NT>([&](int mt, int nt, int e) {
-                float grad = 1.f;  // the forward needs no gradient
-                s[mt][nt][e] = mod.apply(s[mt][nt][e], row0 + fragment_row(mt, e), col0 + fragment_col(nt, e), grad);
-            });
-        }
-    });
-}
-
-// Dropout on a warp's probabilities (tile at row0, col0): dropped elements become 0. The caller
-// scales the kept ones by 1 / (1 - dropout_p).
-template <int MT, int NT>
-__device__ __forceinline__ void apply_dropout(float (&s)[MT][NT][4], const FlashParams& p, int batch, int head,
-                                              int row0, int col0) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const uint32 keep = dropout_keep_bits(p, batch, head, row0 + fragment_row(mt, 0), col0 + fragment_col(nt, 0));
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (!(keep >> e & 1)) s[mt][nt][e] = 0.f;
-        }
-}
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES>
 struct FwdTile {
@@ -193,38 +139,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         }
         if (warp_skips) return;
 
-        // Online softmax in base 2: p = 2^(s * scale_log2 - max * scale_log2), one FFMA per element.
-        // A row with nothing visible yet keeps max = -inf; its offset is 0 so every p is 0, not NaN.
-        // A row's maximum moves only when a block's is more than kSlack above it (in the exponent):
-        // till then p may reach 2^kSlack = 256, harmless in the fp32 sums and in 16-bit P, and O
-        // keeps its scale. O is rescaled only when a row of the warp moved, rare after the first blocks.
-        constexpr float kSlack = 8.f;
-        float offset[MT][2], correction[MT][2];
-        bool max_moved = false;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float block_max = -CUPYFLASH_INF;
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    block_max = fmaxf(block_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-                block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
-                block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
-                const bool moves = block_max * p.scale_log2 > row_max[mt][half] * p.scale_log2 + kSlack;
-                const float new_max = moves ? block_max : row_max[mt][half];
-                offset[mt][half] = new_max == -CUPYFLASH_INF ? 0.f : new_max * p.scale_log2;
-                correction[mt][half] = moves ? fast_exp2(row_max[mt][half] * p.scale_log2 - offset[mt][half]) : 1.f;
-                max_moved |= moves;
-                row_max[mt][half] = new_max;
-                row_sum[mt][half] *= correction[mt][half];
-            }
-        if (__any_sync(0xffffffffu, max_moved))
-            for_each_element<MT, DT>([&](int mt, int dt, int e) { acc_o[mt][dt][e] *= correction[mt][e / 2]; });
-        for_each_element<MT, NT>([&](int mt, int nt, int e) {
-            s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -offset[mt][e / 2]));
-            row_sum[mt][e / 2] += s[mt][nt][e];
-        });
+        softmax_step(s, acc_o, row_max, row_sum, p);
 
         // Dropout acts on the probabilities after the softmax: the sums above keep every element,
         // P V only the kept ones (scaled by 1 / (1 - dropout_p) at the end).
@@ -269,27 +184,10 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         }
     }
 
-    // Finish: each row's sum is spread over the 4 threads of its quad. A row that saw no key
-    // gets out = 0 and lse = -inf (the log of an empty sum).
-    const long long lse_row0 = seq.stats_row0(p, batch, head);
+    // A row that saw no key gets out = 0 and lse = -inf (the log of an empty sum).
     const float out_scale = OPTIONS && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            float sum = row_sum[mt][half];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const float inv_sum = sum > 0.f ? out_scale / sum : 0.f;
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                acc_o[mt][dt][2 * half] *= inv_sum;
-                acc_o[mt][dt][2 * half + 1] *= inv_sum;
-            }
-            const int row = row0 + warp_row0 + fragment_row(mt, 2 * half);
-            if (threadIdx.x % 4 == 0 && row < seq.seqlen_q)
-                p.lse[lse_row0 + row] = sum > 0.f ? row_max[mt][half] * p.softmax_scale + logf(sum) : -CUPYFLASH_INF;
-        }
+    finish_rows(acc_o, row_max, row_sum, out_scale, p, p.lse + seq.stats_row0(p, batch, head), row0 + warp_row0,
+                seq.seqlen_q);
 
     // O leaves through shared memory (the Q tile, no longer needed) for 16-byte coalesced stores.
     cp_async_wait<0>();

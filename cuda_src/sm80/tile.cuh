@@ -16,10 +16,9 @@
 //   one of them to the other parity. The swap flips only bit 0 of a chunk index, so steps of 16
 //   columns or 8 rows are plain offsets.
 //
-// Register fragments follow mma.m16n8k16: an accumulator acc[mt][nt][4] covers rows
-// 16*mt + {g, g+8} and columns 8*nt + 2*t + {0, 1}, where g = lane / 4 and t = lane % 4;
-// elements 0,1 are row g and elements 2,3 are row g + 8.
+// Register fragments: common/fragment.cuh.
 #pragma once
+#include "../common/fragment.cuh"
 #include "../common/ptx.cuh"
 
 template <int COLS>
@@ -197,30 +196,6 @@ __device__ __forceinline__ void store_fragment_by_matrix(uint16* smem, const flo
 #endif
 }
 
-// A compile-time value passed as an argument, for generic lambdas: f(Constant<a>()) and
-// f(Constant<b>()) are two instantiations, each with `decltype(arg)::value` a constant.
-template <auto V>
-struct Constant {
-    static constexpr auto value = V;
-};
-
-// Calls f(mt, nt, e) for every element of an accumulator fragment [MT][NT][4], fully unrolled, so
-// after inlining mt, nt and e are constants and every fragment index is a register, not memory.
-template <int MT, int NT, typename F>
-__device__ __forceinline__ void for_each_element(F f) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) f(mt, nt, e);
-}
-
-template <int MT, int NT>
-__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
-    for_each_element<MT, NT>([&](int mt, int nt, int e) { acc[mt][nt][e] = 0.f; });
-}
-
 // ldmatrix addresses are split in two: the lane's base address (run-time, computed once per
 // product) and the step's offset (compile-time after unrolling, folded into the instruction).
 //
@@ -307,7 +282,3 @@ __device__ __forceinline__ void warp_gemm_a_in_registers(float (&acc)[MT][NT][4]
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) mma_step<BF16, MT, NT, B_COLS, B_COL_MAJOR, XOR_LAST>(acc, a[kk], b_lane_base, 16 * kk);
 }
-
-// Maps an accumulator element to its (row, col) inside the warp tile.
-__device__ __forceinline__ int fragment_row(int mt, int e) { return 16 * mt + (threadIdx.x % 32) / 4 + 8 * (e / 2); }
-__device__ __forceinline__ int fragment_col(int nt, int e) { return 8 * nt + 2 * (threadIdx.x % 4) + (e % 2); }

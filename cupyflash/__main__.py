@@ -315,7 +315,8 @@ def _host_shape(spec):
 def main(argv=None):
     args = _parser().parse_args(argv)
     try:
-        _config.forced_family()  # a bad CUPYFLASH_TILES stops every command, not only the first launch
+        _config.forced_family()  # a bad CUPYFLASH_TILES or _FAMILY stops every command, not only the first launch
+        _config.forced_kernel_family()
     except ValueError as error:
         print(f"cupyflash: {error}", file=sys.stderr)
         return 2

@@ -227,7 +227,7 @@ def load(kernel, device):
     function = _loaded.get(key)
     if function is None:
         import cupy
-        arch = device.compute_capability  # e.g. "90"
+        arch = kernel.arch(device.compute_capability)  # e.g. "90", "90a"
         with _load_lock:
             cubin_path, _ = compile_kernel(kernel, arch)
             with device:

@@ -1,11 +1,13 @@
 """Tile sizes, per kernel family and GPU family, chosen at run time from the device's attributes.
 
-The one kernel family is the mma.sync kernels (cuda_src/sm80/): TILES["mma_sync"] holds one table
-per GPU family (sm90, sm86, sm80), then per tile table ('fwd', 'bwd', 'bwd_options') and head dim.
-The kernels are templates over (head dim, block_m, block_n, warps, stages). A caller's head dim is
-rounded up to the next head dim of the table (the extra columns are zero-filled and never written).
-Setting CUPYFLASH_TILES=sm80|sm86|sm90 forces a GPU family's table on any GPU, so every table is
-tested on whatever card the tests run on.
+Two kernel families: the mma.sync kernels (cuda_src/sm80/, every pass, sm_80 and newer) and the
+wgmma kernels (cuda_src/sm90/, the forward, sm_90a: compute capability 9.0 exactly).
+TILES[kernel family] holds one table per GPU family (sm90, sm86, sm80), then per tile table
+('fwd', 'bwd', 'bwd_options') and head dim. The kernels are templates over (head dim, block_m,
+block_n, warps, stages). A caller's head dim is rounded up to the next head dim of the table (the
+extra columns are zero-filled and never written). Setting CUPYFLASH_TILES=sm80|sm86|sm90 forces a
+GPU family's table on any GPU, and CUPYFLASH_FAMILY=mma_sync the mma.sync family where wgmma would
+serve, so every table and family is tested on whatever card the tests run on.
 """
 
 import dataclasses
@@ -13,7 +15,8 @@ import os
 
 HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEADDIM = HEADDIMS[-1]
-MMA_SYNC = "mma_sync"
+MMA_SYNC, WGMMA = "mma_sync", "wgmma"
+KERNEL_FAMILIES = (MMA_SYNC, WGMMA)
 
 # (block_m, block_n, warps, stages) per pass and head dim. `stages` is the number of buffers for the
 # tiles a CTA streams through (bwd: Q, dO, lse, D; fwd: K and V). Shared memory per CTA
@@ -83,6 +86,15 @@ TILES = {
         },
     },
 }
+# The wgmma forward: 128 query rows (two consumer warpgroups of 64) and a producer warpgroup, so
+# 12 warps; `stages` K/V buffers. Shared memory: 1024 (alignment) + block_m hd 2 + 2 stages block_n
+# hd 2 + the barriers (cuda_src/sm90/fwd.cuh, Sm90FwdTile). Head dims 64, 128 and 256 only: the
+# tiles are whole 64-wide swizzled column blocks.
+TILES[WGMMA] = {"sm90": {"fwd": {
+    64: (128, 128, 12, 2),
+    128: (128, 128, 12, 2),
+    256: (128, 64, 12, 2),
+}}}
 FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
 TABLES = ("fwd", "bwd", "bwd_options")     # tile tables per GPU family; see kernel_pass
@@ -100,12 +112,15 @@ class Tile:
     block_n: int
     warps: int
     stages: int
+    kernel_family: str = MMA_SYNC
 
     @property
     def threads(self):
         return 32 * self.warps
 
     def smem_bytes(self, pass_):
+        if self.kernel_family == WGMMA:
+            return 1024 + 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n) + 8 * (1 + 3 * self.stages)
         row = row_bytes(self.headdim)
         if kernel_pass(pass_) == "fwd":
             return (self.block_m + 2 * self.block_n * self.stages) * row
@@ -119,8 +134,8 @@ def row_bytes(cols):
     return 2 * (cols if cols in (64, 128, 256) else cols + 16)
 
 
-def padded_headdim(headdim):
-    return next(h for h in HEADDIMS if h >= headdim)
+def padded_headdim(headdim, headdims=HEADDIMS):
+    return next(h for h in headdims if h >= headdim)
 
 
 def family_of(compute_capability):
@@ -142,28 +157,59 @@ def forced_family():
     return forced or None
 
 
+def forced_kernel_family():
+    forced = os.environ.get("CUPYFLASH_FAMILY", "").strip()
+    if forced and forced not in KERNEL_FAMILIES:
+        raise ValueError(f"CUPYFLASH_FAMILY must be one of {list(KERNEL_FAMILIES)}, got {forced!r}")
+    return forced or None
+
+
+def forced_choices():
+    """What the environment forces (CUPYFLASH_TILES, CUPYFLASH_FAMILY): part of every plan's key."""
+    return os.environ.get("CUPYFLASH_TILES"), os.environ.get("CUPYFLASH_FAMILY")
+
+
+def kernel_family_for(pass_, compute_capability):
+    """The kernel family that serves `pass_` ('fwd', 'bwd' or 'bwd_options') on a device: wgmma for
+    the forward on compute capability 9.0 with the sm90 table (sm_90a code runs on 9.0 alone),
+    unless CUPYFLASH_FAMILY=mma_sync; mma.sync for everything else."""
+    forced = forced_kernel_family()
+    wgmma_serves = (pass_ in TILES[WGMMA]["sm90"] and tuple(compute_capability) == (9, 0)
+                    and (forced_family() or "sm90") == "sm90")
+    if forced == WGMMA and not wgmma_serves:
+        raise ValueError(f"CUPYFLASH_FAMILY=wgmma, but the wgmma kernels do not serve the {pass_} pass on compute "
+                         f"capability {compute_capability[0]}.{compute_capability[1]} with the "
+                         f"{forced_family() or family_of(compute_capability)} tiles")
+    return WGMMA if wgmma_serves and forced != MMA_SYNC else MMA_SYNC
+
+
 def tile_for(pass_, headdim, compute_capability, smem_limit, family=None, kernel_family=MMA_SYNC):
     """The tile for `pass_` (a table: 'fwd', 'bwd' or 'bwd_options') at a caller's head dim on a device.
 
     The GPU family's entry is used when its shared memory fits `smem_limit` (the device's opt-in
-    maximum per block); otherwise the smaller sm86 entry."""
+    maximum per block); otherwise the smaller sm86 entry (mma.sync only)."""
     family = family or forced_family() or family_of(compute_capability)
-    hd = padded_headdim(headdim)
+    tables = TILES[kernel_family]
     for candidate in (family, "sm86"):
-        tile = Tile(hd, *TILES[kernel_family][candidate][pass_][hd])
+        if candidate not in tables:
+            continue
+        table = tables[candidate][pass_]
+        hd = padded_headdim(headdim, tuple(table))
+        tile = Tile(hd, *table[hd], kernel_family)
         if tile.smem_bytes(pass_) <= smem_limit:
             return tile
-    raise RuntimeError(f"no {pass_} tile for head dim {headdim} fits {smem_limit} bytes of shared memory")
+    raise RuntimeError(f"no {kernel_family} {pass_} tile for head dim {headdim} fits {smem_limit} bytes of shared memory")
 
 
 def all_tiles(families=FAMILIES, kernel_family=MMA_SYNC):
     """Every distinct (table, tile) of these GPU families: what the compile checks build."""
     tables = TILES[kernel_family]
-    return sorted({(table, Tile(hd, *cfg)) for family in families for table in TABLES
-                   for hd, cfg in tables[family][table].items()}, key=lambda pt: (pt[0], dataclasses.astuple(pt[1])))
+    return sorted({(table, Tile(hd, *cfg, kernel_family)) for family in families if family in tables
+                   for table in tables[family] for hd, cfg in tables[family][table].items()},
+                  key=lambda pt: (pt[0], dataclasses.astuple(pt[1])))
 
 
 # The architectures each kernel family is compiled and checked for, with the GPU families whose
-# tiles each builds: sm_90 every table (CUPYFLASH_TILES lets an H100 run the others), sm_80 the
-# tables of the A100 and RTX/L40 parts.
-COMPILE_CHECKS = {MMA_SYNC: {"90": FAMILIES, "80": ("sm80", "sm86")}}
+# tiles each builds: mma.sync for sm_90 every table (CUPYFLASH_TILES lets an H100 run the others)
+# and for sm_80 the tables of the A100 and RTX/L40 parts; wgmma for sm_90a.
+COMPILE_CHECKS = {MMA_SYNC: {"90": FAMILIES, "80": ("sm80", "sm86")}, WGMMA: {"90a": ("sm90",)}}

@@ -14,14 +14,16 @@ DTYPES = ("float16", "bfloat16")
 ROW_KERNEL_ROWS, ROW_KERNEL_THREADS = 64, 256  # the backward's row kernels (RowKernel in sm80/bwd_schedule.cuh)
 
 _HEADER = {"fwd": "sm80/fwd.cuh", "bwd": "sm80/bwd.cuh", "bwd_dot": "sm80/bwd.cuh", "bwd_convert_dq": "sm80/bwd.cuh"}
+_WGMMA_HEADER = {"fwd": "sm90/fwd.cuh"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """One entry point of the mma.sync kernels (cuda_src/sm80/); each flag is a template argument.
+    """One kernel entry point; each flag is a template argument. Its tile's kernel family says whose:
+    the mma.sync kernels (cuda_src/sm80/) or the wgmma ones (cuda_src/sm90/, forward only).
 
     The flag combinations that exist (all_kernels lists exactly these):
-      fwd: plain, or options;
+      fwd: plain, or options (wgmma: never even_k, as TMA zero-fills the columns past the head dim);
       bwd: plain (tile table 'bwd'), options, or options and deterministic (both 'bwd_options').
     A deterministic backward always runs the options kernels' tiles, so it is compiled as an
     options kernel (with every option off unless the call sets some): no deterministic kernel
@@ -38,10 +40,24 @@ class Kernel:
     def __post_init__(self):
         if self.deterministic and not (self.pass_ == "bwd" and self.options):
             raise ValueError("a deterministic kernel is a backward with options=True")
+        if self.wgmma and (self.pass_ != "fwd" or self.even_k):
+            raise ValueError("the wgmma kernels are forwards without even_k")
+
+    @property
+    def wgmma(self):
+        return self.tile is not None and self.tile.kernel_family == _config.WGMMA
+
+    def arch(self, compute_capability):
+        """The target it is compiled for on a device of this compute capability ("90" -> "90a")."""
+        return compute_capability + "a" if self.wgmma else compute_capability
 
     @property
     def name(self):
         name = f"cupyflash_{self.pass_}_{self.dtype}"
+        if self.wgmma:
+            t = self.tile
+            return (name + f"_wgmma_hd{t.headdim}_m{t.block_m}_n{t.block_n}_s{t.stages}"
+                    + "_local" * self.local + "_options" * self.options)
         if self.tile is not None:
             t = self.tile
             name += f"_hd{t.headdim}_m{t.block_m}_n{t.block_n}_w{t.warps}_s{t.stages}"
@@ -59,6 +75,16 @@ class Kernel:
 
     def source(self):
         bf16 = _bool(self.dtype == "bfloat16")
+        if self.wgmma:
+            t = self.tile
+            args = f"{t.headdim}, {t.block_n}, {t.stages}"
+            return (_sources.translation_unit(_WGMMA_HEADER[self.pass_]) + "\n" + _params.size_assert() + "\n"
+                    + f"static_assert(Sm90FwdTile<{args}>::kSmemBytes == {self.smem_bytes} && "
+                    + f"Sm90FwdTile<{args}>::kBlockM == {t.block_m} && Sm90FwdTile<{args}>::kThreads == {self.threads}, "
+                    + '"the wgmma tile differs from cupyflash/_config.py");\n'
+                    + f'extern "C" __global__ void __launch_bounds__({self.threads}, 1) {self.name}('
+                    + "const __grid_constant__ FlashParams p, const __grid_constant__ FwdMaps maps) "
+                    + f"{{ flash_fwd_sm90<{args}, {bf16}, {_bool(self.local)}, {_bool(self.options)}>(p, maps); }}\n")
         if self.tile is None:
             call = f"flash_{self.pass_}<{bf16}>(p);"
             check = (f"static_assert(RowKernel::kRows == {ROW_KERNEL_ROWS} && RowKernel::kThreads == {ROW_KERNEL_THREADS}, "
@@ -82,8 +108,13 @@ def _bool(flag):
     return "true" if flag else "false"
 
 
-def all_kernels(families=_config.FAMILIES):
-    """Every kernel variant of these families' tile tables (the combinations of Kernel's docstring)."""
+def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
+    """Every kernel variant of these GPU families' tile tables of a kernel family (the combinations
+    of Kernel's docstring)."""
+    if kernel_family == _config.WGMMA:
+        return [Kernel(_config.kernel_pass(table), dtype, tile, local, False, options)
+                for (table, tile), dtype, local, options in itertools.product(
+                    _config.all_tiles(families, kernel_family), DTYPES, (False, True), (False, True))]
     kernels = [Kernel(pass_, dtype) for pass_ in ("bwd_dot", "bwd_convert_dq") for dtype in DTYPES]
     flags_of_table = {"fwd": ((False, False), (True, False)), "bwd": ((False, False),),
                       "bwd_options": ((True, False), (True, True))}  # (options, deterministic)
@@ -96,8 +127,8 @@ def all_kernels(families=_config.FAMILIES):
 
 def compile_jobs():
     """(arch, kernel) of every variant `check --compile` and the CI compile tests build (_config.COMPILE_CHECKS)."""
-    return [(arch, kernel) for arch, families in _config.COMPILE_CHECKS[_config.MMA_SYNC].items()
-            for kernel in all_kernels(families)]
+    return [(arch, kernel) for kernel_family, archs in _config.COMPILE_CHECKS.items()
+            for arch, families in archs.items() for kernel in all_kernels(families, kernel_family)]
 
 
 def representative_jobs(jobs):
@@ -105,12 +136,13 @@ def representative_jobs(jobs):
     cold run stays under half a minute on two cores, where the full sweep (`check --compile`, and
     the tests with CUPYFLASH_COMPILE_ALL=1, as CI runs them) takes minutes.
 
-    They cover every code path the sweep does, once: on the newest arch (which builds every table),
+    They cover every code path the sweep does, once: the wgmma kernels' tiles with their heaviest
+    flags and every flag at hd128; on the newest mma.sync arch (which builds every table),
     one variant per tile of its own family's tables, so every head dim and block shape of each pass,
     with the heaviest flags (local masking, column bounds, the options); every flag of one forward
     tile; the other dtype once; the row kernels; and one variant per table for each older arch.
     (What a user of a CPU-only machine runs is the NumPy reference: no kernel would be theirs.)"""
-    primary = max((arch for arch, _ in jobs), key=int)
+    primary = max((arch for arch, k in jobs if not k.wgmma), key=int)
 
     def table(k):
         return "bwd_options" if k.pass_ == "bwd" and k.options else k.pass_
@@ -125,6 +157,8 @@ def representative_jobs(jobs):
             k.pass_ == "bwd" and k.options))
 
     def keep(arch, k):
+        if k.wgmma:  # every tile with the heaviest flags, and every flag at hd128
+            return k.dtype == DTYPES[0] and ((k.local and k.options) or k.tile.headdim == 128)
         if k.tile is None:
             return arch == primary
         if not native(arch, k):

@@ -9,12 +9,11 @@ patch and the launches (at seqlen 1k a kernel runs for tens of microseconds, so 
 import ctypes
 import dataclasses
 import math
-import os
 import threading
 
 import numpy
 
-from . import _arrays, _kernels, _params, _schedule, options
+from . import _arrays, _config, _kernels, _params, _schedule, _tma, options
 from ._compile import load
 from .validate import MAX_GRID_YZ
 
@@ -41,11 +40,11 @@ def _hashable(value):
 def plan_key(pass_, arrays, softmax_scale, causal, given, varlen, return_dbias=False):
     """The cache key of a call, or None when some argument cannot be part of one (arrays that are
     not torch tensors or CuPy arrays, unhashable options). Option types are part of it, so that
-    a call with causal=1 still meets the bool check, and so is a forced tile table, which picks
-    other kernels for the same arrays. Arrays are keyed by their layout; the dropout seed's value
+    a call with causal=1 still meets the bool check, and so is a forced tile table or kernel
+    family, which picks other kernels for the same arrays. Arrays are keyed by their layout; the dropout seed's value
     is not part of it: plans patch it per call."""
     try:
-        key = [pass_, os.environ.get("CUPYFLASH_TILES"), type(softmax_scale), _hashable(softmax_scale),
+        key = [pass_, _config.forced_choices(), type(softmax_scale), _hashable(softmax_scale),
                type(causal), causal, return_dbias]
         for name, value in given.items():
             key += (name, type(value)) if name in _KEYED_BY_TYPE else (name, type(value), _hashable(value))
@@ -154,7 +153,7 @@ class Plan:
     one by default) and returns `finish(outputs)`; it returns None when an input's address is not
     aligned as the kernels need (then the caller's slow path copies it)."""
 
-    def __init__(self, caller, params, inputs, outputs, launches, finish):
+    def __init__(self, caller, params, inputs, outputs, launches, finish, maps=None):
         import cupy
         self.caller, self.device_id, self.finish = caller, caller.device_id, finish
         self.hands_back = caller.kind not in ("torch", "cupy")  # results go back through give_back
@@ -163,8 +162,8 @@ class Plan:
         self.set_device = cupy.cuda.runtime.setDevice
         with caller.device():  # a kernel's CUfunction belongs to the device current when it is loaded
             self.set_device(self.device_id)  # its primary context current on this thread
-            self.launches = [(load(l.kernel, caller.device()).kernel.ptr, l.grid, l.kernel.threads,
-                              l.kernel.smem_bytes) for l in launches if 0 not in l.grid]
+            launches = [l for l in launches if 0 not in l.grid]
+            functions = [load(l.kernel, caller.device()).kernel.ptr for l in launches]
             self.context = cupy.cuda.driver.ctxGetCurrent()
         self.launch_kernel, self.current_context = cupy.cuda.driver.launchKernel, cupy.cuda.driver.ctxGetCurrent
         self.words = (ctypes.c_uint64 * (params.nbytes // 8)).from_buffer(params)
@@ -186,8 +185,15 @@ class Plan:
                 self.workspaces.append((caller.allocator((size,), "uint8", zeroed), offsets))
         dropout = params["dropout_scale"][0] != 0
         self.seed_slot = slot("dropout_seed") if dropout and "seed" not in inputs else None
-        self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.words))  # the kernels' one argument
-        self.argv_address = ctypes.addressof(self.argv)
+        # The kernels' arguments: the parameter block, and for the wgmma kernels the tensor maps
+        # (`maps`, a _tma.Maps of the inputs named by maps.inputs, aimed at each call's); a kernel
+        # of one parameter ignores the second.
+        self.maps = maps
+        self.map_inputs = [next(i for i, (n, _) in enumerate(self.inputs) if n == name) for name in maps.inputs] if maps else []
+        self.argv = [(ctypes.c_void_p * 2)(ctypes.addressof(self.words), maps.address if maps else 0)]
+        argv_address = ctypes.addressof(self.argv[0])
+        self.launches = [(function, l.grid, l.kernel.threads, l.kernel.smem_bytes, argv_address)
+                         for function, l in zip(functions, launches)]
         self.lock = threading.Lock()
         self.kept = []  # scratch of CuPy graph captures, which replays still write
 
@@ -236,8 +242,10 @@ class Plan:
                 words[slot] = pointer
             if self.seed_slot is not None:
                 words[self.seed_slot] = int(seed)
-            for function, (gx, gy, gz), threads, smem_bytes in self.launches:
-                self.launch_kernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream, self.argv_address, 0)
+            if self.maps is not None:
+                self.maps.point([pointers[i] for i in self.map_inputs])
+            for function, (gx, gy, gz), threads, smem_bytes, argv in self.launches:
+                self.launch_kernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream, argv, 0)
         results = self.finish(outputs)
         if self.hands_back:
             return tuple(None if a is None else caller.give_back(a) for a in results)
@@ -290,10 +298,14 @@ def _kernel(pass_, call, tile):
 
 def _forward_plan(call, inputs, return_dbias):
     shape, varlen = call.shape, call.varlen is not None
-    tile = _schedule.tile("fwd", shape.headdim, call.caller.device_id)
     q = inputs["q"]
     strides = {name: _tensor_strides(_arrays.element_strides(inputs[name]), varlen) for name in ("q", "k", "v")}
     strides["out"] = _tensor_strides(_contiguous_strides(q.shape), varlen)
+    if _schedule.kernel_family("fwd", call.caller.device_id) == _config.WGMMA:
+        plan = _wgmma_forward_plan(call, inputs, strides)
+        if plan is not None:
+            return plan
+    tile = _schedule.tile("fwd", shape.headdim, call.caller.device_id)
     kernel = _kernel("fwd", call, tile)
     # A one-stage forward waits for each block's K and V. Block-major, the CTAs running at once
     # read the K and V of all of a batch entry's heads, so there they must fit in L2 (hd256 at 16k
@@ -305,6 +317,34 @@ def _forward_plan(call, inputs, return_dbias):
     outputs = [_Output("out", tuple(q.shape), call.dtype), _Output("lse", shape.stats, "float32")]
     return Plan(call.caller, _param_block(call, tile, strides, inputs, block_major), inputs, outputs,
                 [_Launch(kernel, grid)], lambda o: (o["out"], o["lse"]))
+
+
+def _wgmma_forward_plan(call, inputs, strides):
+    """The forward on the wgmma kernels, or None where the driver cannot map an input for TMA (say a
+    broadcast dimension's zero stride): the mma.sync kernels read any layout the plan accepts."""
+    shape, varlen = call.shape, call.varlen is not None
+    tile = _schedule.tile("fwd", shape.headdim, call.caller.device_id, _config.WGMMA)
+    specs = []
+    for name, rows, block in (("q", shape.seqlen_q, tile.block_m), ("k", shape.seqlen_k, tile.block_n),
+                              ("v", shape.seqlen_k, tile.block_n)):
+        batch_stride, row_stride, head_stride = strides[name]
+        array = inputs[name]
+        if varlen:  # one batch entry of the packed rows (its stride is never used)
+            rows, batch, batch_stride = array.shape[0], 1, array.shape[0] * row_stride
+        else:
+            batch = shape.batch
+        heads = array.shape[-2]
+        specs.append((call.dtype, (shape.headdim, rows, heads, batch),
+                      (2 * row_stride, 2 * head_stride, 2 * batch_stride), (64, block, 1, 1)))
+    try:
+        maps = _tma.Maps(specs, [call.caller.data_pointer(inputs[name]) for name in ("q", "k", "v")], ("q", "k", "v"))
+    except RuntimeError:
+        return None
+    kernel = _kernels.Kernel("fwd", call.dtype, tile, call.local, False, call.needs("score") or call.needs("dropout"))
+    grid, block_major = _schedule.block_grid(-(-shape.seqlen_q // tile.block_m), shape.nheads, shape.batch, call.local)
+    outputs = [_Output("out", tuple(inputs["q"].shape), call.dtype), _Output("lse", shape.stats, "float32")]
+    return Plan(call.caller, _param_block(call, tile, strides, inputs, block_major), inputs, outputs,
+                [_Launch(kernel, grid)], lambda o: (o["out"], o["lse"]), maps)
 
 
 def _backward_plan(call, inputs, return_dbias):

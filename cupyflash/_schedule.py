@@ -25,9 +25,13 @@ def device_info(device_id):
     return device, (int(cc[:-1]), int(cc[-1])), device_attributes(device_id)["MaxSharedMemoryPerBlockOptin"]
 
 
-def tile(table, headdim, device_id):
+def kernel_family(table, device_id):
+    return _config.kernel_family_for(table, device_info(device_id)[1])
+
+
+def tile(table, headdim, device_id, kernel_family=_config.MMA_SYNC):
     _, cc, smem_limit = device_info(device_id)
-    return _config.tile_for(table, headdim, cc, smem_limit)
+    return _config.tile_for(table, headdim, cc, smem_limit, kernel_family=kernel_family)
 
 
 def block_grid(blocks, heads, batch, local):

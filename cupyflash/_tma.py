@@ -5,6 +5,8 @@ value as a __grid_constant__ TensorMap (cuda_src/sm90/tma.cuh)."""
 import ctypes
 import functools
 
+import numpy
+
 _DATA_TYPES = {"uint8": 0, "float16": 6, "float32": 7, "bfloat16": 9}  # CUtensorMapDataType
 _SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}  # CUtensorMapSwizzle, by the swizzle's span in bytes
 _L2_PROMOTION_128B = 2
@@ -40,3 +42,44 @@ def encode_tiled(address, dtype, dims, strides_bytes, box, swizzle_bytes=128):
         raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {status}) for a {dtype} tensor of dims {dims}, "
                            f"strides {strides_bytes} bytes, box {box}, {swizzle_bytes}-byte swizzle")
     return ctypes.string_at(aligned, _MAP_BYTES)
+
+
+@functools.cache
+def address_word():
+    """Which 8-byte word of an encoded map holds the tensor's address verbatim (found by encoding
+    one map at two addresses), or None if no word does: then maps are encoded again per call."""
+    def words(address):
+        return numpy.frombuffer(encode_tiled(address, "float16", (64, 256), (128,), (64, 64)), numpy.uint64)
+    first, second = 1 << 20, 3 << 24
+    a, b = words(first), words(second)
+    differ = numpy.flatnonzero(a != b)
+    if len(differ) == 1 and a[differ[0]] == first and b[differ[0]] == second:
+        return int(differ[0])
+    return None
+
+
+class Maps:
+    """The tensor maps of a plan's inputs, one after another in the buffer a kernel receives as its
+    second parameter; `point(addresses)` aims them at a call's arrays.
+
+    `specs` gives each map's (dtype, dims, strides_bytes, box) as encode_tiled takes them, `inputs`
+    the names of the arrays they map; the maps are encoded once, at `addresses`, and later only
+    their address word is rewritten (or, where the driver's layout hides it, each map is encoded
+    again)."""
+
+    def __init__(self, specs, addresses, inputs):
+        self.specs, self.inputs = specs, inputs
+        self.storage = ctypes.create_string_buffer(_MAP_BYTES * len(specs) + _MAP_ALIGNMENT)
+        self.address = ctypes.addressof(self.storage) + (-ctypes.addressof(self.storage)) % _MAP_ALIGNMENT
+        self.words = (ctypes.c_uint64 * (_MAP_BYTES // 8 * len(specs))).from_address(self.address)
+        self.word = address_word()
+        for i, (spec, address) in enumerate(zip(specs, addresses)):
+            ctypes.memmove(self.address + i * _MAP_BYTES, encode_tiled(address, *spec), _MAP_BYTES)
+
+    def point(self, addresses):
+        if self.word is not None:
+            for i, address in enumerate(addresses):
+                self.words[i * (_MAP_BYTES // 8) + self.word] = address
+        else:
+            for i, (spec, address) in enumerate(zip(self.specs, addresses)):
+                ctypes.memmove(self.address + i * _MAP_BYTES, encode_tiled(address, *spec), _MAP_BYTES)

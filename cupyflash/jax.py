@@ -39,13 +39,12 @@ import dataclasses
 import functools
 import hashlib
 import numbers
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy
 
-from . import _arrays, _xla_ffi, api, options, validate
+from . import _arrays, _config, _xla_ffi, api, options, validate
 
 __all__ = ["flash_attn", "flash_attn_varlen", "forward_with_lse", "varlen_forward_with_lse"]
 
@@ -421,7 +420,7 @@ class _Launch:
         return results is not None
 
 
-_launches = {}  # (signature, device, CUPYFLASH_TILES) -> _Launch
+_launches = {}  # (signature, device, CUPYFLASH_TILES and _FAMILY) -> _Launch
 _MAX_LAUNCHES = 4096  # custom calls seen by one process; past this the cache starts afresh
 
 
@@ -433,7 +432,7 @@ def _cuda_handler(target, pass_, varlen):
     def handler(call):
         signature = call.first_scalar(_SIGNATURE_BYTES)
         device = _device(call)
-        key = (signature, device, os.environ.get("CUPYFLASH_TILES"))  # a forced tile table is part of a plan
+        key = (signature, device, _config.forced_choices())  # a forced tile table or family is part of a plan
         launch = _launches.get(key)
         stream = call.cuda_stream()
         if launch is None:

@@ -90,7 +90,8 @@ def check_call(pass_, arrays, softmax_scale, causal, given, varlen=None):
     """The Call of a public function's arguments: `arrays` holds every array argument by name
     (q, k, v; dout, out, lse for the backward; cu_seqlens; the options' arrays), `given` every
     option of the function (defaults filled in)."""
-    _config.forced_family()  # a bad CUPYFLASH_TILES is an error on every path, not only at a launch
+    _config.forced_family()  # a bad CUPYFLASH_TILES or _FAMILY is an error on every path, not only at a launch
+    _config.forced_kernel_family()
     caller = caller_of(**arrays)
     if varlen is not None:
         check_varlen_shapes(arrays["q"], arrays["k"], varlen)

@@ -21,6 +21,10 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32 bar, uint32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
 }
+// One plain arrival (a consumer done with a buffer).
+__device__ __forceinline__ void mbarrier_arrive(uint32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
 // Waits until the barrier's phase `parity` has completed.
 __device__ __forceinline__ void mbarrier_wait(uint32 bar, int parity) {
     asm volatile(
@@ -37,4 +41,11 @@ __device__ __forceinline__ void tma_load_2d(uint32 dst, const TensorMap* map, ui
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
         :: "r"(dst), "l"(map), "r"(bar), "r"(x), "r"(y) : "memory");
+}
+
+// The same for a 4-D tensor map (x, y, z, w, innermost first).
+__device__ __forceinline__ void tma_load_4d(uint32 dst, const TensorMap* map, uint32 bar, int x, int y, int z, int w) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+        :: "r"(dst), "l"(map), "r"(bar), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
 }

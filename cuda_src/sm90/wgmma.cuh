@@ -106,3 +106,25 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
     else CUPYFLASH_WGMMA_RS("f16.f16");
 }
 #undef CUPYFLASH_WGMMA_RS
+
+// By the column count N (64 or 128) of the 64 x N accumulator.
+template <int N, bool BF16>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64 desc_a, uint64 desc_b, bool accumulate) {
+    static_assert(N == 64 || N == 128, "wgmma_ss is written for N = 64 and 128");
+    if constexpr (N == 64) wgmma_m64n64k16_ss<BF16>(d, desc_a, desc_b, accumulate);
+    else wgmma_m64n128k16_ss<BF16>(d, desc_a, desc_b, accumulate);
+}
+// B N-major (as V is stored).
+template <int N, bool BF16>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32 (&a)[4], uint64 desc_b, bool accumulate) {
+    static_assert(N == 64 || N == 128, "wgmma_rs is written for N = 64 and 128");
+    if constexpr (N == 64) wgmma_m64n64k16_rs<BF16, true>(d, a, desc_b, accumulate);
+    else wgmma_m64n128k16_rs<BF16, true>(d, a, desc_b, accumulate);
+}
+
+// Moves registers between warpgroups (the kernel must be launched with a register cap, i.e.
+// __launch_bounds__(threads, 1)): a producer gives its spare ones up, consumers take them.
+template <int REGISTERS>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGISTERS)); }
+template <int REGISTERS>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGISTERS)); }

@@ -91,8 +91,8 @@ TILES = {
 # hd 2 + the barriers (cuda_src/sm90/fwd.cuh, Sm90FwdTile). Head dims 64, 128 and 256 only: the
 # tiles are whole 64-wide swizzled column blocks.
 TILES[WGMMA] = {"sm90": {"fwd": {
-    64: (128, 128, 12, 2),
-    128: (128, 128, 12, 2),
+    64: (128, 128, 12, 3),
+    128: (128, 128, 12, 3),
     256: (128, 64, 12, 2),
 }}}
 FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
@@ -120,7 +120,7 @@ class Tile:
 
     def smem_bytes(self, pass_):
         if self.kernel_family == WGMMA:
-            return 1024 + 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n) + 8 * (1 + 3 * self.stages)
+            return 1024 + 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n) + 8 * (2 + 4 * self.stages)
         row = row_bytes(self.headdim)
         if kernel_pass(pass_) == "fwd":
             return (self.block_m + 2 * self.block_n * self.stages) * row

@@ -12,8 +12,11 @@ no stream to put events on: its cells use the host clock around a batch ended by
 block_until_ready, and its backward is (fwd+bwd) - fwd. Fresh random inputs per cell; a peer that
 fails or is missing gives a blank cell, never a crash. With cupyflash in the run, each peer's output
 and gradients are first compared with cupyflash's: a pass whose results are wrong is left blank.
-Peers: PyTorch SDPA with each backend, JAX's cuDNN attention, and FlashAttention-3 through the
-flash_attn3_jax package where it is installed (a wheel; see bench/notes/v08-two-stage-forward-and-heavy-blocks-first.md).
+Peers: PyTorch SDPA with each backend, JAX's cuDNN attention, FlashAttention-3 through the
+flash_attn3_jax package where it is installed (a wheel; see bench/notes/v08-two-stage-forward-and-heavy-blocks-first.md),
+and FlashAttention-4 (flash-attn-4, CuTe-DSL) where it is installed (../shared/peers/fa4/README.md
+carries it to the GPU machine). The speed table's ratio that matters is against the best peer of
+each cell; the FA2 ratio stays beside it.
 
 Host time (`bench --host`): microseconds of host time per call of each way of calling cupyflash
 (the core on CuPy arrays and on torch tensors, cupyflash.torch eager, through its custom ops and
@@ -180,6 +183,27 @@ def _fa3_jax(q, k, v, dout, causal):
     return _jax_calls(lambda q, k, v: flash_mha(q, k, v, is_causal=causal), q, k, v, dout)
 
 
+def _fa4(q, k, v, dout, causal, **options):
+    """FlashAttention-4 (flash_attn.cute from flash-attn-4), where it is installed; it takes and gives
+    (batch, seqlen, nheads, headdim) tensors and differentiates through autograd. `options` are its
+    keywords (causal among them overrides `causal`)."""
+    import torch
+    from flash_attn.cute import flash_attn_func
+    qt, kt, vt = (x.detach().requires_grad_() for x in (q, k, v))
+
+    def forward():
+        result = flash_attn_func(qt, kt, vt, **{"causal": causal, **options})
+        return result[0] if isinstance(result, tuple) else result
+    out = forward()
+
+    def both():
+        return torch.autograd.grad(forward(), (qt, kt, vt), dout)
+    return Calls({"fwd": (forward, None),
+                  "bwd": (lambda: torch.autograd.grad(out, (qt, kt, vt), dout, retain_graph=True), None),
+                  "fwd+bwd": (both, None)},
+                 lambda: (out, both()))
+
+
 def _restore_jax_core_shaped_array():
     """flash_attn3_jax 0.2.3 imports jax.core.ShapedArray, which newer JAX keeps only in jax._src.core."""
     import jax.core
@@ -208,6 +232,7 @@ IMPLEMENTATIONS = {
     "SDPA mem-efficient": _sdpa("EFFICIENT_ATTENTION"),
     "JAX cuDNN": _jax_cudnn,
     "FA3 (flash_attn3_jax)": _fa3_jax,
+    "FA4 (flash-attn-4)": _fa4,
 }
 REFERENCE_PEER = "SDPA flash (FA2)"
 
@@ -336,7 +361,9 @@ def _option_calls(seqlen, headdim, nheads, batch):
         "plain": (dict(), dict(), "SDPA flash (FA2)", dict(backend="FLASH_ATTENTION")),
         "causal": (dict(causal=True), dict(causal=True), "SDPA flash (FA2)", dict(backend="FLASH_ATTENTION", causal=True)),
         f"sliding window {OPTION_WINDOW} (causal)": (window, window, "JAX cuDNN", dict(jax_window=(OPTION_WINDOW, 0))),
-        "softcap 30": (dict(softcap=30.0), dict(softcap=30.0), None, None),
+        f"sliding window {OPTION_WINDOW} (causal), beside FA4": (
+            window, window, "FA4 (flash-attn-4)", dict(fa4=dict(causal=True, window_size=(OPTION_WINDOW, 0)))),
+        "softcap 30": (dict(softcap=30.0), dict(softcap=30.0), "FA4 (flash-attn-4)", dict(fa4=dict(softcap=30.0))),
         "alibi": (dict(alibi_slopes=slopes), dict(alibi_slopes=slopes), None, None),
         "attn_bias (b, h, s, s) bf16": (dict(attn_bias=bias), dict(attn_bias=bias, return_dbias=True),
                                         "SDPA mem-efficient", dict(backend="EFFICIENT_ATTENTION", mask=bias)),
@@ -364,6 +391,9 @@ def _cupyflash_option(q, k, v, dout, fwd_kwargs, bwd_kwargs):
 
 def _peer_option(q, k, v, dout, spec):
     """fwd / bwd callables of a peer with an option, with their sync (None: torch's stream)."""
+    if "fa4" in spec:
+        calls = _fa4(q, k, v, dout, False, **spec["fa4"])
+        return {pass_: calls.timed[pass_] for pass_ in ("fwd", "bwd")}
     if "jax_window" in spec:
         import jax
         return _jax_calls(lambda q, k, v: jax.nn.dot_product_attention(
@@ -798,15 +828,20 @@ def write_speed(rows, out_dir, impls):
     by_key = {(r.impl, r.dtype, r.headdim, r.seqlen, r.causal, r.pass_): r.tflops for r in rows}
     keys = sorted({(r.pass_, r.dtype, r.headdim, r.seqlen, r.causal) for r in rows},
                   key=lambda k: (PASSES.index(k[0]), k[1], k[2], k[4], k[3]))
-    lines = ["TFLOP/s (higher is better); ratio = cupyflash / " + REFERENCE_PEER + ".", "",
-             "| pass | dtype | hdim | seqlen | causal | " + " | ".join(impls) + " | ratio |",
-             "|" + "---|" * (6 + len(impls))]
+    lines = ["TFLOP/s (higher is better); vs best = cupyflash / the fastest peer of the cell (the ratio that "
+             "matters), vs FA2 = cupyflash / " + REFERENCE_PEER + ".", "",
+             "| pass | dtype | hdim | seqlen | causal | " + " | ".join(impls) + " | best peer | vs best | vs FA2 |",
+             "|" + "---|" * (8 + len(impls))]
     for pass_, dtype, hd, seqlen, causal in keys:
-        values = [by_key.get((i, dtype, hd, seqlen, causal, pass_), math.nan) for i in impls]
-        ratio = by_key.get(("cupyflash", dtype, hd, seqlen, causal, pass_), math.nan) / \
-            by_key.get((REFERENCE_PEER, dtype, hd, seqlen, causal, pass_), math.nan)
+        values = {i: by_key.get((i, dtype, hd, seqlen, causal, pass_), math.nan) for i in impls}
+        ours = values.get("cupyflash", math.nan)
+        peers = {i: x for i, x in values.items() if i != "cupyflash" and not math.isnan(x)}
+        best = max(peers, key=peers.get) if peers else ""
+        vs_best = ours / peers[best] if best else math.nan
+        vs_fa2 = ours / values.get(REFERENCE_PEER, math.nan)
         lines.append(f"| {pass_} | {dtype} | {hd} | {seqlen} | {'yes' if causal else 'no'} | "
-                     + " | ".join(_fmt(x) for x in values) + f" | {'' if math.isnan(ratio) else f'{ratio:.2f}'} |")
+                     + " | ".join(_fmt(values[i]) for i in impls) + f" | {best} | "
+                     + " | ".join('' if math.isnan(r) else f'{r:.2f}' for r in (vs_best, vs_fa2)) + " |")
     with open(os.path.join(out_dir, "speed.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     _plot_speed(rows, impls, os.path.join(out_dir, "speed.png"))

@@ -9,6 +9,7 @@
 template <auto V>
 struct Constant {
     static constexpr auto value = V;
+    __device__ constexpr operator decltype(V)() const { return V; }
 };
 
 // Calls f(mt, nt, e) for every element of an accumulator fragment [MT][NT][4], fully unrolled, so

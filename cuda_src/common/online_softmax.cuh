@@ -62,16 +62,24 @@ __device__ __forceinline__ void apply_dropout(float (&s)[MT][NT][4], const Flash
 }
 
 // The online softmax of one key block in base 2: s becomes p = 2^(s * scale_log2 - max * scale_log2),
-// one FFMA per element, row_sum gains it, and O is rescaled where a row's maximum moved.
+// one FFMA per element, row_sum gains it, and O is rescaled where a row's maximum moved. It comes
+// in three steps (new_row_max, rescale, exponentiate) so that a kernel whose P V product runs
+// asynchronously can exponentiate while it runs and rescale O after it; softmax_step does all three.
 // A row with nothing visible yet keeps max = -inf; its offset is 0 so every p is 0, not NaN.
 // A row's maximum moves only when a block's is more than kSlack above it (in the exponent):
 // till then p may reach 2^kSlack = 256, harmless in the fp32 sums and in 16-bit P, and O
 // keeps its scale. O is rescaled only when a row of the warp moved, rare after the first blocks.
-template <int MT, int NT, int DT>
-__device__ __forceinline__ void softmax_step(float (&s)[MT][NT][4], float (&acc_o)[MT][DT][4], float (&row_max)[MT][2],
-                                             float (&row_sum)[MT][2], const FlashParams& p) {
-    constexpr float kSlack = 8.f;
+template <int MT>
+struct SoftmaxStep {
     float offset[MT][2], correction[MT][2];
+    bool max_moved;  // in any row of the warp
+};
+
+template <int MT, int NT>
+__device__ __forceinline__ SoftmaxStep<MT> new_row_max(const float (&s)[MT][NT][4], float (&row_max)[MT][2],
+                                                       float (&row_sum)[MT][2], const FlashParams& p) {
+    constexpr float kSlack = 8.f;
+    SoftmaxStep<MT> step;
     bool max_moved = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -85,18 +93,37 @@ __device__ __forceinline__ void softmax_step(float (&s)[MT][NT][4], float (&acc_
             block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
             const bool moves = block_max * p.scale_log2 > row_max[mt][half] * p.scale_log2 + kSlack;
             const float new_max = moves ? block_max : row_max[mt][half];
-            offset[mt][half] = new_max == -CUPYFLASH_INF ? 0.f : new_max * p.scale_log2;
-            correction[mt][half] = moves ? fast_exp2(row_max[mt][half] * p.scale_log2 - offset[mt][half]) : 1.f;
+            step.offset[mt][half] = new_max == -CUPYFLASH_INF ? 0.f : new_max * p.scale_log2;
+            step.correction[mt][half] = moves ? fast_exp2(row_max[mt][half] * p.scale_log2 - step.offset[mt][half]) : 1.f;
             max_moved |= moves;
             row_max[mt][half] = new_max;
-            row_sum[mt][half] *= correction[mt][half];
+            row_sum[mt][half] *= step.correction[mt][half];
         }
-    if (__any_sync(0xffffffffu, max_moved))
-        for_each_element<MT, DT>([&](int mt, int dt, int e) { acc_o[mt][dt][e] *= correction[mt][e / 2]; });
+    step.max_moved = __any_sync(0xffffffffu, max_moved);
+    return step;
+}
+
+template <int MT, int DT>
+__device__ __forceinline__ void rescale(float (&acc_o)[MT][DT][4], const SoftmaxStep<MT>& step) {
+    if (step.max_moved)
+        for_each_element<MT, DT>([&](int mt, int dt, int e) { acc_o[mt][dt][e] *= step.correction[mt][e / 2]; });
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void exponentiate(float (&s)[MT][NT][4], float (&row_sum)[MT][2], const SoftmaxStep<MT>& step,
+                                             const FlashParams& p) {
     for_each_element<MT, NT>([&](int mt, int nt, int e) {
-        s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -offset[mt][e / 2]));
+        s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -step.offset[mt][e / 2]));
         row_sum[mt][e / 2] += s[mt][nt][e];
     });
+}
+
+template <int MT, int NT, int DT>
+__device__ __forceinline__ void softmax_step(float (&s)[MT][NT][4], float (&acc_o)[MT][DT][4], float (&row_max)[MT][2],
+                                             float (&row_sum)[MT][2], const FlashParams& p) {
+    const SoftmaxStep<MT> step = new_row_max(s, row_max, row_sum, p);
+    rescale(acc_o, step);
+    exponentiate(s, row_sum, step, p);
 }
 
 // After the last key block: O divided by each row's sum (times out_scale), and lse[row] written

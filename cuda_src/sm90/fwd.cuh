@@ -1,14 +1,20 @@
 // Forward pass on Hopper (sm_90a): what sm80/fwd.cuh computes, on wgmma and TMA.
 //
-// One CTA per (query block of 128 rows, head, batch), three warpgroups. The first is the
-// producer: one thread issues the TMA copies of Q (once) and of each key block's K and V into a
-// ring of STAGES buffers. The other two are consumers, each owning 64 query rows; per key block
-// (from the last to the first, as sm80) a consumer computes
+// Persistent: one CTA per SM takes tiles (query block of 128 rows, head, batch) in rounds, those
+// that see the most keys first (fwd_tile). Three warpgroups. The first is the producer: one
+// thread issues the TMA copies of each tile's Q and of its key blocks' K and V into a ring of
+// STAGES buffers, running ahead into the next tile while the consumers finish one. The other two
+// are consumers, each owning 64 query rows; per key block (from the last to the first, as sm80) a
+// consumer computes
 //   S = Q K^T (wgmma, both from shared memory) -> options, mask -> online softmax
 //   -> O += P V (wgmma, P from registers, V read N-major),
 // with the fragment steps of common/online_softmax.cuh (a warpgroup's accumulator is mma.sync's
-// fragment per warp). Barriers: q_full, and per stage k_full and v_full (the copies' bytes have
-// landed) and empty (each consumer warp arrives when done with the stage's K and V).
+// fragment per warp). The products run asynchronously: block n's S = Q K^T is issued together
+// with the previous block's O += P V, and block n's softmax runs while that P V does; O is
+// rescaled after it. Below hd256 the two consumers also take turns to issue (ping-pong), so one's
+// softmax overlaps the other's products. Barriers: q_full and q_empty (the consumers' last
+// S = Q K^T of a tile has read Q), and per stage k_full and v_full (the copies' bytes have landed)
+// and k_empty and v_empty (each consumer warp arrives when its products have read them).
 // Tiles sit in the 128-byte swizzle of sm90/wgmma.cuh, as TMA writes them: 64-wide column blocks.
 #pragma once
 #include "../common/online_softmax.cuh"
@@ -27,12 +33,47 @@ struct Sm90FwdTile {
     static constexpr int kThreads = 384;
     static constexpr int kQBytes = kBlockM * HEADDIM * 2;
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;  // one K or V buffer
-    static constexpr int kBarrierBytes = 8 * (1 + 3 * STAGES);
+    static constexpr int kBarrierBytes = 8 * (2 + 4 * STAGES);
     // The dynamic shared memory's start is aligned up to 1024 bytes (the swizzle's atom) in the kernel.
     static constexpr int kSmemBytes = 1024 + kQBytes + 2 * STAGES * kKVBytes + kBarrierBytes;
+    // Measured on the H200: taking turns pays at hd64 and hd128 (+18%, +2% at 16k) and costs at
+    // hd256 (-8%), whose longer products leave the softmax hidden anyway.
+    static constexpr bool kPingPong = HEADDIM < 256;
     static_assert(HEADDIM % 64 == 0 && HEADDIM <= 256, "tiles are whole 64-wide column blocks");
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "S is one wgmma wide");
 };
+
+// Named barriers (0 is __syncthreads): 1 and 2 are the consumers' turns to issue products.
+__device__ __forceinline__ void consumers_sync(int id) { asm volatile("bar.sync %0, 256;\n" :: "r"(id) : "memory"); }
+__device__ __forceinline__ void consumers_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory"); }
+
+// Tile t: the blocks are walked from the last (under a causal mask the heaviest) to the first,
+// and, as grid_slot orders them, block-major (every head's heavy blocks first) where
+// p.block_major says so, else head-major (a head's blocks together, sharing K and V in L2).
+// CTA c takes tile c of each round of gridDim.x tiles in even rounds and tile gridDim.x - 1 - c
+// in odd ones: with weights falling along the order, a plain c, c + gridDim.x, ... would give CTA 0
+// the heaviest tile of every round (a quarter more work than the last CTA at hd256, 16k, causal).
+struct FwdTileSlot {
+    int m_block, head, batch;
+};
+
+__device__ __forceinline__ int round_tile(int round) {
+    return round * gridDim.x + (round & 1 ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+}
+
+template <bool LOCAL>
+__device__ __forceinline__ FwdTileSlot fwd_tile(const FlashParams& p, int t, int m_blocks) {
+    int block, rest;
+    if (LOCAL && p.block_major) {
+        block = t / (p.nheads * p.batch);
+        rest = t - block * (p.nheads * p.batch);
+    } else {
+        rest = t / m_blocks;
+        block = t - rest * m_blocks;
+    }
+    const int batch = rest / p.nheads;
+    return FwdTileSlot{m_blocks - 1 - block, rest - batch * p.nheads, batch};
+}
 
 template <int HEADDIM, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, bool OPTIONS>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
@@ -44,27 +85,24 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     const uint32 s_q = (smem_address(smem_raw) + 1023) & ~1023u;
     auto s_k = [&](int stage) { return s_q + T::kQBytes + stage * 2 * T::kKVBytes; };
     auto s_v = [&](int stage) { return s_k(stage) + T::kKVBytes; };
-    const uint32 q_full = s_q + T::kQBytes + 2 * STAGES * T::kKVBytes;
-    auto k_full = [&](int stage) { return q_full + 8 * (1 + stage); };
-    auto v_full = [&](int stage) { return q_full + 8 * (1 + STAGES + stage); };
-    auto empty = [&](int stage) { return q_full + 8 * (1 + 2 * STAGES + stage); };
+    const uint32 q_full = s_q + T::kQBytes + 2 * STAGES * T::kKVBytes, q_empty = q_full + 8;
+    auto k_full = [&](int stage) { return q_full + 8 * (2 + stage); };
+    auto v_full = [&](int stage) { return q_full + 8 * (2 + STAGES + stage); };
+    auto k_empty = [&](int stage) { return q_full + 8 * (2 + 2 * STAGES + stage); };
+    auto v_empty = [&](int stage) { return q_full + 8 * (2 + 3 * STAGES + stage); };
 
-    const GridSlot slot = grid_slot<LOCAL>(p);
-    const int m_block = slot.blocks - 1 - slot.block, head = slot.head, batch = slot.batch;
-    const int head_k = head / (p.nheads / p.nheads_k);
-    const int row0 = m_block * BLOCK_M;
-    const Sequence seq(p, batch);
-    if (row0 >= seq.seqlen_q) return;  // a varlen grid covers the longest sequence
-    const BlockRange blocks = key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N);
+    const int m_blocks = ceil_div(p.seqlen_q, BLOCK_M), tiles = m_blocks * p.nheads * p.batch;
+    const int rounds = ceil_div(tiles, gridDim.x);
     const int warpgroup = threadIdx.x / 128;
-
     if (threadIdx.x == 0) {
         mbarrier_init(q_full, 1);
+        mbarrier_init(q_empty, 8);  // the consumers' warps
 #pragma unroll
         for (int stage = 0; stage < STAGES; ++stage) {
             mbarrier_init(k_full(stage), 1);
             mbarrier_init(v_full(stage), 1);
-            mbarrier_init(empty(stage), 8);  // the consumers' warps
+            mbarrier_init(k_empty(stage), 8);
+            mbarrier_init(v_empty(stage), 8);
         }
         fence_mbarrier_init();
     }
@@ -72,23 +110,36 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
 
     if (warpgroup == 0) {
         setmaxnreg_dec<24>();
-        if (threadIdx.x == 0 && blocks.end > blocks.first) {
-            const int batch_coord = p.cu_seqlens_q == nullptr ? batch : 0;
+        if (threadIdx.x != 0) return;
+        int i = 0, q_loads = 0;  // the ring's step; tiles whose Q was loaded
+        for (int round = 0; round < rounds; ++round) {
+            const int t = round_tile(round);
+            if (t >= tiles) continue;
+            const FwdTileSlot tile = fwd_tile<LOCAL>(p, t, m_blocks);
+            const Sequence seq(p, tile.batch);
+            const int row0 = tile.m_block * BLOCK_M;
+            if (row0 >= seq.seqlen_q) continue;  // a varlen grid covers the longest sequence
+            const BlockRange blocks = key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N);
+            if (blocks.end <= blocks.first) continue;
+            const int batch_coord = p.cu_seqlens_q == nullptr ? tile.batch : 0;
+            const int head_k = tile.head / (p.nheads / p.nheads_k);
+            if (q_loads > 0) mbarrier_wait(q_empty, (q_loads - 1) & 1);
+            ++q_loads;
             mbarrier_arrive_expect_tx(q_full, T::kQBytes);
 #pragma unroll
             for (int cb = 0; cb < HEADDIM / 64; ++cb)
                 tma_load_4d(s_q + cb * BLOCK_M * kSwizzleRowBytes, &maps.q, q_full, 64 * cb, seq.first_row_q + row0,
-                            head, batch_coord);
-            int i = 0;
+                            tile.head, batch_coord);
             for (int n_block = blocks.end - 1; n_block >= blocks.first; --n_block, ++i) {
-                const int stage = i % STAGES;
-                if (i >= STAGES) mbarrier_wait(empty(stage), ((i / STAGES) & 1) ^ 1);
+                const int stage = i % STAGES, reuse = ((i / STAGES) & 1) ^ 1;
                 const int key_row = seq.first_row_k + n_block * BLOCK_N;
+                if (i >= STAGES) mbarrier_wait(k_empty(stage), reuse);
                 mbarrier_arrive_expect_tx(k_full(stage), T::kKVBytes);
 #pragma unroll
                 for (int cb = 0; cb < HEADDIM / 64; ++cb)
                     tma_load_4d(s_k(stage) + cb * BLOCK_N * kSwizzleRowBytes, &maps.k, k_full(stage), 64 * cb, key_row,
                                 head_k, batch_coord);
+                if (i >= STAGES) mbarrier_wait(v_empty(stage), reuse);
                 mbarrier_arrive_expect_tx(v_full(stage), T::kKVBytes);
 #pragma unroll
                 for (int cb = 0; cb < HEADDIM / 64; ++cb)
@@ -102,29 +153,68 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     setmaxnreg_inc<240>();
     const int wg_row0 = (warpgroup - 1) * 64;  // this warpgroup's rows in the tile
     const int warp_row0 = wg_row0 + 16 * (threadIdx.x / 32 % 4);
-    // A masked block none of whose keys the warpgroup's rows see is skipped (its buffers released).
-    const BlockRange wg_blocks = key_blocks_seen<LOCAL>(p, seq, row0 + wg_row0, 64, BLOCK_N);
+    const bool arrives = threadIdx.x % 32 == 0;  // one arrival per warp on the empty barriers
+
+    // Turns: a consumer issues after the other has (the first goes first) and hands the turn on.
+    // Both issue equally often, so the second's first hand-over is absorbed by the first's last wait.
+    const int my_turn = warpgroup, other_turn = 3 - warpgroup;
+    if (T::kPingPong && warpgroup == 2) consumers_arrive(other_turn);
+    auto take_turn = [&]() { if (T::kPingPong) consumers_sync(my_turn); };
+    auto pass_turn = [&]() { if (T::kPingPong) consumers_arrive(other_turn); };
 
     float acc_o[1][DT][4];
-    zero(acc_o);
-    float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
-    const ScoreMods<BF16> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
-    if (blocks.end > blocks.first) mbarrier_wait(q_full, 0);
+    uint32 p_frag[BLOCK_N / 16][4];  // the previous block's P, whose P V is issued with the next Q K^T
+    int pending_stage = 0, pending_phase = 0;
+    auto issue_pv = [&]() {  // V has landed
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+#pragma unroll
+            for (int part = 0; part < HEADDIM / kOWidth; ++part)
+                wgmma_rs<kOWidth, BF16>(reinterpret_cast<float(&)[kOWidth / 2]>(acc_o[0][part * kOWidth / 8]), p_frag[kk],
+                                        n_major_descriptor(s_v(pending_stage) + part * (kOWidth / 64) * BLOCK_N * kSwizzleRowBytes,
+                                                           kk, BLOCK_N),
+                                        true);
+        wgmma_commit();
+    };
+    auto complete_pv = [&]() {
+        wgmma_wait<0>();
+        fence_operands(reinterpret_cast<float(&)[HEADDIM / 2]>(acc_o));
+        if (arrives) mbarrier_arrive(v_empty(pending_stage));
+    };
 
-    int i = 0;  // the ring's step, as the producer counts it
-    enum Masking { kAll, kNone, kPerBlock };
-    auto attend = [&](int n_block, auto masking) {
-        constexpr Masking MASKING = decltype(masking)::value;
-        const int stage = i % STAGES, phase = (i / STAGES) & 1;
-        ++i;
-        const int key0 = n_block * BLOCK_N;
-        const bool skips = LOCAL && MASKING != kNone && (n_block < wg_blocks.first || n_block >= wg_blocks.end);
-        if (!skips) {
+    int i = 0, q_loads = 0;  // as the producer counts them
+    for (int round = 0; round < rounds; ++round) {
+        const int t = round_tile(round);
+        if (t >= tiles) continue;
+        const FwdTileSlot tile = fwd_tile<LOCAL>(p, t, m_blocks);
+        const int head = tile.head, batch = tile.batch;
+        const Sequence seq(p, batch);
+        const int row0 = tile.m_block * BLOCK_M;
+        if (row0 >= seq.seqlen_q) continue;
+        const BlockRange blocks = key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N);
+        zero(acc_o);
+        float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
+        const ScoreMods<BF16> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
+
+        // Every block is computed by both warpgroups, even one whose keys a warpgroup's rows do
+        // not see (its scores are all masked, so its P is zero): a branch around the products
+        // would make ptxas serialise them. The first block has no P V to run beside its Q K^T
+        // (`first`: a Constant, but a run-time flag in the options' kernels, whose products
+        // complete before their softmax anyway: one copy of their longer body needs fewer
+        // registers); after the last block's Q K^T, Q is released to the producer.
+        enum Masking { kAll, kNone, kPerBlock };
+        auto attend = [&](int n_block, auto masking, auto first) {
+            constexpr Masking MASKING = decltype(masking)::value;
+            const int stage = i % STAGES, phase = (i / STAGES) & 1;
+            ++i;
+            const int key0 = n_block * BLOCK_N;
             const bool masked = MASKING == kAll
                                 || (MASKING == kPerBlock
                                     && block_needs_mask<LOCAL>(p, seq, row0 + wg_row0, key0, 64, BLOCK_N));
             float s[1][NT][4];
             mbarrier_wait(k_full(stage), phase);
+            if (!first) mbarrier_wait(v_full(pending_stage), pending_phase);
+            take_turn();
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < HEADDIM / 16; ++kk)
@@ -132,15 +222,28 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                                         k_major_descriptor(s_q + wg_row0 * kSwizzleRowBytes, kk, BLOCK_M),
                                         k_major_descriptor(s_k(stage), kk, BLOCK_N), kk > 0);
             wgmma_commit();
-            wgmma_wait<0>();
+            if (!first) issue_pv();
+            pass_turn();
+            if (first || OPTIONS) {
+                wgmma_wait<0>();
+            } else {
+                wgmma_wait<1>();  // S is ready; P V runs on
+            }
+            fence_operands(reinterpret_cast<float(&)[BLOCK_N / 2]>(s));
+            if (arrives) {
+                mbarrier_arrive(k_empty(stage));
+                if (n_block == blocks.first) mbarrier_arrive(q_empty);
+            }
             if constexpr (OPTIONS) apply_score_mods(s, mods, row0 + warp_row0, key0);
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
-            softmax_step(s, acc_o, row_max, row_sum, p);
+            const SoftmaxStep<1> step = new_row_max(s, row_max, row_sum, p);
+            exponentiate(s, row_sum, step, p);
             // Dropout acts on the probabilities after the softmax: the sums keep every element.
             if constexpr (OPTIONS) {
                 if (p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
             }
-            uint32 p_frag[BLOCK_N / 16][4];
+            if (!first) complete_pv();
+            rescale(acc_o, step);
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
                 p_frag[kk][0] = pack_pair<BF16>(s[0][2 * kk][0], s[0][2 * kk][1]);
@@ -148,54 +251,56 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 p_frag[kk][2] = pack_pair<BF16>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
                 p_frag[kk][3] = pack_pair<BF16>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
             }
-            mbarrier_wait(v_full(stage), phase);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-#pragma unroll
-                for (int part = 0; part < HEADDIM / kOWidth; ++part)
-                    wgmma_rs<kOWidth, BF16>(reinterpret_cast<float(&)[kOWidth / 2]>(acc_o[0][part * kOWidth / 8]), p_frag[kk],
-                                            n_major_descriptor(s_v(stage) + part * (kOWidth / 64) * BLOCK_N * kSwizzleRowBytes,
-                                                               kk, BLOCK_N),
-                                            true);
-            wgmma_commit();
-            wgmma_wait<0>();
-        }
-        __syncwarp();
-        if (threadIdx.x % 32 == 0) mbarrier_arrive(empty(stage));
-    };
-    // As sm80: the masked blocks at the end of the range, the unmasked ones, then a window's
-    // masked ones at its start, so the main loop has no mask code; the options' kernels one loop.
-    int n_block = blocks.end - 1;
-    if constexpr (OPTIONS) {
-        for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<kPerBlock>());
-    } else {
-        const BlockRange unmasked = key_blocks_unmasked<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N, blocks);
-        int masked_first = unmasked.end;
+            pending_stage = stage;
+            pending_phase = phase;
+        };
+        // As sm80: the masked blocks at the end of the range, the unmasked ones, then a window's
+        // masked ones at its start, so the main loop has no mask code; the options' kernels one loop.
+        int n_block = blocks.end - 1;
+        if (n_block >= blocks.first) {
+            mbarrier_wait(q_full, q_loads++ & 1);
+            if constexpr (OPTIONS) {
+                for (bool first = true; n_block >= blocks.first; --n_block, first = false)
+                    attend(n_block, Constant<kPerBlock>(), first);
+            } else {
+                attend(n_block--, Constant<kPerBlock>(), Constant<true>());
+                const BlockRange unmasked = key_blocks_unmasked<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N, blocks);
+                int masked_first = max(unmasked.end, blocks.first);
 #pragma unroll 1
-        for (int turn = 0; turn < (LOCAL ? 2 : 1); ++turn) {
-            for (; n_block >= masked_first; --n_block) attend(n_block, Constant<kAll>());
-            if (turn == 0)
-                for (; n_block >= unmasked.first; --n_block) attend(n_block, Constant<kNone>());
-            masked_first = blocks.first;
+                for (int turn = 0; turn < (LOCAL ? 2 : 1); ++turn) {
+                    for (; n_block >= masked_first; --n_block) attend(n_block, Constant<kAll>(), Constant<false>());
+                    if (turn == 0)
+                        for (; n_block >= unmasked.first; --n_block)
+                            attend(n_block, Constant<kNone>(), Constant<false>());
+                    masked_first = blocks.first;
+                }
+            }
+            mbarrier_wait(v_full(pending_stage), pending_phase);
+            take_turn();
+            wgmma_fence();
+            issue_pv();
+            pass_turn();
+            complete_pv();
+        }
+
+        const float out_scale = OPTIONS && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
+        finish_rows(acc_o, row_max, row_sum, out_scale, p, p.lse + seq.stats_row0(p, batch, head), row0 + warp_row0,
+                    seq.seqlen_q);
+        // O straight from the registers: the shared memory is the next tile's.
+        uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + head * p.out_head_stride
+                      + seq.first_row_q * p.out_row_stride;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + warp_row0 + fragment_row(0, 2 * half);
+            if (row < seq.seqlen_q)
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    const int col = fragment_col(dt, 0);
+                    if (col < p.headdim)
+                        *reinterpret_cast<uint32*>(out + row * p.out_row_stride + col) =
+                            pack_pair<BF16>(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+                }
         }
     }
-
-    const float out_scale = OPTIONS && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
-    finish_rows(acc_o, row_max, row_sum, out_scale, p, p.lse + seq.stats_row0(p, batch, head), row0 + warp_row0,
-                seq.seqlen_q);
-    uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + head * p.out_head_stride
-                  + seq.first_row_q * p.out_row_stride;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int row = row0 + warp_row0 + fragment_row(0, 2 * half);
-        if (row < seq.seqlen_q)
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                const int col = fragment_col(dt, 0);
-                if (col < p.headdim)
-                    *reinterpret_cast<uint32*>(out + row * p.out_row_stride + col) =
-                        pack_pair<BF16>(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
-            }
-    }
+    if (T::kPingPong && warpgroup == 1) take_turn();  // the second consumer's first hand-over
 }

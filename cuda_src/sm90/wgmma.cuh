@@ -128,3 +128,12 @@ template <int REGISTERS>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGISTERS)); }
 template <int REGISTERS>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGISTERS)); }
+
+// Pins accumulator registers in the instruction order: the compiler does not see that a wgmma
+// writes them only by its wgmma_wait, and would otherwise move their reads (or a rescale's
+// writes) across the wait, which makes ptxas serialise the products.
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}

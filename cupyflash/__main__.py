@@ -69,8 +69,8 @@ def _versions():
 
 
 def _tile_text(tile, table):
-    return (f"{tile.block_m}x{tile.block_n}, {tile.warps} warps, {tile.stages} stage(s), "
-            f"{tile.smem_bytes(table) // 1024} KiB")
+    return (f"{tile.kernel_family} {tile.headdim}: {tile.block_m}x{tile.block_n}, {tile.warps} warps, "
+            f"{tile.stages} stage(s), {tile.smem_bytes(table) // 1024} KiB")
 
 
 _TILE_HEADERS = ["head dim", "fwd tile", "bwd tile", "bwd tile with options"]
@@ -104,8 +104,12 @@ def info():
     print(f"GPU {device.id}: {props['name'].decode()}  compute capability {cc[0]}.{cc[1]}  "
           f"{device.attributes['MultiProcessorCount']} SMs  shared memory {smem_limit // 1024} KiB/block (opt-in)  "
           f"L2 {device.attributes['L2CacheSize'] // 2 ** 20} MiB")
-    print(f"tile table: {family}{' (forced by CUPYFLASH_TILES)' if forced else ''}")
-    rows = [[hd, *(_tile_text(_config.tile_for(table, hd, cc, smem_limit), table) for table in _config.TABLES)]
+    print(f"tile table: {family}{' (forced by CUPYFLASH_TILES)' if forced else ''}; kernel family per pass: "
+          + ", ".join(f"{table} {_config.kernel_family_for(table, cc)}" for table in _config.TABLES)
+          + (" (forced by CUPYFLASH_FAMILY)" if _config.forced_kernel_family() else ""))
+    rows = [[hd, *(_tile_text(_config.tile_for(table, hd, cc, smem_limit,
+                                               kernel_family=_config.kernel_family_for(table, cc)), table)
+                   for table in _config.TABLES)]
             for hd in _config.HEADDIMS]
     print(_table(_TILE_HEADERS, rows))
     return 0

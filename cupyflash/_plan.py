@@ -342,9 +342,10 @@ def _wgmma_forward_plan(call, inputs, strides):
         return None
     kernel = _kernels.Kernel("fwd", call.dtype, tile, call.local, False, call.needs("score") or call.needs("dropout"))
     # Persistent: a CTA per SM (one fits), taking tiles in turn (fwd_tile in cuda_src/sm90/fwd.cuh).
-    tiles = -(-shape.seqlen_q // tile.block_m) * shape.nheads * shape.batch
+    m_blocks = -(-shape.seqlen_q // tile.block_m)
+    tiles = m_blocks * shape.nheads * shape.batch
     grid = (min(tiles, _schedule.device_attributes(call.caller.device_id)["MultiProcessorCount"]), 1, 1)
-    block_major = call.local
+    _, block_major = _schedule.block_grid(m_blocks, shape.nheads, shape.batch, call.local)  # the tiles' order
     outputs = [_Output("out", tuple(inputs["q"].shape), call.dtype), _Output("lse", shape.stats, "float32")]
     return Plan(call.caller, _param_block(call, tile, strides, inputs, block_major), inputs, outputs,
                 [_Launch(kernel, grid)], lambda o: (o["out"], o["lse"]), maps)

@@ -42,6 +42,54 @@ def test_forward_backward(case):
     _assert_ok(_check.run_gpu_case(case, _seed(case)))
 
 
+# More tiles than an H200 has SMs: the wgmma forward's persistent CTAs take several each.
+PERSISTENT_CASES = [
+    Case(1000, 1000, 128, "bfloat16", True, batch=4, nheads=8),
+    Case(1000, 800, 64, "float16", False, batch=4, nheads=8, nheads_k=2),
+    Case(1000, 1200, 256, "bfloat16", False, batch=3, nheads=8, window_size=(200, 50)),
+    Case(777, 777, 128, "float16", False, batch=4, nheads=8, softcap=4.0, dropout_p=0.15),
+    Case(1000, 1000, 64, "bfloat16", True, batch=4, nheads=8, alibi_slopes=True, attn_bias=True),
+    Case.packed(tuple(range(1, 400, 13)), tuple(range(400, 1, -13)), 128, "bfloat16", True, nheads=8),
+    Case.packed(tuple(range(0, 400, 13)), tuple(range(0, 400, 13)), 64, "float16", False, nheads=8, window_size=(30, 7)),
+]
+
+
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=str)
+def test_forward_with_more_tiles_than_sms(case):
+    _assert_ok(_check.run_gpu_case(case, _seed(case), backward=False))
+
+
+def _needs_hopper():
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the wgmma kernels run on compute capability 9.0")
+
+
+@pytest.mark.parametrize("family", ["wgmma", "mma_sync"])
+def test_the_forward_family_on_hopper(family, monkeypatch):
+    """On compute capability 9.0 the forward runs on the wgmma kernels, unless CUPYFLASH_FAMILY=mma_sync
+    forces the older family (as the suite's second run on an H200 does throughout); both pass."""
+    _needs_hopper()
+    from cupyflash import _plan
+    monkeypatch.setattr(_plan, "_plans", {})
+    monkeypatch.setenv("CUPYFLASH_FAMILY", family)
+    case = Case(300, 500, 128, "bfloat16", True, nheads=4, nheads_k=2)
+    _assert_ok(_check.run_gpu_case(case, _seed(case)))
+    assert {k.wgmma for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "fwd"} == {family == "wgmma"}
+
+
+def test_a_cached_wgmma_plan_reads_each_calls_arrays(monkeypatch):
+    """The tensor maps are encoded once per plan and aimed at each call's arrays: calls with other
+    arrays of the same layout reuse the plan and read their own inputs."""
+    _needs_hopper()
+    from cupyflash import _plan
+    monkeypatch.setattr(_plan, "_plans", {})
+    case = Case(257, 300, 64, "float16", False, nheads=4, nheads_k=1)
+    for seed in (1, 2, 3):
+        _assert_ok(_check.run_gpu_case(case, seed, backward=False))
+    assert len(_plan._plans) == 1 and all(plan.maps is not None for plan in _plan._plans.values())
+
+
 @pytest.mark.parametrize("family", ["sm80", "sm86", "sm90"])
 @pytest.mark.parametrize("case", [Case(300, 300, d, "bfloat16", causal, batch=1, nheads=4, nheads_k=2)
                                   for d in (32, 64, 96, 128, 160, 192, 224, 256) for causal in (False, True)], ids=str)

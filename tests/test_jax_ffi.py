@@ -18,7 +18,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 pytest.register_assert_rewrite("jax_helpers")
 
-from cupyflash import _xla_ffi, reference  # noqa: E402
+from cupyflash import _config, _xla_ffi, reference  # noqa: E402
 from cupyflash.jax import flash_attn  # noqa: E402
 from jax_helpers import _random, on_cpu  # noqa: E402, F401
 
@@ -303,7 +303,7 @@ def test_cuda_handler_plumbing_without_a_gpu(monkeypatch):
     backward(call)
     arrays, given = planned[1][1], planned[1][4]
     assert list(arrays) == ["dout", "q", "k", "v", "out", "lse"] and given["attn_bias"] == ("view", 1096, 0)
-    (run,) = cfjax._launches[call.attrs["_signature"], 0, os.environ.get("CUPYFLASH_TILES")].plan.runs
+    (run,) = cfjax._launches[call.attrs["_signature"], 0, _config.forced_choices()].plan.runs
     assert run[0] == {n: 1000 + 16 * i for i, n in enumerate(["dout", "q", "k", "v", "out", "lse", "attn_bias"])}
     assert run[2:] == ({"dq": 5000, "dk": 5016, "dv": 5032}, 77, [77])  # XLA's stream current for the scratch
     assert copies == [(5048, dbias, 77)] and not copying

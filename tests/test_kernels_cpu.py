@@ -59,6 +59,67 @@ def test_override_forces_a_table_and_rejects_unknown_names(monkeypatch):
         _config.tile_for("fwd", 64, (9, 0), 227 * 1024)
 
 
+@pytest.mark.parametrize("pass_, cc, tiles, forced, family", [
+    ("fwd", (9, 0), None, None, _config.WGMMA),              # H100, H200: the wgmma forward
+    ("bwd", (9, 0), None, None, _config.MMA_SYNC),           # no wgmma backward yet
+    ("bwd_options", (9, 0), None, None, _config.MMA_SYNC),
+    ("fwd", (9, 0), None, "mma_sync", _config.MMA_SYNC),     # forced, so the H200 tests the older family
+    ("fwd", (9, 0), "sm80", None, _config.MMA_SYNC),         # an older GPU family's table is mma.sync's
+    ("fwd", (8, 0), None, None, _config.MMA_SYNC),
+    ("fwd", (8, 9), None, None, _config.MMA_SYNC),
+    ("fwd", (10, 0), None, None, _config.MMA_SYNC),          # sm_90a code runs on 9.0 alone
+    ("fwd", (9, 0), None, "wgmma", _config.WGMMA),
+])
+def test_the_kernel_family_follows_the_device_and_the_environment(pass_, cc, tiles, forced, family, monkeypatch):
+    for name, value in (("CUPYFLASH_TILES", tiles), ("CUPYFLASH_FAMILY", forced)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert _config.kernel_family_for(pass_, cc) == family
+
+
+def test_a_forced_family_that_cannot_serve_is_refused(monkeypatch):
+    monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
+    monkeypatch.setenv("CUPYFLASH_FAMILY", "wgmma")
+    with pytest.raises(ValueError, match=r"CUPYFLASH_FAMILY=wgmma.*bwd pass on compute capability 9.0"):
+        _config.kernel_family_for("bwd", (9, 0))
+    with pytest.raises(ValueError, match=r"CUPYFLASH_FAMILY=wgmma.*compute capability 8.0"):
+        _config.kernel_family_for("fwd", (8, 0))
+    monkeypatch.setenv("CUPYFLASH_FAMILY", "hopper")
+    with pytest.raises(ValueError, match=r"CUPYFLASH_FAMILY must be one of \['mma_sync', 'wgmma'\], got 'hopper'"):
+        _config.kernel_family_for("fwd", (9, 0))
+
+
+@pytest.mark.parametrize("headdim, padded", [(8, 64), (64, 64), (72, 128), (128, 128), (136, 256), (256, 256)])
+def test_wgmma_tiles_round_head_dims_up_to_whole_column_blocks(headdim, padded):
+    tile = _config.tile_for("fwd", headdim, (9, 0), 227 * 1024, kernel_family=_config.WGMMA)
+    assert tile == _config.Tile(padded, *_config.TILES[_config.WGMMA]["sm90"]["fwd"][padded], _config.WGMMA)
+    assert tile.smem_bytes("fwd") <= 227 * 1024 and tile.threads == 384
+    kernel = _kernels.Kernel("fwd", "bfloat16", tile)
+    assert kernel.wgmma and kernel.arch("90") == "90a" and "_wgmma_" in kernel.name
+
+
+def test_every_wgmma_variant_is_compiled_for_sm90a():
+    jobs = [(arch, k) for arch, k in _kernels.compile_jobs() if k.wgmma]
+    assert {arch for arch, _ in jobs} == {"90a"}
+    assert {(k.tile.headdim, k.dtype, k.local, k.options) for _, k in jobs} == {
+        (hd, dtype, local, options) for hd in (64, 128, 256) for dtype in _kernels.DTYPES
+        for local in (False, True) for options in (False, True)}
+    with pytest.raises(ValueError, match="wgmma kernels are forwards"):
+        _kernels.Kernel("bwd", "float16", jobs[0][1].tile)
+
+
+def test_plain_wgmma_kernels_keep_their_products_asynchronous():
+    """ptxas serialises the wgmma products where the code touches their registers in flight (it says
+    so in its log, C7514/C7520): the plain kernels, whose softmax runs beside a P V product, must not
+    be."""
+    for arch, kernel in _kernels.representative_jobs(_kernels.compile_jobs()):
+        if kernel.wgmma and not kernel.options:
+            _, log = _compile.compile_kernel(kernel, arch)
+            assert "Potential Performance Loss" not in log, f"{kernel.name}: {log}"
+
+
 @pytest.mark.parametrize("headdim, padded", [(8, 32), (32, 32), (40, 64), (72, 96), (128, 128), (136, 160), (256, 256)])
 def test_head_dims_round_up_to_a_kernel_head_dim(headdim, padded):
     assert _config.padded_headdim(headdim) == padded

@@ -41,8 +41,8 @@ def plan_key(pass_, arrays, softmax_scale, causal, given, varlen, return_dbias=F
     """The cache key of a call, or None when some argument cannot be part of one (arrays that are
     not torch tensors or CuPy arrays, unhashable options). Option types are part of it, so that
     a call with causal=1 still meets the bool check, and so is a forced tile table or kernel
-    family, which picks other kernels for the same arrays. Arrays are keyed by their layout; the dropout seed's value
-    is not part of it: plans patch it per call."""
+    family, which picks other kernels for the same arrays. Arrays are keyed by their layout; the
+    dropout seed's value is not part of it: plans patch it per call."""
     try:
         key = [pass_, _config.forced_choices(), type(softmax_scale), _hashable(softmax_scale),
                type(causal), causal, return_dbias]
@@ -189,9 +189,10 @@ class Plan:
         # (`maps`, a _tma.Maps of the inputs named by maps.inputs, aimed at each call's); a kernel
         # of one parameter ignores the second.
         self.maps = maps
-        self.map_inputs = [next(i for i, (n, _) in enumerate(self.inputs) if n == name) for name in maps.inputs] if maps else []
-        self.argv = [(ctypes.c_void_p * 2)(ctypes.addressof(self.words), maps.address if maps else 0)]
-        argv_address = ctypes.addressof(self.argv[0])
+        names = [name for name, _ in self.inputs]
+        self.map_inputs = [names.index(name) for name in maps.inputs] if maps else []
+        self.argv = (ctypes.c_void_p * 2)(ctypes.addressof(self.words), maps.address if maps else 0)
+        argv_address = ctypes.addressof(self.argv)
         self.launches = [(function, l.grid, l.kernel.threads, l.kernel.smem_bytes, argv_address)
                          for function, l in zip(functions, launches)]
         self.lock = threading.Lock()

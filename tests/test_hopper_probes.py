@@ -126,3 +126,12 @@ def test_tma_loads_a_box_in_the_128_byte_swizzle(module):
     _launch(module, "tma_probe_2d", box_rows * 128 + 1024, map_arg, ctypes.c_uint64(out.data.ptr),
             ctypes.c_int(x), ctypes.c_int(y), ctypes.c_int(box_rows * 128))
     numpy.testing.assert_array_equal(cupy.asnumpy(out), _swizzled(matrix[y:y + box_rows, x:x + 64]))
+
+
+@pytest.mark.gpu
+def test_the_driver_keeps_a_tensor_maps_address_in_one_word():
+    """Plans aim their tensor maps at each call's arrays by rewriting one word (cupyflash/_tma.py);
+    were the address not kept verbatim, every call would encode its maps again (correct, slower)."""
+    _hopper()
+    from cupyflash import _tma
+    assert _tma.address_word() is not None

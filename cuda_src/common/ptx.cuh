@@ -122,13 +122,3 @@ __device__ __forceinline__ int add_acq_rel(int* address, int value) {
                  : "=r"(old) : "l"(address), "r"(value) : "memory");
     return old;
 }
-
-// Shared-memory accesses by address (as smem_address gives it).
-__device__ __forceinline__ void st_shared_u32(uint32 address, uint32 value) {
-    asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(address), "r"(value) : "memory");
-}
-__device__ __forceinline__ uint4 ld_shared_u128(uint32 address) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(address) : "memory");
-    return v;
-}

@@ -43,6 +43,16 @@ struct Sm90FwdTile {
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "S is one wgmma wide");
 };
 
+// A ROWS x HEADDIM tile of `map` from (row, head, batch) into dst, as 64-wide column blocks one
+// after another, completing on `bar`.
+template <int ROWS, int HEADDIM>
+__device__ __forceinline__ void load_tile(uint32 dst, const TensorMap* map, uint32 bar, int row, int head, int batch) {
+    mbarrier_arrive_expect_tx(bar, ROWS * HEADDIM * 2);
+#pragma unroll
+    for (int cb = 0; cb < HEADDIM / 64; ++cb)
+        tma_load_4d(dst + cb * ROWS * kSwizzleRowBytes, map, bar, 64 * cb, row, head, batch);
+}
+
 // Named barriers (0 is __syncthreads): 1 and 2 are the consumers' turns to issue products.
 __device__ __forceinline__ void consumers_sync(int id) { asm volatile("bar.sync %0, 256;\n" :: "r"(id) : "memory"); }
 __device__ __forceinline__ void consumers_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory"); }
@@ -125,26 +135,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             const int head_k = tile.head / (p.nheads / p.nheads_k);
             if (q_loads > 0) mbarrier_wait(q_empty, (q_loads - 1) & 1);
             ++q_loads;
-            mbarrier_arrive_expect_tx(q_full, T::kQBytes);
-#pragma unroll
-            for (int cb = 0; cb < HEADDIM / 64; ++cb)
-                tma_load_4d(s_q + cb * BLOCK_M * kSwizzleRowBytes, &maps.q, q_full, 64 * cb, seq.first_row_q + row0,
-                            tile.head, batch_coord);
+            load_tile<BLOCK_M, HEADDIM>(s_q, &maps.q, q_full, seq.first_row_q + row0, tile.head, batch_coord);
             for (int n_block = blocks.end - 1; n_block >= blocks.first; --n_block, ++i) {
                 const int stage = i % STAGES, reuse = ((i / STAGES) & 1) ^ 1;
                 const int key_row = seq.first_row_k + n_block * BLOCK_N;
                 if (i >= STAGES) mbarrier_wait(k_empty(stage), reuse);
-                mbarrier_arrive_expect_tx(k_full(stage), T::kKVBytes);
-#pragma unroll
-                for (int cb = 0; cb < HEADDIM / 64; ++cb)
-                    tma_load_4d(s_k(stage) + cb * BLOCK_N * kSwizzleRowBytes, &maps.k, k_full(stage), 64 * cb, key_row,
-                                head_k, batch_coord);
+                load_tile<BLOCK_N, HEADDIM>(s_k(stage), &maps.k, k_full(stage), key_row, head_k, batch_coord);
                 if (i >= STAGES) mbarrier_wait(v_empty(stage), reuse);
-                mbarrier_arrive_expect_tx(v_full(stage), T::kKVBytes);
-#pragma unroll
-                for (int cb = 0; cb < HEADDIM / 64; ++cb)
-                    tma_load_4d(s_v(stage) + cb * BLOCK_N * kSwizzleRowBytes, &maps.v, v_full(stage), 64 * cb, key_row,
-                                head_k, batch_coord);
+                load_tile<BLOCK_N, HEADDIM>(s_v(stage), &maps.v, v_full(stage), key_row, head_k, batch_coord);
             }
         }
         return;

@@ -69,8 +69,9 @@ def _versions():
 
 
 def _tile_text(tile, table):
-    return (f"{tile.kernel_family} {tile.headdim}: {tile.block_m}x{tile.block_n}, {tile.warps} warps, "
-            f"{tile.stages} stage(s), {tile.smem_bytes(table) // 1024} KiB")
+    family = f"wgmma hd{tile.headdim}: " if tile.kernel_family == _config.WGMMA else ""
+    return (f"{family}{tile.block_m}x{tile.block_n}, {tile.warps} warps, {tile.stages} stage(s), "
+            f"{tile.smem_bytes(table) // 1024} KiB")
 
 
 _TILE_HEADERS = ["head dim", "fwd tile", "bwd tile", "bwd tile with options"]
@@ -95,6 +96,10 @@ def info():
                            for table in _config.TABLES)] for hd in _config.HEADDIMS]
             print(f"\ntile table {family}{' (forced by CUPYFLASH_TILES)' if forced else ''}:")
             print(_table(_TILE_HEADERS, rows))
+            wgmma = _config.TILES[_config.WGMMA].get(family, {}).get("fwd", {})
+            if wgmma:
+                print("on compute capability 9.0 the forward is wgmma's: " + "; ".join(
+                    _tile_text(_config.Tile(hd, *cfg, _config.WGMMA), "fwd") for hd, cfg in wgmma.items()))
         return 0
     import cupy
     from ._schedule import device_info

@@ -119,8 +119,9 @@ class Tile:
         return 32 * self.warps
 
     def smem_bytes(self, pass_):
-        if self.kernel_family == WGMMA:
-            return 1024 + 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n) + 8 * (2 + 4 * self.stages)
+        if self.kernel_family == WGMMA:  # Q, (K, V) x stages, the barriers, the alignment slack
+            return (1024 + 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n)
+                    + 8 * (2 + 4 * self.stages))
         row = row_bytes(self.headdim)
         if kernel_pass(pass_) == "fwd":
             return (self.block_m + 2 * self.block_n * self.stages) * row
@@ -198,7 +199,8 @@ def tile_for(pass_, headdim, compute_capability, smem_limit, family=None, kernel
         tile = Tile(hd, *table[hd], kernel_family)
         if tile.smem_bytes(pass_) <= smem_limit:
             return tile
-    raise RuntimeError(f"no {kernel_family} {pass_} tile for head dim {headdim} fits {smem_limit} bytes of shared memory")
+    raise RuntimeError(f"no {kernel_family} {pass_} tile for head dim {headdim} fits {smem_limit} bytes of "
+                       f"shared memory")
 
 
 def all_tiles(families=FAMILIES, kernel_family=MMA_SYNC):

@@ -290,11 +290,13 @@ def _dq_accum_rows(shape):
 
 def _kernel(pass_, call, tile):
     """The kernel variant of a forward or backward call: the OPTIONS kernels where an option changes
-    the scores or drops probabilities (and for a deterministic backward, which is one of them)."""
+    the scores or drops probabilities (and for a deterministic backward, which is one of them).
+    EVEN_K where the caller's head dim is the tile's (the wgmma kernels have no such flag: TMA
+    zero-fills the columns past the head dim)."""
     deterministic = pass_ == "bwd" and call.needs("deterministic")
     with_options = call.needs("score") or call.needs("dropout") or deterministic
-    return _kernels.Kernel(pass_, call.dtype, tile, call.local, call.shape.headdim == tile.headdim, with_options,
-                           deterministic)
+    even_k = call.shape.headdim == tile.headdim and tile.kernel_family != _config.WGMMA
+    return _kernels.Kernel(pass_, call.dtype, tile, call.local, even_k, with_options, deterministic)
 
 
 def _forward_plan(call, inputs, return_dbias):
@@ -341,7 +343,7 @@ def _wgmma_forward_plan(call, inputs, strides):
         maps = _tma.Maps(specs, [call.caller.data_pointer(inputs[name]) for name in ("q", "k", "v")], ("q", "k", "v"))
     except RuntimeError:
         return None
-    kernel = _kernels.Kernel("fwd", call.dtype, tile, call.local, False, call.needs("score") or call.needs("dropout"))
+    kernel = _kernel("fwd", call, tile)
     # Persistent: a CTA per SM (one fits), taking tiles in turn (fwd_tile in cuda_src/sm90/fwd.cuh).
     m_blocks = -(-shape.seqlen_q // tile.block_m)
     tiles = m_blocks * shape.nheads * shape.batch

@@ -73,13 +73,15 @@ class Maps:
         self.address = ctypes.addressof(self.storage) + (-ctypes.addressof(self.storage)) % _MAP_ALIGNMENT
         self.words = (ctypes.c_uint64 * (_MAP_BYTES // 8 * len(specs))).from_address(self.address)
         self.word = address_word()
-        for i, (spec, address) in enumerate(zip(specs, addresses)):
-            ctypes.memmove(self.address + i * _MAP_BYTES, encode_tiled(address, *spec), _MAP_BYTES)
+        self._encode(addresses)
 
     def point(self, addresses):
-        if self.word is not None:
-            for i, address in enumerate(addresses):
-                self.words[i * (_MAP_BYTES // 8) + self.word] = address
-        else:
-            for i, (spec, address) in enumerate(zip(self.specs, addresses)):
-                ctypes.memmove(self.address + i * _MAP_BYTES, encode_tiled(address, *spec), _MAP_BYTES)
+        if self.word is None:
+            self._encode(addresses)
+            return
+        for i, address in enumerate(addresses):
+            self.words[i * (_MAP_BYTES // 8) + self.word] = address
+
+    def _encode(self, addresses):
+        for i, (spec, address) in enumerate(zip(self.specs, addresses)):
+            ctypes.memmove(self.address + i * _MAP_BYTES, encode_tiled(address, *spec), _MAP_BYTES)

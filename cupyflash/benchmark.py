@@ -32,7 +32,6 @@ import contextlib
 import cProfile
 import csv
 import dataclasses
-import io
 import math
 import os
 import pstats
@@ -133,26 +132,31 @@ def _cupyflash(q, k, v, dout, causal):
                  lambda: (out, both()))
 
 
+def _autograd_calls(forward, inputs, dout, to_caller=lambda x: x):
+    """Calls of a torch `forward()` differentiated by autograd with respect to `inputs`: the forward,
+    the backward of one saved output, and both; results through `to_caller` (the caller's layout)."""
+    import torch
+    out = forward()
+
+    def both():
+        return torch.autograd.grad(forward(), inputs, dout)
+    return Calls({"fwd": (forward, None),
+                  "bwd": (lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), None),
+                  "fwd+bwd": (both, None)},
+                 lambda: (to_caller(out), [to_caller(g) for g in both()]))
+
+
 def _sdpa(backend_name):
     def make(q, k, v, dout, causal):
-        import torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = getattr(SDPBackend, backend_name)
         qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))  # SDPA's (b, h, s, d)
-        dot = dout.transpose(1, 2)
 
         def forward():
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        out = forward()
-
-        def both():
-            return torch.autograd.grad(forward(), (qt, kt, vt), dot)
-        return Calls({"fwd": (forward, None),
-                      "bwd": (lambda: torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True), None),
-                      "fwd+bwd": (both, None)},
-                     lambda: (out.transpose(1, 2), [g.transpose(1, 2) for g in both()]))
+        return _autograd_calls(forward, (qt, kt, vt), dout.transpose(1, 2), lambda x: x.transpose(1, 2))
     return make
 
 
@@ -187,21 +191,13 @@ def _fa4(q, k, v, dout, causal, **options):
     """FlashAttention-4 (flash_attn.cute from flash-attn-4), where it is installed; it takes and gives
     (batch, seqlen, nheads, headdim) tensors and differentiates through autograd. `options` are its
     keywords (causal among them overrides `causal`)."""
-    import torch
     from flash_attn.cute import flash_attn_func
     qt, kt, vt = (x.detach().requires_grad_() for x in (q, k, v))
 
     def forward():
         result = flash_attn_func(qt, kt, vt, **{"causal": causal, **options})
         return result[0] if isinstance(result, tuple) else result
-    out = forward()
-
-    def both():
-        return torch.autograd.grad(forward(), (qt, kt, vt), dout)
-    return Calls({"fwd": (forward, None),
-                  "bwd": (lambda: torch.autograd.grad(out, (qt, kt, vt), dout, retain_graph=True), None),
-                  "fwd+bwd": (both, None)},
-                 lambda: (out, both()))
+    return _autograd_calls(forward, (qt, kt, vt), dout)
 
 
 def _restore_jax_core_shaped_array():
@@ -398,7 +394,6 @@ def _peer_option(q, k, v, dout, spec):
         import jax
         return _jax_calls(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, local_window_size=spec["jax_window"], implementation="cudnn"), q, k, v, dout).timed
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
@@ -410,11 +405,9 @@ def _peer_option(q, k, v, dout, spec):
         with sdpa_kernel(getattr(SDPBackend, spec["backend"])):
             return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=spec.get("causal", False),
                                                   dropout_p=spec.get("dropout_p", 0.0))
-    out = forward()
     inputs = (qt, kt, vt) + ((mask,) if mask is not None else ())
-    dot = dout.transpose(1, 2)
-    return {"fwd": (forward, None),
-            "bwd": (lambda: torch.autograd.grad(out, inputs, dot, retain_graph=True), None)}
+    calls = _autograd_calls(forward, inputs, dout.transpose(1, 2))
+    return {pass_: calls.timed[pass_] for pass_ in ("fwd", "bwd")}
 
 
 def run_options(seqlens=(4096, 16384), headdim=128, report=print):

@@ -77,7 +77,7 @@ class Kernel:
         bf16 = _bool(self.dtype == "bfloat16")
         if self.wgmma:
             t = self.tile
-            args = f"{t.headdim}, {t.block_n}, {t.stages}"
+            args = f"{t.headdim}, {t.block_n}, {t.stages}, {t.block_m // 64}"
             return (_sources.translation_unit(_WGMMA_HEADER[self.pass_]) + "\n" + _params.size_assert() + "\n"
                     + f"static_assert(Sm90FwdTile<{args}>::kSmemBytes == {self.smem_bytes} && "
                     + f"Sm90FwdTile<{args}>::kBlockM == {t.block_m} && Sm90FwdTile<{args}>::kThreads == {self.threads}, "

@@ -12,6 +12,16 @@ struct Constant {
     __device__ constexpr operator decltype(V)() const { return V; }
 };
 
+// Calls f(Constant<0>()), ..., f(Constant<N - 1>()): a loop whose index is a compile-time
+// constant in the body (an asm immediate, a template argument).
+template <int N, typename F>
+__device__ __forceinline__ void static_for(F f) {
+    if constexpr (N > 0) {
+        static_for<N - 1>(f);
+        f(Constant<N - 1>());
+    }
+}
+
 // Calls f(mt, nt, e) for every element of an accumulator fragment [MT][NT][4], fully unrolled, so
 // after inlining mt, nt and e are constants and every fragment index is a register, not memory.
 template <int MT, int NT, typename F>

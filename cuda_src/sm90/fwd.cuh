@@ -1,18 +1,18 @@
 // Forward pass on Hopper (sm_90a): what sm80/fwd.cuh computes, on wgmma and TMA.
 //
-// Persistent: one CTA per SM takes tiles (query block of 128 rows, head, batch) in rounds, those
-// that see the most keys first (fwd_tile). Three warpgroups. The first is the producer: one
+// Persistent: one CTA per SM takes tiles (query block of 64 CONSUMERS rows, head, batch) in
+// rounds, those that see the most keys first (fwd_tile). The first warpgroup is the producer: one
 // thread issues the TMA copies of each tile's Q and of its key blocks' K and V into a ring of
-// STAGES buffers, running ahead into the next tile while the consumers finish one. The other two
-// are consumers, each owning 64 query rows; per key block (from the last to the first, as sm80) a
-// consumer computes
+// STAGES buffers, running ahead into the next tile while the consumers finish one. The others
+// (two, or three at hd64) are consumers, each owning 64 query rows; per key block (from the last
+// to the first, as sm80) a consumer computes
 //   S = Q K^T (wgmma, both from shared memory) -> options, mask -> online softmax
 //   -> O += P V (wgmma, P from registers, V read N-major),
 // with the fragment steps of common/online_softmax.cuh (a warpgroup's accumulator is mma.sync's
 // fragment per warp). The products run asynchronously: block n's S = Q K^T is issued together
 // with the previous block's O += P V, and block n's softmax runs while that P V does; O is
-// rescaled after it. Below hd256 the two consumers also take turns to issue (ping-pong), so one's
-// softmax overlaps the other's products. Barriers: q_full and q_empty (the consumers' last
+// rescaled after it. Below hd256 the consumers also take turns to issue (ping-pong), so one's
+// softmax overlaps the others' products. Barriers: q_full and q_empty (the consumers' last
 // S = Q K^T of a tile has read Q), and per stage k_full and v_full (the copies' bytes have landed)
 // and k_empty and v_empty (each consumer warp arrives when its products have read them).
 // Tiles sit in the 128-byte swizzle of sm90/wgmma.cuh, as TMA writes them: 64-wide column blocks.
@@ -27,10 +27,14 @@ struct FwdMaps {
     TensorMap q, k, v;
 };
 
-template <int HEADDIM, int BLOCK_N, int STAGES>
+template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS>
 struct Sm90FwdTile {
-    static constexpr int kBlockM = 128;                    // two consumer warpgroups of 64 rows
-    static constexpr int kThreads = 384;
+    static constexpr int kBlockM = 64 * CONSUMERS;          // a consumer warpgroup's 64 rows each
+    static constexpr int kThreads = 128 * (1 + CONSUMERS);
+    // Registers per thread: the producer gives all but 24 to the consumers (65536 per SM, one CTA).
+    static constexpr int kProducerRegisters = 24;
+    static constexpr int kConsumerRegisters = CONSUMERS == 2 ? 240 : 160;
+    static_assert(128 * (kProducerRegisters + CONSUMERS * kConsumerRegisters) <= 65536, "one CTA per SM");
     static constexpr int kQBytes = kBlockM * HEADDIM * 2;
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;  // one K or V buffer
     static constexpr int kBarrierBytes = 8 * (2 + 4 * STAGES);
@@ -39,6 +43,9 @@ struct Sm90FwdTile {
     // Measured on the H200: taking turns pays at hd64 and hd128 (+18%, +2% at 16k) and costs at
     // hd256 (-8%), whose longer products leave the softmax hidden anyway.
     static constexpr bool kPingPong = HEADDIM < 256;
+    // Three consumers have 160 registers each: the operand descriptors that ptxas would compute
+    // ahead of their products (two registers each) spill there. Two consumers have room for them.
+    static constexpr bool kDescriptorsInOrder = CONSUMERS == 3;
     static_assert(HEADDIM % 64 == 0 && HEADDIM <= 256, "tiles are whole 64-wide column blocks");
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "S is one wgmma wide");
 };
@@ -53,7 +60,7 @@ __device__ __forceinline__ void load_tile(uint32 dst, const TensorMap* map, uint
         tma_load_4d(dst + cb * ROWS * kSwizzleRowBytes, map, bar, 64 * cb, row, head, batch);
 }
 
-// Named barriers (0 is __syncthreads): 1 and 2 are the consumers' turns to issue products.
+// Named barriers (0 is __syncthreads): 1 to CONSUMERS are the consumers' turns to issue products.
 __device__ __forceinline__ void consumers_sync(int id) { asm volatile("bar.sync %0, 256;\n" :: "r"(id) : "memory"); }
 __device__ __forceinline__ void consumers_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory"); }
 
@@ -66,6 +73,14 @@ __device__ __forceinline__ void consumers_arrive(int id) { asm volatile("bar.arr
 struct FwdTileSlot {
     int m_block, head, batch;
 };
+
+// x, as a value the compiler cannot see through: what is derived from it again (a tile's head,
+// batch and sequence, after its key loop) is recomputed, not held in registers through the loop,
+// where three consumers (160 registers each) have none to spare.
+__device__ __forceinline__ int recomputed(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
 
 __device__ __forceinline__ int round_tile(int round) {
     return round * gridDim.x + (round & 1 ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
@@ -85,9 +100,9 @@ __device__ __forceinline__ FwdTileSlot fwd_tile(const FlashParams& p, int t, int
     return FwdTileSlot{m_blocks - 1 - block, rest - batch * p.nheads, batch};
 }
 
-template <int HEADDIM, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, bool OPTIONS>
+template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool BF16, bool LOCAL, bool OPTIONS>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
-    typedef Sm90FwdTile<HEADDIM, BLOCK_N, STAGES> T;
+    typedef Sm90FwdTile<HEADDIM, BLOCK_N, STAGES, CONSUMERS> T;
     constexpr int BLOCK_M = T::kBlockM, NT = BLOCK_N / 8, DT = HEADDIM / 8;
     constexpr int kOWidth = HEADDIM == 64 ? 64 : 128;  // columns of O per P V wgmma
 
@@ -102,29 +117,26 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     auto v_empty = [&](int stage) { return q_full + 8 * (2 + 3 * STAGES + stage); };
 
     const int m_blocks = ceil_div(p.seqlen_q, BLOCK_M), tiles = m_blocks * p.nheads * p.batch;
-    const int rounds = ceil_div(tiles, gridDim.x);
     const int warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         mbarrier_init(q_full, 1);
-        mbarrier_init(q_empty, 8);  // the consumers' warps
+        mbarrier_init(q_empty, 4 * CONSUMERS);  // the consumers' warps
 #pragma unroll
         for (int stage = 0; stage < STAGES; ++stage) {
             mbarrier_init(k_full(stage), 1);
             mbarrier_init(v_full(stage), 1);
-            mbarrier_init(k_empty(stage), 8);
-            mbarrier_init(v_empty(stage), 8);
+            mbarrier_init(k_empty(stage), 4 * CONSUMERS);
+            mbarrier_init(v_empty(stage), 4 * CONSUMERS);
         }
         fence_mbarrier_init();
     }
     __syncthreads();
 
     if (warpgroup == 0) {
-        setmaxnreg_dec<24>();
+        setmaxnreg_dec<T::kProducerRegisters>();
         if (threadIdx.x != 0) return;
         int i = 0, q_loads = 0;  // the ring's step; tiles whose Q was loaded
-        for (int round = 0; round < rounds; ++round) {
-            const int t = round_tile(round);
-            if (t >= tiles) continue;
+        for (int round = 0, t; (t = round_tile(round)) < tiles; ++round) {
             const FwdTileSlot tile = fwd_tile<LOCAL>(p, t, m_blocks);
             const Sequence seq(p, tile.batch);
             const int row0 = tile.m_block * BLOCK_M;
@@ -148,42 +160,75 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         return;
     }
 
-    setmaxnreg_inc<240>();
+    setmaxnreg_inc<T::kConsumerRegisters>();
     const int wg_row0 = (warpgroup - 1) * 64;  // this warpgroup's rows in the tile
     const int warp_row0 = wg_row0 + 16 * (threadIdx.x / 32 % 4);
     const bool arrives = threadIdx.x % 32 == 0;  // one arrival per warp on the empty barriers
 
-    // Turns: a consumer issues after the other has (the first goes first) and hands the turn on.
-    // Both issue equally often, so the second's first hand-over is absorbed by the first's last wait.
-    const int my_turn = warpgroup, other_turn = 3 - warpgroup;
-    if (T::kPingPong && warpgroup == 2) consumers_arrive(other_turn);
+    // Turns, round the consumers: each issues after the one before it has (the first goes first)
+    // and hands the turn on. All issue equally often, so the last's first hand-over is absorbed by
+    // the first's last wait.
+    const int my_turn = warpgroup, next_turn = warpgroup % CONSUMERS + 1;
+    if (T::kPingPong && warpgroup == CONSUMERS) consumers_arrive(next_turn);
     auto take_turn = [&]() { if (T::kPingPong) consumers_sync(my_turn); };
-    auto pass_turn = [&]() { if (T::kPingPong) consumers_arrive(other_turn); };
+    auto pass_turn = [&]() { if (T::kPingPong) consumers_arrive(next_turn); };
 
     float acc_o[1][DT][4];
     uint32 p_frag[BLOCK_N / 16][4];  // the previous block's P, whose P V is issued with the next Q K^T
-    int pending_stage = 0, pending_phase = 0;
-    auto issue_pv = [&]() {  // V has landed
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-#pragma unroll
-            for (int part = 0; part < HEADDIM / kOWidth; ++part)
+    int i = 0, q_loads = 0;  // as the producer counts them
+    // The previous block's ring stage and phase (of the V its P V reads): kept from that block,
+    // measured 7% faster at hd256 than derived from i at the P V; the options' kernels of three
+    // consumers derive them, short of registers (160).
+    constexpr bool kDerivePending = OPTIONS && CONSUMERS == 3;
+    int kept_stage = 0, kept_phase = 0;
+    auto pending_stage = [&]() { return kDerivePending ? (i - 1) % STAGES : kept_stage; };
+    auto pending_phase = [&]() { return kDerivePending ? ((i - 1) / STAGES) & 1 : kept_phase; };
+
+    // The previous block's P V (its V has landed), and its completion.
+    auto issue_pv = [&]() {
+        const uint64 v_desc = n_major_descriptor(s_v(pending_stage()), 0, BLOCK_N);
+        static_for<BLOCK_N / 16>([&](auto kk_) {
+            static_for<HEADDIM / kOWidth>([&](auto part_) {
+                constexpr int kk = decltype(kk_)::value, part = decltype(part_)::value;
+                constexpr uint32 kBytes = (part * (kOWidth / 64) * BLOCK_N + kk * 16) * kSwizzleRowBytes;
                 wgmma_rs<kOWidth, BF16>(reinterpret_cast<float(&)[kOWidth / 2]>(acc_o[0][part * kOWidth / 8]), p_frag[kk],
-                                        n_major_descriptor(s_v(pending_stage) + part * (kOWidth / 64) * BLOCK_N * kSwizzleRowBytes,
-                                                           kk, BLOCK_N),
-                                        true);
+                                        descriptor_plus<kBytes, T::kDescriptorsInOrder>(v_desc), true);
+            });
+        });
         wgmma_commit();
     };
     auto complete_pv = [&]() {
         wgmma_wait<0>();
         fence_operands(reinterpret_cast<float(&)[HEADDIM / 2]>(acc_o));
-        if (arrives) mbarrier_arrive(v_empty(pending_stage));
+        if (arrives) mbarrier_arrive(v_empty(pending_stage()));
     };
 
-    int i = 0, q_loads = 0;  // as the producer counts them
-    for (int round = 0; round < rounds; ++round) {
-        const int t = round_tile(round);
-        if (t >= tiles) continue;
+    // After tile t's last block: O normalised and stored straight from the registers (the shared
+    // memory is the next tile's), and the rows' lse.
+    auto finish_tile = [&](const float(&row_max)[1][2], const float(&row_sum)[1][2], int t) {
+        const FwdTileSlot tile = fwd_tile<LOCAL>(p, t, m_blocks);
+        const Sequence seq(p, tile.batch);
+        const int row0 = tile.m_block * BLOCK_M + warp_row0;
+        const float out_scale = OPTIONS && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
+        finish_rows(acc_o, row_max, row_sum, out_scale, p, p.lse + seq.stats_row0(p, tile.batch, tile.head), row0,
+                    seq.seqlen_q);
+        uint16* out = static_cast<uint16*>(p.out) + tile.batch * p.out_batch_stride + tile.head * p.out_head_stride
+                      + seq.first_row_q * p.out_row_stride;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + fragment_row(0, 2 * half);
+            if (row < seq.seqlen_q)
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    const int col = fragment_col(dt, 0);
+                    if (col < p.headdim)
+                        *reinterpret_cast<uint32*>(out + row * p.out_row_stride + col) =
+                            pack_pair<BF16>(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+                }
+        }
+    };
+
+    for (int round = 0, t; (t = round_tile(round)) < tiles; ++round) {
         const FwdTileSlot tile = fwd_tile<LOCAL>(p, t, m_blocks);
         const int head = tile.head, batch = tile.batch;
         const Sequence seq(p, batch);
@@ -194,7 +239,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
         const ScoreMods<BF16> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
 
-        // Every block is computed by both warpgroups, even one whose keys a warpgroup's rows do
+        // Every block is computed by every consumer, even one whose keys a warpgroup's rows do
         // not see (its scores are all masked, so its P is zero): a branch around the products
         // would make ptxas serialise them. The first block has no P V to run beside its Q K^T
         // (`first`: a Constant, but a run-time flag in the options' kernels, whose products
@@ -204,21 +249,23 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         auto attend = [&](int n_block, auto masking, auto first) {
             constexpr Masking MASKING = decltype(masking)::value;
             const int stage = i % STAGES, phase = (i / STAGES) & 1;
-            ++i;
             const int key0 = n_block * BLOCK_N;
             const bool masked = MASKING == kAll
                                 || (MASKING == kPerBlock
                                     && block_needs_mask<LOCAL>(p, seq, row0 + wg_row0, key0, 64, BLOCK_N));
             float s[1][NT][4];
             mbarrier_wait(k_full(stage), phase);
-            if (!first) mbarrier_wait(v_full(pending_stage), pending_phase);
+            if (!first) mbarrier_wait(v_full(pending_stage()), pending_phase());
             take_turn();
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < HEADDIM / 16; ++kk)
+            const uint64 q_desc = k_major_descriptor(s_q + wg_row0 * kSwizzleRowBytes, 0, BLOCK_M);
+            const uint64 k_desc = k_major_descriptor(s_k(stage), 0, BLOCK_N);
+            static_for<HEADDIM / 16>([&](auto kk_) {
+                constexpr int kk = decltype(kk_)::value;
                 wgmma_ss<BLOCK_N, BF16>(reinterpret_cast<float(&)[BLOCK_N / 2]>(s),
-                                        k_major_descriptor(s_q + wg_row0 * kSwizzleRowBytes, kk, BLOCK_M),
-                                        k_major_descriptor(s_k(stage), kk, BLOCK_N), kk > 0);
+                                        descriptor_plus<k_major_offset(kk, BLOCK_M), T::kDescriptorsInOrder>(q_desc),
+                                        descriptor_plus<k_major_offset(kk, BLOCK_N), T::kDescriptorsInOrder>(k_desc), kk > 0);
+            });
             wgmma_commit();
             if (!first) issue_pv();
             pass_turn();
@@ -249,8 +296,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 p_frag[kk][2] = pack_pair<BF16>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
                 p_frag[kk][3] = pack_pair<BF16>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
             }
-            pending_stage = stage;
-            pending_phase = phase;
+            kept_stage = stage;
+            kept_phase = phase;
+            ++i;
         };
         // As sm80: the masked blocks at the end of the range, the unmasked ones, then a window's
         // masked ones at its start, so the main loop has no mask code; the options' kernels one loop.
@@ -263,17 +311,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             } else {
                 attend(n_block--, Constant<kPerBlock>(), Constant<true>());
                 const BlockRange unmasked = key_blocks_unmasked<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N, blocks);
-                int masked_first = max(unmasked.end, blocks.first);
-#pragma unroll 1
-                for (int turn = 0; turn < (LOCAL ? 2 : 1); ++turn) {
-                    for (; n_block >= masked_first; --n_block) attend(n_block, Constant<kAll>(), Constant<false>());
-                    if (turn == 0)
-                        for (; n_block >= unmasked.first; --n_block)
-                            attend(n_block, Constant<kNone>(), Constant<false>());
-                    masked_first = blocks.first;
-                }
+                for (const int masked_first = max(unmasked.end, blocks.first); n_block >= masked_first; --n_block)
+                    attend(n_block, Constant<kAll>(), Constant<false>());
+                for (; n_block >= unmasked.first; --n_block) attend(n_block, Constant<kNone>(), Constant<false>());
+                if constexpr (LOCAL)
+                    for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<kAll>(), Constant<false>());
             }
-            mbarrier_wait(v_full(pending_stage), pending_phase);
+            mbarrier_wait(v_full(pending_stage()), pending_phase());
             take_turn();
             wgmma_fence();
             issue_pv();
@@ -281,24 +325,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             complete_pv();
         }
 
-        const float out_scale = OPTIONS && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
-        finish_rows(acc_o, row_max, row_sum, out_scale, p, p.lse + seq.stats_row0(p, batch, head), row0 + warp_row0,
-                    seq.seqlen_q);
-        // O straight from the registers: the shared memory is the next tile's.
-        uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + head * p.out_head_stride
-                      + seq.first_row_q * p.out_row_stride;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = row0 + warp_row0 + fragment_row(0, 2 * half);
-            if (row < seq.seqlen_q)
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    const int col = fragment_col(dt, 0);
-                    if (col < p.headdim)
-                        *reinterpret_cast<uint32*>(out + row * p.out_row_stride + col) =
-                            pack_pair<BF16>(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
-                }
-        }
+        finish_tile(row_max, row_sum, recomputed(t));
     }
-    if (T::kPingPong && warpgroup == 1) take_turn();  // the second consumer's first hand-over
+    if (T::kPingPong && warpgroup == 1) take_turn();  // the last consumer's first hand-over
 }

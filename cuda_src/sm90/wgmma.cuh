@@ -31,11 +31,27 @@ __device__ __forceinline__ uint64 smem_descriptor(uint32 address, uint32 leading
            | static_cast<uint64>(stride_bytes >> 4) << 32 | 1ull << 62;
 }
 
+// The byte offset of the k-th 16-wide slice of a K-major tile of `rows` rows (below) from its start.
+__host__ __device__ constexpr uint32 k_major_offset(int k, int rows) {
+    return (k / 4) * rows * kSwizzleRowBytes + (k % 4) * 32;
+}
+
 // An operand stored K-major (K contiguous: Q and K in S = Q K^T): the k-th 16-wide slice of a
 // swizzled tile of `rows` rows. Within a column block the slice starts 32 bytes further per step
 // (the hardware applies the swizzle to the address it forms); 8-row atoms are 1024 bytes apart.
 __device__ __forceinline__ uint64 k_major_descriptor(uint32 tile, int k, int rows) {
-    return smem_descriptor(tile + (k / 4) * rows * kSwizzleRowBytes + (k % 4) * 32, 16, kSwizzleAtomBytes);
+    return smem_descriptor(tile + k_major_offset(k, rows), 16, kSwizzleAtomBytes);
+}
+
+// desc moved BYTES further into its tile. IN_ORDER: by an instruction the compiler keeps beside
+// the product that reads it, where otherwise it would compute every descriptor of a loop ahead
+// and hold each in two registers.
+template <uint32 BYTES, bool IN_ORDER>
+__device__ __forceinline__ uint64 descriptor_plus(uint64 desc) {
+    if constexpr (!IN_ORDER) return desc + (BYTES >> 4);
+    uint64 moved;
+    asm volatile("add.s64 %0, %1, %2;\n" : "=l"(moved) : "l"(desc), "n"(BYTES >> 4));
+    return moved;
 }
 
 // An operand stored N-major (N contiguous: V, whose rows are keys, in O = P V): the k-th 16-row

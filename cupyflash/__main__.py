@@ -240,7 +240,7 @@ def bench(args):
         print(benchmark.write_options(benchmark.run_options(), args.out))
         return status
     if not args.memory_only:
-        rows = benchmark.run_speed(args.headdims, args.seqlens, args.dtypes, impls=impls)
+        rows = benchmark.run_speed(args.headdims, args.seqlens, args.dtypes, impls=impls, passes=args.passes)
         print(benchmark.write_speed(rows, args.out, impls))
         print(benchmark.write_options(benchmark.run_options(), args.out))
     if not args.no_memory:
@@ -277,6 +277,8 @@ def _parser():
                               help="sequence lengths of the speed table (default: %(default)s)")
     bench_parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"],
                               help="dtypes of the speed table (default: %(default)s)")
+    bench_parser.add_argument("--passes", nargs="+", choices=benchmark.PASSES, default=list(benchmark.PASSES),
+                              help="passes of the speed table (default: %(default)s)")
     bench_parser.add_argument("--impls", nargs="+", metavar="IMPL",
                               help="implementations to time, of: " + ", ".join(map(repr, benchmark.IMPLEMENTATIONS))
                                    + " (default: all; one not installed gets blank cells)")

@@ -246,7 +246,7 @@ class Row:
 
 
 def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384), dtypes=("bfloat16", "float16"),
-              causals=(False, True), impls=tuple(IMPLEMENTATIONS), report=print):
+              causals=(False, True), impls=tuple(IMPLEMENTATIONS), passes=PASSES, report=print):
     import torch
     rows, missing = [], set()
     cells = [(d, hd, s, c) for d in dtypes for hd in headdims for s in seqlens for c in causals]
@@ -266,7 +266,7 @@ def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 163
                     report(f"  {impl} gives wrong results at {dtype} hd{hd} s{seqlen} causal={causal} "
                            f"({', '.join(sorted(wrong))}): those cells are left blank")
                 timers.update({(impl, pass_): BatchTimer(fn, sync)
-                               for pass_, (fn, sync) in calls.timed.items() if pass_ not in wrong})
+                               for pass_, (fn, sync) in calls.timed.items() if pass_ in passes and pass_ not in wrong})
             except ImportError as error:  # a peer not installed here: blank cells, said once
                 missing.add(impl)
                 report(f"  {impl} is not available: {error}")
@@ -282,14 +282,14 @@ def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 163
         calls = timers = None  # the cell's tensors go before the next cell's
         torch.cuda.empty_cache()
         for impl in impls:
-            for pass_ in PASSES:
+            for pass_ in passes:
                 ms = times.get((impl, pass_), math.nan)
                 flops = attention_flops(batch, nheads, seqlen, hd, causal, pass_)
                 rows.append(Row(impl, dtype, hd, seqlen, causal, pass_, ms, flops / ms / 1e9))
-        ours = {p: times.get(("cupyflash", p), math.nan) for p in PASSES}
-        peer = {p: times.get((REFERENCE_PEER, p), math.nan) for p in PASSES}
+        ours = {p: times.get(("cupyflash", p), math.nan) for p in passes}
+        peer = {p: times.get((REFERENCE_PEER, p), math.nan) for p in passes}
         report(f"[{index}/{len(cells)}] {dtype} hd{hd} s{seqlen}{' causal' if causal else ''}: "
-               + "  ".join(f"{p} {peer[p] / ours[p]:.2f}x FA2" for p in PASSES))
+               + "  ".join(f"{p} {peer[p] / ours[p]:.2f}x FA2" for p in passes))
     return rows
 
 

@@ -190,12 +190,12 @@ def _fa3_jax(q, k, v, dout, causal):
 def _fa4(q, k, v, dout, causal, **options):
     """FlashAttention-4 (flash_attn.cute from flash-attn-4), where it is installed; it takes and gives
     (batch, seqlen, nheads, headdim) tensors and differentiates through autograd. `options` are its
-    keywords (causal among them overrides `causal`)."""
+    other keywords (softcap, window_size)."""
     from flash_attn.cute import flash_attn_func
     qt, kt, vt = (x.detach().requires_grad_() for x in (q, k, v))
 
     def forward():
-        result = flash_attn_func(qt, kt, vt, **{"causal": causal, **options})
+        result = flash_attn_func(qt, kt, vt, causal=causal, **options)
         return result[0] if isinstance(result, tuple) else result
     return _autograd_calls(forward, (qt, kt, vt), dout)
 
@@ -388,7 +388,7 @@ def _cupyflash_option(q, k, v, dout, fwd_kwargs, bwd_kwargs):
 def _peer_option(q, k, v, dout, spec):
     """fwd / bwd callables of a peer with an option, with their sync (None: torch's stream)."""
     if "fa4" in spec:
-        calls = _fa4(q, k, v, dout, False, **spec["fa4"])
+        calls = _fa4(q, k, v, dout, **{"causal": False, **spec["fa4"]})
         return {pass_: calls.timed[pass_] for pass_ in ("fwd", "bwd")}
     if "jax_window" in spec:
         import jax

@@ -32,6 +32,7 @@ import numpy
 from . import _arrays
 
 UNBOUNDED = 1 << 30  # a window side with no bound, as cuda_src/common/mask.cuh expects
+ALIBI_MAX_TOKENS = 1 << 23  # ALiBi distances stay below 2^23: cuda_src/common/score.cuh, small_int_to_float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +150,9 @@ def _check_alibi(slopes, call):
     if tuple(slopes.shape) not in ((s.nheads,), (s.batch, s.nheads)):
         raise ValueError(f"alibi_slopes must have shape (nheads,) = ({s.nheads},) or (batch, nheads) = "
                          f"({s.batch}, {s.nheads}), got {tuple(slopes.shape)}")
+    if s.seqlen_q + s.seqlen_k > ALIBI_MAX_TOKENS:
+        raise ValueError(f"alibi_slopes takes seqlen_q + seqlen_k up to 2**23 = {ALIBI_MAX_TOKENS} (the kernels' exact "
+                         f"float distances), got {s.seqlen_q} + {s.seqlen_k}")
     return slopes
 
 

@@ -110,12 +110,12 @@ def test_every_wgmma_variant_is_compiled_for_sm90a():
         _kernels.Kernel("bwd", "float16", jobs[0][1].tile)
 
 
-def test_plain_wgmma_kernels_keep_their_products_asynchronous():
+def test_wgmma_kernels_keep_their_products_asynchronous():
     """ptxas serialises the wgmma products where the code touches their registers in flight (it says
-    so in its log, C7514/C7520): the plain kernels, whose softmax runs beside a P V product, must not
-    be."""
+    so in its log, C7514/C7520): the kernels whose softmax runs beside a P V product must not be.
+    Only the options' kernels of three consumer warpgroups are serial by design (sm90/fwd.cuh)."""
     for arch, kernel in _kernels.representative_jobs(_kernels.compile_jobs()):
-        if kernel.wgmma and not kernel.options:
+        if kernel.wgmma and not (kernel.options and kernel.tile.block_m // 64 == 3):
             _, log = _compile.compile_kernel(kernel, arch)
             assert "Potential Performance Loss" not in log, f"{kernel.name}: {log}"
 

@@ -6,7 +6,7 @@ NumPy arrays take the same validation as GPU arrays (and then run the reference)
 import numpy
 import pytest
 
-from cupyflash import flash_attn_backward, flash_attn_func
+from cupyflash import flash_attn_backward, flash_attn_func, flash_attn_varlen_func
 
 
 def _qkv(b=2, sq=17, sk=23, h=4, hk=2, d=64, dtype=numpy.float16, seed=0):
@@ -136,6 +136,16 @@ def test_mixed_kinds_are_refused():
 def test_bad_options(options, error, message):
     with pytest.raises(error, match=message):
         flash_attn_func(*_qkv(), **options)
+
+
+def test_alibi_refuses_sequences_past_its_exact_distances():
+    q = k = v = numpy.ones((8, 2, 64), numpy.float16)
+    cu_seqlens = numpy.array([0, 8], numpy.int32)
+    slopes = numpy.ones(2, numpy.float32)
+    with pytest.raises(ValueError, match=r"alibi_slopes takes seqlen_q \+ seqlen_k up to 2\*\*23 = 8388608 .* "
+                                         r"got 8388600 \+ 9"):
+        flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, 8388600, 9, alibi_slopes=slopes)
+    flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, 8388599, 9, alibi_slopes=slopes)  # at the limit
 
 
 def test_a_seed_array_holds_the_seeds_eight_bytes():

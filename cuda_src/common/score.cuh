@@ -12,12 +12,13 @@
 #include "params.cuh"
 #include "ptx.cuh"
 
-// tanh(x) = 1 - 2 / (e^2x + 1): two MUFU ops (ex2, rcp) and three FMA-class ops, within ~1e-7
-// absolute of tanh (the libdevice tanhf costs about five times as many instructions).
+// tanh on the special-function unit: one MUFU op (relative error about 2^-11, below the 16-bit
+// inputs' rounding), where 1 - 2 / (e^2x + 1) takes two; the forward's softmax needs the same
+// unit for its exponentials, so each op there costs time.
 __device__ __forceinline__ float fast_tanh(float x) {
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(fast_exp2(x * 2.8853900817779268f) + 1.f));  // 2 log2(e)
-    return fmaf(-2.f, r, 1.f);
+    float t;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(t) : "f"(x));
+    return t;
 }
 
 // softcap: s becomes softcap_outer * tanh(s * softcap_inner), with d/ds = 1 - tanh^2 (the
@@ -34,6 +35,14 @@ struct Softcap {
     }
 };
 
+// 0 <= n < 2^23 as a float, on the full-rate integer and FMA pipes: n added to the bits of 2^23,
+// whose last mantissa bit is worth 1, minus 2^23. An int-to-float conversion runs at the
+// special-function unit's rate, which the forward's exponentials already fill. (ALiBi calls keep
+// seqlen_q + seqlen_k within 2^23: cupyflash/options.py, ALIBI_MAX_TOKENS.)
+__device__ __forceinline__ float small_int_to_float(int n) {
+    return __int_as_float(0x4B000000 + n) - 8388608.f;
+}
+
 // ALiBi: s - slope / scale * |col - diagonal(row)|; d/ds = 1.
 struct Alibi {
     const Sequence& seq;
@@ -44,7 +53,7 @@ struct Alibi {
     }
     __device__ __forceinline__ bool on() const { return slope != 0.f; }
     __device__ __forceinline__ float apply(float s, int row, int col, float&) const {
-        return fmaf(-slope, static_cast<float>(abs(col - seq.diagonal(row))), s);
+        return fmaf(-slope, small_int_to_float(abs(col - seq.diagonal(row))), s);
     }
 };
 

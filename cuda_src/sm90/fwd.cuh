@@ -175,14 +175,16 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
 
     float acc_o[1][DT][4];
     uint32 p_frag[BLOCK_N / 16][4];  // the previous block's P, whose P V is issued with the next Q K^T
+    // The options' kernels of three consumers (160 registers each) are serial, short of registers:
+    // each P V completes before the softmax, the loop body is one copy with a run-time first-block
+    // flag, and the previous block's ring stage is derived from i, not kept.
+    constexpr bool kSerial = OPTIONS && CONSUMERS == 3;
     int i = 0, q_loads = 0;  // as the producer counts them
     // The previous block's ring stage and phase (of the V its P V reads): kept from that block,
-    // measured 7% faster at hd256 than derived from i at the P V; the options' kernels of three
-    // consumers derive them, short of registers (160).
-    constexpr bool kDerivePending = OPTIONS && CONSUMERS == 3;
+    // measured 7% faster at hd256 than derived from i at the P V.
     int kept_stage = 0, kept_phase = 0;
-    auto pending_stage = [&]() { return kDerivePending ? (i - 1) % STAGES : kept_stage; };
-    auto pending_phase = [&]() { return kDerivePending ? ((i - 1) / STAGES) & 1 : kept_phase; };
+    auto pending_stage = [&]() { return kSerial ? (i - 1) % STAGES : kept_stage; };
+    auto pending_phase = [&]() { return kSerial ? ((i - 1) / STAGES) & 1 : kept_phase; };
 
     // The previous block's P V (its V has landed), and its completion.
     auto issue_pv = [&]() {
@@ -242,9 +244,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         // Every block is computed by every consumer, even one whose keys a warpgroup's rows do
         // not see (its scores are all masked, so its P is zero): a branch around the products
         // would make ptxas serialise them. The first block has no P V to run beside its Q K^T
-        // (`first`: a Constant, but a run-time flag in the options' kernels, whose products
-        // complete before their softmax anyway: one copy of their longer body needs fewer
-        // registers); after the last block's Q K^T, Q is released to the producer.
+        // (`first`: a Constant, but a run-time flag in the serial kernels); after the last
+        // block's Q K^T, Q is released to the producer.
         enum Masking { kAll, kNone, kPerBlock };
         auto attend = [&](int n_block, auto masking, auto first) {
             constexpr Masking MASKING = decltype(masking)::value;
@@ -269,7 +270,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             wgmma_commit();
             if (!first) issue_pv();
             pass_turn();
-            if (first || OPTIONS) {
+            if (first || kSerial) {
                 wgmma_wait<0>();
             } else {
                 wgmma_wait<1>();  // S is ready; P V runs on
@@ -301,13 +302,17 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             ++i;
         };
         // As sm80: the masked blocks at the end of the range, the unmasked ones, then a window's
-        // masked ones at its start, so the main loop has no mask code; the options' kernels one loop.
+        // masked ones at its start, so the main loop has no mask code; the options' kernels mask
+        // per block, in one loop.
         int n_block = blocks.end - 1;
         if (n_block >= blocks.first) {
             mbarrier_wait(q_full, q_loads++ & 1);
-            if constexpr (OPTIONS) {
+            if constexpr (kSerial) {
                 for (bool first = true; n_block >= blocks.first; --n_block, first = false)
                     attend(n_block, Constant<kPerBlock>(), first);
+            } else if constexpr (OPTIONS) {
+                attend(n_block--, Constant<kPerBlock>(), Constant<true>());
+                for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<kPerBlock>(), Constant<false>());
             } else {
                 attend(n_block--, Constant<kPerBlock>(), Constant<true>());
                 const BlockRange unmasked = key_blocks_unmasked<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N, blocks);

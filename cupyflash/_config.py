@@ -88,7 +88,7 @@ TILES = {
 }
 # The wgmma forward: block_m / 64 consumer warpgroups of 64 query rows and a producer warpgroup
 # (warps = 4 (1 + block_m / 64)); `stages` K/V buffers. hd64 takes three consumers (192 rows,
-# measured 8-19% faster than two from 4k tokens on, 6% slower at 1k causal). Shared memory: 1024
+# measured 8-19% faster than two from 4k tokens on, 10% slower at 1k causal). Shared memory: 1024
 # (alignment) + block_m hd 2 + 2 stages block_n hd 2 + the barriers (cuda_src/sm90/fwd.cuh,
 # Sm90FwdTile). Head dims 64, 128 and 256 only: the tiles are whole 64-wide swizzled column blocks.
 TILES[WGMMA] = {"sm90": {"fwd": {

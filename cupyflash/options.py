@@ -287,7 +287,8 @@ OPTIONS = (
     Option("softcap", "real", 0.0, "> 0: scores become softcap * tanh(scores / softcap)",
            _check_softcap, _fill_softcap, kernels="score", example=lambda rng, sizes, form: 1.5),
     Option("alibi_slopes", "array", None,
-           "float32 (nheads,) or (batch, nheads): head h adds -slope * |i + seqlen_k - seqlen_q - j| (no gradient)",
+           "float32 (nheads,) or (batch, nheads): head h adds -slope * |i + seqlen_k - seqlen_q - j| (no gradient); "
+           "seqlen_q + seqlen_k up to 2**23",
            _check_alibi, _fill_alibi, kernels="score", example=_example_alibi, forms=("batch", "heads")),
     Option("attn_bias", "array", None,
            "an additive bias broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k), float32 or q's "

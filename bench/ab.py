@@ -1,73 +1,138 @@
-"""A/B timing of kernel source versions in one process: cuda_src/ against other copies of it.
+"""A/B timing of whole versions of cupyflash (package, tile tables and kernels) in one run.
 
-    python bench/ab.py OLD_DIR [OLD_DIR ...]            # on the GPU machine
-    python bench/ab.py --compile OLD_DIR [OLD_DIR ...]  # beforehand, anywhere: fill the compile cache
+    python bench/ab.py --compile TREE [TREE ...]   # beforehand, wherever NVRTC is: fill the kernel cache
+    python bench/ab.py TREE [TREE ...]             # on the GPU machine, with the same CUPYFLASH_CACHE_DIR
 
-Each OLD_DIR holds the cuda_src/ tree of another version (e.g. `git archive REV cuda_src | tar -x
--C OLD --strip-components=1`). The versions take turns (ROUNDS rounds) and each cell is the best round, so a
-slow spell of the machine hurts both alike. The versions must share params.cuh's FlashParams
-(the launch code is the current one), and `_config.Tile.smem_bytes`: a version whose tiles take
-other shared-memory sizes needs it swapped in `use` while that version runs (each kernel checks
-it at compile time). Prints TFLOP/s non-causal/causal, bf16, 16k tokens, hidden
-2048 (FLOPs as in ../shared/peers/README.md). Edit CASES and SEQLENS for the question at hand.
+A TREE is a directory holding one version's cupyflash/ and cuda_src/ (for a commit:
+`mkdir DIR && git archive REV cupyflash cuda_src | tar -x -C DIR`), or `.` for this checkout. Each
+version runs in a process of its own, so it brings its own launch code and tile tables; the
+versions take turns for --rounds rounds and a cell is the median of its rounds. The same tree given
+twice shows the run's noise: up to 5% in a cell on the H200, so smaller differences need more
+rounds or more runs. Cells are TFLOP/s (FLOPs as in ../shared/peers/README.md) at 16384 tokens and
+hidden 2048; each timing spans 10 calls back to back between CUDA events (the host's time per call
+stays hidden), median of 7.
 """
 
-import itertools
+import argparse
+import json
+import os
 import pathlib
+import statistics
+import subprocess
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # bench/tiles.py
-
-from cupyflash import _compile, _config, _kernels, _plan, _sources
-
-CASES = [("fwd", 128, (128, 32, 4, 1)), ("bwd", 64, (128, 128, 8, 2)), ("bwd", 128, (64, 128, 8, 2)),
-         ("bwd", 256, (64, 64, 8, 1))]  # (pass, head dim, tile)
-SEQLENS = (1024, 4096)
-ROUNDS = 2  # each cell is the best of this many turns of every version
-_current_source_dir = _sources._source_dir
+TOKENS, HIDDEN = 16384, 2048
+ALL_CELLS = [f"{hd}:{seqlen}:{causal}" for hd in (64, 128, 256) for seqlen in (1024, 4096, 16384) for causal in (0, 1)]
 
 
-def use(source_dir):
-    """Makes every later compile and launch use the sources in `source_dir` (None: cuda_src/)."""
-    _sources._source_dir = _current_source_dir if source_dir is None else (lambda: source_dir)
-    _sources.read.cache_clear()
-    _compile._loaded.clear()
-    _plan._plans.clear()
+def parse_cell(text):
+    """'hd:seqlen:causal' -> (head dim, seqlen, causal)."""
+    hd, seqlen, causal = text.split(":")
+    if causal not in ("0", "1") or TOKENS % int(seqlen) or HIDDEN % int(hd):
+        raise ValueError(f"a cell is hd:seqlen:causal with seqlen dividing {TOKENS}, hd dividing {HIDDEN} and "
+                         f"causal 0 or 1, got {text!r}")
+    return int(hd), int(seqlen), causal == "1"
 
 
-def compile_cases(versions):
-    """Compiles every case's bf16 kernels of every version into the cache (one process, in turn)."""
-    for name, source_dir in versions.items():
-        use(source_dir)
-        kernels = [_kernels.Kernel(pass_, "bfloat16", _config.Tile(hd, *tile), local, True)
-                   for (pass_, hd, tile), local in itertools.product(CASES, (False, True))]
-        kernels += [_kernels.Kernel(pass_, "bfloat16") for pass_ in ("bwd_dot", "bwd_convert_dq")]
-        for kernel in kernels:
-            _compile.compile_kernel(kernel, "90")
-        print(name, "compiled")
+def compile_jobs(pass_, dtype):
+    """(arch, kernel) of this process's cupyflash that the H200 runs for `pass_` at `dtype`, plain and
+    causal: the forward's wgmma kernels where the version has them, else its sm_90 mma.sync ones."""
+    from cupyflash import _kernels
+    jobs = [(arch, k) for arch, k in _kernels.compile_jobs()
+            if arch.startswith("90") and k.dtype == dtype and not k.options]
+    if pass_ == "fwd":
+        wgmma = [(arch, k) for arch, k in jobs if k.pass_ == "fwd" and getattr(k, "wgmma", False)]
+        return wgmma or [(arch, k) for arch, k in jobs if k.pass_ == "fwd"]
+    return [(arch, k) for arch, k in jobs if k.pass_ != "fwd"]
 
 
-def time_cases(versions):
-    from tiles import inputs, tflops
-    table = _config.TILES[_config.MMA_SYNC]["sm90"]
-    print(f"{'case':30} {'seqlen':>6} " + " ".join(f"{name:>15}" for name in versions))
-    for (pass_, hd, tile), seqlen in itertools.product(CASES, SEQLENS):
-        tensors = inputs(seqlen, hd)
-        table[pass_][hd] = tile
-        best = {}
-        for _round, (name, source_dir) in itertools.product(range(ROUNDS), versions.items()):
-            use(source_dir)
-            for causal in (False, True):
-                best[name, causal] = max(best.get((name, causal), 0.0), tflops(pass_, tensors, causal))
-        cells = " ".join(f"{best[name, False]:7.1f}/{best[name, True]:<7.1f}" for name in versions)
-        print(f"{pass_} hd{hd} {str(tile):22} {seqlen:6d} {cells}", flush=True)
+def worker_compile(pass_, dtype):
+    from cupyflash import _compile
+    jobs = compile_jobs(pass_, dtype)
+    reports = _compile.compile_all(jobs)
+    unclean = [k.name for _, k, report in reports if not report.clean]
+    print(json.dumps({"kernels": len(jobs), "unclean": unclean}))
 
 
-def main(args):
-    compile_only = "--compile" in args
-    old_dirs = [pathlib.Path(a).resolve() for a in args if a != "--compile"]
-    versions = {"cuda_src": None, **{d.name: d for d in old_dirs}}
-    (compile_cases if compile_only else time_cases)(versions)
+def worker_time(pass_, dtype, cells):
+    import cupy
+    import numpy
+    from cupyflash import flash_attn_backward, flash_attn_func
+    from cupyflash._arrays import bfloat16_dtype
+    element = bfloat16_dtype() if dtype == "bfloat16" else numpy.dtype(dtype)
+    result = {}
+    for text in cells:
+        hd, seqlen, causal = parse_cell(text)
+        batch, nheads = TOKENS // seqlen, HIDDEN // hd
+        q, k, v, dout = (cupy.random.standard_normal((batch, seqlen, nheads, hd), dtype=cupy.float32).astype(element)
+                         for _ in range(4))
+        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        call = ((lambda: flash_attn_func(q, k, v, causal=causal)) if pass_ == "fwd"
+                else (lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal)))
+        for _ in range(3):
+            call()
+        start, end, times = cupy.cuda.Event(), cupy.cuda.Event(), []
+        for _ in range(7):
+            start.record()
+            for _ in range(10):
+                call()
+            end.record()
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) / 10)
+        flops = 4 * batch * nheads * seqlen * seqlen * hd / (2 if causal else 1) * (2.5 if pass_ == "bwd" else 1)
+        result[text] = flops / statistics.median(times) / 1e9
+    print(json.dumps(result))
+
+
+def run_tree(tree, mode, args):
+    """Runs this script's worker `mode` with `tree`'s cupyflash; returns its JSON result or None."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    command = [sys.executable, __file__, mode, "--pass", args.pass_, "--dtype", args.dtype,
+               "--cells", ",".join(args.cells)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        print(f"{tree}: {mode} failed\n{done.stderr[-2000:]}", flush=True)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trees", nargs="*", type=pathlib.Path)
+    parser.add_argument("--compile", action="store_true", help="only fill the kernel cache (no GPU needed)")
+    parser.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--cells", type=lambda s: s.split(","), default=ALL_CELLS,
+                        help="hd:seqlen:causal,... (default: hd 64/128/256, 1k/4k/16k, causal and not)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--worker-compile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-time", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for cell in args.cells:
+        parse_cell(cell)
+    if args.worker_compile:
+        return worker_compile(args.pass_, args.dtype)
+    if args.worker_time:
+        return worker_time(args.pass_, args.dtype, args.cells)
+    trees = [tree.resolve() for tree in args.trees]
+    for tree in trees:
+        if not (tree / "cupyflash").is_dir() or not (tree / "cuda_src").is_dir():
+            parser.error(f"{tree} holds no cupyflash/ and cuda_src/")
+    if args.compile:
+        for tree in trees:
+            print(tree, run_tree(tree, "--worker-compile", args), flush=True)
+        return
+    results = {}  # (cell, column) -> [TFLOP/s per round]
+    columns = [f"{i}:{tree.name}" for i, tree in enumerate(trees)]
+    for _ in range(args.rounds):
+        for column, tree in zip(columns, trees):
+            for cell, value in (run_tree(tree, "--worker-time", args) or {}).items():
+                results.setdefault((cell, column), []).append(value)
+    print(f"{args.pass_} {args.dtype} TFLOP/s, median of {args.rounds} rounds")
+    print(f"{'cell (hd:seqlen:causal)':24}" + "".join(f"{column:>16}" for column in columns))
+    for cell in args.cells:
+        values = [results.get((cell, column)) for column in columns]
+        print(f"{cell:24}" + "".join(f"{statistics.median(v):16.1f}" if v else f"{'-':>16}" for v in values))
 
 
 if __name__ == "__main__":

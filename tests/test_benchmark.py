@@ -1,4 +1,4 @@
-"""The benchmark's bookkeeping: a peer's wrong results left blank, turns, derived backward times."""
+"""The benchmark's bookkeeping: a peer's wrong results left blank, turns, derived backward times; bench/ab.py's cells."""
 
 import pytest
 
@@ -59,3 +59,26 @@ def test_a_backward_without_its_own_timer_is_derived_from_fwd_and_fwd_bwd():
         benchmark._add_derived_bwd(times, timers, impl)
     assert times[("jax", "bwd")] == 2.5
     assert ("torch", "bwd") not in times and ("slow", "bwd") not in times and ("missing", "bwd") not in times
+
+
+def _ab_script():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "ab.py"
+    spec = importlib.util.spec_from_file_location("bench_ab", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_ab_script_reads_cells_and_picks_the_kernels_the_h200_runs():
+    ab = _ab_script()
+    assert ab.parse_cell("128:4096:1") == (128, 4096, True) and len(ab.ALL_CELLS) == 18
+    for bad in ("128:1000:1", "128:4096:2", "100:4096:0"):
+        with pytest.raises(ValueError, match="a cell is hd:seqlen:causal"):
+            ab.parse_cell(bad)
+    fwd = ab.compile_jobs("fwd", "bfloat16")  # the wgmma forward's plain and causal kernels, no others
+    assert {(arch, k.tile.headdim, k.local) for arch, k in fwd} == {
+        ("90a", hd, local) for hd in (64, 128, 256) for local in (False, True)}
+    bwd = ab.compile_jobs("bwd", "float16")
+    assert bwd and all(k.pass_ != "fwd" and k.dtype == "float16" and not k.options for _, k in bwd)

@@ -127,6 +127,17 @@ def is_on_gpu(array):
     return dlpack_device(array)[0] in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED)
 
 
+ANCHOR = "q"  # an array every launch plan's call has (a backward's too), on the call's device
+
+
+def _torch_data_pointer(tensor):
+    return tensor.data_ptr()
+
+
+def _cupy_data_pointer(array):
+    return array.data.ptr
+
+
 @dataclasses.dataclass(frozen=True)
 class Caller:
     """The kind of arrays a call came with, its device, and how the launch path treats them.
@@ -156,16 +167,26 @@ class Caller:
 
     def data_pointer(self, array):
         """The device address of the first element of a launchable array."""
-        return array.data_ptr() if self.allocates_with_torch else array.data.ptr
+        return self.pointer_reader()(array)
 
-    def stream_pointer(self):
-        """The stream to launch on: PyTorch's current stream for torch callers, CuPy's otherwise."""
+    def pointer_reader(self):
+        """data_pointer as a function of the array alone (for launch plans)."""
+        return _torch_data_pointer if self.allocates_with_torch else _cupy_data_pointer
+
+    def stream_reader(self):
+        """stream_pointer as a function of no arguments, resolved once (for launch plans)."""
         if self.allocates_with_torch:
             import torch
             raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the handle alone, no Stream object
-            return raw(self.device_id) if raw else torch.cuda.current_stream(self.device_id).cuda_stream
+            if raw:
+                return functools.partial(raw, self.device_id)
+            return lambda: torch.cuda.current_stream(self.device_id).cuda_stream
         import cupy
-        return cupy.cuda.get_current_stream().ptr
+        return lambda: cupy.cuda.get_current_stream().ptr
+
+    def stream_pointer(self):
+        """The stream to launch on: PyTorch's current stream for torch callers, CuPy's otherwise."""
+        return self.stream_reader()()
 
     def capturing(self):
         """Whether the stream of stream_pointer() is capturing a CUDA graph."""
@@ -175,26 +196,34 @@ class Caller:
         import cupy
         return cupy.cuda.get_current_stream().is_capturing()
 
-    def allocator(self, shape, dtype, zeroed=False):
-        """A function of no arguments that returns a new GPU array (zero-filled if `zeroed`): torch's
-        allocator for torch callers, CuPy's otherwise. The dtype and device are resolved once, for
-        launch plans that allocate on every call."""
-        import functools
+    def allocator(self, shape, dtype, zeroed=False, twin=None):
+        """A function of a call's arrays (by name) that returns a new GPU array (zero-filled if
+        `zeroed`): torch's allocator for torch callers, CuPy's otherwise. The dtype and device are
+        resolved once, for launch plans that allocate on every call. For torch, `twin` names an
+        array of the same shape and dtype in contiguous layout, whose empty_like is torch's
+        cheapest allocation; without one the result is made by new_empty from the call's ANCHOR
+        array, which carries the device."""
         if self.allocates_with_torch:
             import torch
-            make = torch.zeros if zeroed else torch.empty
-            return functools.partial(make, shape, dtype=getattr(torch, dtype), device=torch.device("cuda", self.device_id))
+            if twin is not None:
+                like = torch.zeros_like if zeroed else torch.empty_like
+                return lambda arrays: like(arrays[twin])
+            torch_dtype = getattr(torch, dtype)
+            if zeroed:
+                return lambda arrays: arrays[ANCHOR].new_zeros(shape, dtype=torch_dtype)
+            return lambda arrays: arrays[ANCHOR].new_empty(shape, dtype=torch_dtype)
         import cupy
-        make = cupy.zeros if zeroed else cupy.empty
-        return functools.partial(make, shape, bfloat16_dtype() if dtype == "bfloat16" else numpy.dtype(dtype))
-
-    def empty(self, shape, dtype):
-        """A new uninitialised GPU array (torch's allocator for torch callers, CuPy's otherwise)."""
-        return self.allocator(shape, dtype)()
+        make = functools.partial(cupy.zeros if zeroed else cupy.empty, shape,
+                                 bfloat16_dtype() if dtype == "bfloat16" else numpy.dtype(dtype))
+        return lambda arrays: make()
 
     def zeros(self, shape, dtype):
-        """empty(), zero-filled (on the caller's stream)."""
-        return self.allocator(shape, dtype, zeroed=True)()
+        """A new zero-filled GPU array (torch's allocator for torch callers, CuPy's otherwise), on
+        the caller's stream."""
+        if self.allocates_with_torch:
+            import torch
+            return torch.zeros(shape, dtype=getattr(torch, dtype), device=torch.device("cuda", self.device_id))
+        return self.allocator(shape, dtype, zeroed=True)(None)
 
     def reduce(self, array, axes, shape, dtype):
         """array summed over `axes` (in a fixed order), reshaped to `shape`, cast to `dtype`."""

@@ -167,8 +167,17 @@ def forced_kernel_family():
 
 
 def forced_choices():
-    """What the environment forces (CUPYFLASH_TILES, CUPYFLASH_FAMILY): part of every plan's key."""
-    return os.environ.get("CUPYFLASH_TILES"), os.environ.get("CUPYFLASH_FAMILY")
+    """What the environment forces (CUPYFLASH_TILES, CUPYFLASH_FAMILY), as part of every plan's key:
+    raw values from os.environ's mapping of encoded names where it has one, since every launch
+    asks and os.environ.get encodes the name and decodes the value each time."""
+    data = getattr(os.environ, "_data", None)
+    if data is None or _FORCED_KEYS is None:
+        return os.environ.get("CUPYFLASH_TILES"), os.environ.get("CUPYFLASH_FAMILY")
+    return data.get(_FORCED_KEYS[0]), data.get(_FORCED_KEYS[1])
+
+
+_FORCED_KEYS = (tuple(map(os.environ.encodekey, ("CUPYFLASH_TILES", "CUPYFLASH_FAMILY")))
+                if hasattr(os.environ, "encodekey") else None)
 
 
 def kernel_family_for(pass_, compute_capability):

@@ -172,7 +172,7 @@ class Plan:
         self.input_slots = [slot(name) for name, _ in self.inputs]
         # Results: (name, slot, allocator). Scratch: per workspace (plain, zeroed), its allocator and
         # (slot, byte offset) of each buffer in it.
-        self.results = [(o.name, slot(o.name), caller.allocator(o.shape, o.dtype, o.zeroed))
+        self.results = [(o.name, slot(o.name), caller.allocator(o.shape, o.dtype, o.zeroed, _twin(o, inputs)))
                         for o in outputs if not o.scratch]
         self.workspaces = []
         for zeroed in (False, True):
@@ -183,6 +183,7 @@ class Plan:
                     size += -(-o.nbytes // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT
             if offsets:
                 self.workspaces.append((caller.allocator((size,), "uint8", zeroed), offsets))
+        self.pointer_of, self.stream_of = caller.pointer_reader(), caller.stream_reader()
         dropout = params["dropout_scale"][0] != 0
         self.seed_slot = slot("dropout_seed") if dropout and "seed" not in inputs else None
         # The kernels' arguments: the parameter block, and for the wgmma kernels the tensor maps
@@ -197,18 +198,19 @@ class Plan:
                          for function, l in zip(functions, launches)]
         self.lock = threading.Lock()
         self.kept = []  # scratch of CuPy graph captures, which replays still write
+        self.sinks = {}  # result name -> the array of the calls that drop it
 
     def allocates_beyond(self, names):
         """Whether a run with results `names` given by address (`into`) still allocates: scratch,
         or a result not among them."""
         return bool(self.workspaces) or any(name not in names for name, _, _ in self.results)
 
-    def run(self, arrays, seed, into=None, stream=None):
-        caller = self.caller
+    def run(self, arrays, seed, into=None, stream=None, dropped=()):
+        pointer_of = self.pointer_of
         pointers = []
         for name, alignment in self.inputs:
             array = arrays[name]
-            pointer = array if type(array) is int else caller.data_pointer(array)
+            pointer = array if type(array) is int else pointer_of(array)
             if pointer % alignment:
                 return None
             pointers.append(pointer)
@@ -217,26 +219,32 @@ class Plan:
         if self.current_context() != self.context:
             # Launches need the device's context current: another device's may be, or none (a new
             # thread, such as autograd's, whose first CUDA call this may be).
-            with caller.device():
+            with self.caller.device():
                 self.set_device(self.device_id)
-                return self.run(arrays, seed, into, stream)
+                return self.run(arrays, seed, into, stream, dropped)
         outputs, slots = {}, list(self.input_slots)
         for name, slot, allocate in self.results:
-            array = into[name] if into and name in into else allocate()
+            if into and name in into:
+                array = into[name]
+            elif name in dropped:
+                array = self._sink(name, allocate, arrays)
+            else:
+                array = allocate(arrays)
             outputs[name] = array
             slots.append(slot)
-            pointers.append(array if type(array) is int else caller.data_pointer(array))
-        workspaces = []
-        for allocate, offsets in self.workspaces:
-            workspace = allocate()
-            workspaces.append(workspace)
-            base = caller.data_pointer(workspace)
-            for slot, offset in offsets:
-                slots.append(slot)
-                pointers.append(base + offset)
-        if workspaces and caller.kind != "torch" and caller.capturing():
-            self.kept.append(workspaces)  # torch's graph pool keeps its own; CuPy's pool would reuse these
-        stream = caller.stream_pointer() if stream is None else stream
+            pointers.append(array if type(array) is int else pointer_of(array))
+        if self.workspaces:
+            workspaces = []
+            for allocate, offsets in self.workspaces:
+                workspace = allocate(arrays)
+                workspaces.append(workspace)
+                base = pointer_of(workspace)
+                for slot, offset in offsets:
+                    slots.append(slot)
+                    pointers.append(base + offset)
+            if self.caller.kind != "torch" and self.caller.capturing():
+                self.kept.append(workspaces)  # torch's graph pool keeps its own; CuPy's pool would reuse these
+        stream = self.stream_of() if stream is None else stream
         words = self.words
         with self.lock:  # the launch copies the parameter block, so it is free again after it
             for slot, pointer in zip(slots, pointers):
@@ -249,8 +257,31 @@ class Plan:
                 self.launch_kernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream, argv, 0)
         results = self.finish(outputs)
         if self.hands_back:
-            return tuple(None if a is None else caller.give_back(a) for a in results)
+            return tuple(None if a is None else self.caller.give_back(a) for a in results)
         return results
+
+    def _sink(self, name, allocate, arrays):
+        """The array of a result the caller drops: one per plan, which every such call writes (the
+        writes of calls on different streams race, harmlessly: nothing reads it); not kept from a
+        call under graph capture, whose allocations belong to the graph."""
+        sink = self.sinks.get(name)
+        if sink is None:
+            sink = allocate(arrays)
+            if not self.caller.capturing():
+                self.sinks[name] = sink
+        return sink
+
+
+def _twin(output, inputs):
+    """The name of an input with an output's shape and dtype, in contiguous layout (its empty_like
+    is the output's cheapest allocation), or None."""
+    if output.zeroed or output.scratch:
+        return None
+    for name, array in inputs.items():
+        if (tuple(array.shape) == output.shape and _arrays.dtype_name(array) == output.dtype
+                and _arrays.element_strides(array) == _contiguous_strides(output.shape)):
+            return name
+    return None
 
 
 def _tensor_strides(strides, varlen):

@@ -31,7 +31,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, *, return_lse=Fal
     window past every key) gets out = 0 and lse = -inf. Causal masking is aligned bottom-right:
     query i sees key j iff j <= i + seqlen_k - seqlen_q.
     """
-    result = _call("fwd", dict(q=q, k=k, v=v), softmax_scale, causal, given, "flash_attn_func")
+    result = _call("fwd", dict(q=q, k=k, v=v), softmax_scale, causal, given, "flash_attn_func",
+                   dropped=() if return_lse else ("lse",))
     return result if return_lse else result[0]
 
 
@@ -59,7 +60,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     The cu_seqlens are checked on the host, which waits for them to be computed.
     """
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    result = _call("fwd", dict(q=q, k=k, v=v), softmax_scale, causal, given, "flash_attn_varlen_func", varlen)
+    result = _call("fwd", dict(q=q, k=k, v=v), softmax_scale, causal, given, "flash_attn_varlen_func", varlen,
+                   dropped=() if return_lse else ("lse",))
     return result if return_lse else result[0]
 
 
@@ -140,14 +142,17 @@ def _lookup(pass_, arrays, softmax_scale, causal, given, function, varlen, retur
     return given, key, plan
 
 
-def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False, into=None):
+def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False, into=None,
+          dropped=()):
     """One public call: the cached plan of its signature if there is one, else checks and a new plan.
     `into` maps result names (out, lse; dq, dk, dv) to device addresses the kernels write instead of
-    new arrays (JAX's result buffers); those results come back as the addresses. A head dim that is
-    not a multiple of 8 ignores it (its results are cut from padded ones)."""
+    new arrays (JAX's result buffers); those results come back as the addresses. `dropped` names
+    results the caller does not return, which a plan writes into a buffer of its own instead of a
+    new array. A head dim that is not a multiple of 8 ignores both (its results are cut from
+    padded ones)."""
     given, key, plan = _lookup(pass_, arrays, softmax_scale, causal, given, function, varlen, return_dbias)
     if plan is not None:
-        result = plan.run(arrays, given.get("seed"), into)
+        result = plan.run(arrays, given.get("seed"), into, dropped=dropped)
         if result is not None:
             return result
     call = validate.check_call(pass_, arrays, softmax_scale, causal, given, varlen)
@@ -156,7 +161,7 @@ def _call(pass_, arrays, softmax_scale, causal, given, function, varlen=None, re
     if call.shape.headdim % 8:
         return _padded_head_dim(call, arrays, given, return_dbias)
     plan, inputs = _plan.new_plan(call, arrays, key, return_dbias)
-    return plan.run(inputs, call.checked.get("seed"), into)
+    return plan.run(inputs, call.checked.get("seed"), into, dropped=dropped)
 
 
 def plan_of(pass_, arrays, softmax_scale, causal, given, function, varlen=None, return_dbias=False):

@@ -23,7 +23,7 @@ from typing import Optional
 import numpy
 import torch
 
-from . import api, options, validate
+from . import _config, api, options, validate
 from ._arrays import bfloat16_dtype
 
 if not hasattr(torch.library, "custom_op"):
@@ -218,7 +218,7 @@ class _Differentiable:
         if _eager(q, k, v, bias):
             if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                             or (bias is not None and bias.requires_grad)):
-                return _Eager.apply(self, arguments, q, k, v, bias)
+                return _apply_eager(self, arguments, q, k, v, bias)
             return self.forward.compute(arguments)  # nothing to differentiate: no autograd node
         return self.forward.op(**arguments)
 
@@ -284,6 +284,169 @@ _attention = _Differentiable(_forward, _backward)
 _varlen_attention = _Differentiable(_varlen_forward, _varlen_backward)
 
 
+def _bare_apply(function):
+    """function.apply without torch's Python wrapper around it, which binds default arguments for
+    a setup_context (the Functions here have none) and unwraps functorch's dead wrappers (eager
+    calls take plain tensors, with no transform active): a few microseconds a call."""
+    raw = vars(torch._C._FunctionBase).get("apply") if hasattr(torch._C, "_FunctionBase") else None
+    return function.apply if raw is None else raw.__get__(None, function)
+
+
+_apply_eager = _bare_apply(_Eager)
+
+
+# --------------------------------------------------------------------------------------------
+# Eager dense calls on CUDA tensors, resolved once per signature: the checks, the op arguments and
+# the core's launch plans depend only on the tensors' layouts and the scalar options, so a
+# repeated call finds them by one dictionary lookup and launches on its tensors' addresses.
+
+_DENSE_SCALARS = ("softmax_scale", "causal", "dropout_p", "window_size", "softcap", "deterministic")
+
+
+def _dense(q, k, v, alibi_slopes, attn_bias, scalars):
+    """(out, lse) of a dense drop-in call; `scalars` are its _DENSE_SCALARS."""
+    if (_eager(q, k, v, attn_bias) and (alibi_slopes is None or type(alibi_slopes) in _PLAIN_TENSORS)
+            and q.is_cuda):
+        resolved = _resolution(q, k, v, alibi_slopes, attn_bias, scalars)
+        if resolved:
+            result = resolved(q, k, v, alibi_slopes, attn_bias)
+            if result is not None:
+                return result
+    given = dict(zip(_DENSE_SCALARS[2:], scalars[2:]), alibi_slopes=alibi_slopes, attn_bias=attn_bias)
+    return _attention(_op_arguments(dict(q=q, k=k, v=v), scalars[0], scalars[1], given))
+
+
+def _layout(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+_resolved = {}  # signature -> _Resolved, or False where the call goes the ops' way
+
+
+def _resolution(q, k, v, alibi_slopes, attn_bias, scalars):
+    """The _Resolved of a call's signature (made and checked at its first call), False where its
+    calls go the ops' way, None where the signature cannot be a key (an unhashable option)."""
+    try:
+        # Types too: causal=1 must still meet the bool check, a window of floats the int check.
+        key = (scalars, tuple(map(type, scalars)), tuple(map(type, scalars[3])), _config.forced_choices(),
+               _layout(q), _layout(k), _layout(v), _layout(alibi_slopes), _layout(attn_bias))
+        resolved = _resolved.get(key)
+    except TypeError:
+        return None
+    if resolved is None:
+        given = dict(zip(_DENSE_SCALARS[2:], scalars[2:]), alibi_slopes=alibi_slopes, attn_bias=attn_bias)
+        arguments = _checked_arguments(dict(q=q, k=k, v=v), scalars[0], scalars[1], given)
+        resolved = _Resolved.of(arguments)
+        if len(_resolved) >= 1024:
+            _resolved.clear()
+        _resolved[key] = resolved
+    return resolved
+
+
+class _Resolved:
+    """A dense eager call signature worked out once: the op's checked arguments and the core's plans, the forward's and the
+    backward's per layout of dout (made at the first backward). Where a plan cannot take a call's
+    addresses (one not aligned as the kernels need) the call goes the ops' way, which copies."""
+
+    def __init__(self, arguments, plan):
+        # The arguments but their tensors, which each call brings (holding them would keep them alive).
+        self.arguments = dict(arguments, q=None, k=None, v=None, alibi_slopes=None, attn_bias=None)
+        self.plan = plan
+        self.dropout = bool(arguments["dropout_p"])
+        self.backward_plans = {}
+
+    @classmethod
+    def of(cls, arguments):
+        """The _Resolved of a checked call, or False where the core has no plan for it (a head dim
+        that is not a multiple of 8) or a tensor is not contiguous in its last dimension."""
+        tensors = [arguments[name] for name in ("q", "k", "v", "alibi_slopes", "attn_bias")]
+        if any(t is not None and t.dim() and t.stride(-1) != 1 for t in tensors):
+            return False
+        plan = api.plan_of("fwd", dict(q=tensors[0], k=tensors[1], v=tensors[2]), arguments["softmax_scale"],
+                           arguments["causal"], cls._core_options(arguments, "fwd"), "flash_attn_func")
+        return cls(arguments, plan) if plan is not None else False
+
+    @staticmethod
+    def _core_options(arguments, pass_):
+        """The core's options of a plan: a dropout seed as an int (its value is patched per call)."""
+        given = _core_options(arguments, pass_, False)
+        if arguments["dropout_p"]:
+            given["seed"] = 0
+        return given
+
+    def __call__(self, q, k, v, alibi_slopes, attn_bias):
+        """(out, lse), or None where the ops must run the call (dropout while a graph is captured:
+        its seed is drawn on the device)."""
+        seed = None
+        if self.dropout:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            seed = draw_dropout_seed()
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (attn_bias is not None and attn_bias.requires_grad)):
+            return _apply_resolved(self, seed, alibi_slopes, q, k, v, attn_bias)
+        return self.forward(q, k, v, alibi_slopes, attn_bias, seed)
+
+    def forward(self, q, k, v, alibi_slopes, attn_bias, seed):
+        arrays = {"q": q, "k": k, "v": v}
+        _add_options(arrays, alibi_slopes, attn_bias)
+        result = self.plan.run(arrays, None if seed is None else int(seed))
+        if result is None:
+            result = _forward.compute(dict(self.arguments, q=q, k=k, v=v, alibi_slopes=alibi_slopes,
+                                           attn_bias=attn_bias, seed=seed))
+        return result
+
+    def backward(self, dout, q, k, v, out, lse, alibi_slopes, attn_bias, seed, return_dbias):
+        """(dq, dk, dv, dbias or None)."""
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+        _add_options(arrays, alibi_slopes, attn_bias)
+        key = (dout.stride(), return_dbias)  # autograd gives dout out's shape, dtype and device
+        plan = self.backward_plans.get(key)
+        if plan is None:
+            given = self._core_options(dict(self.arguments, alibi_slopes=alibi_slopes, attn_bias=attn_bias), "bwd")
+            plan = self.backward_plans[key] = api.plan_of(
+                "bwd", dict(arrays), self.arguments["softmax_scale"], self.arguments["causal"], given,
+                "flash_attn_backward", None, return_dbias) or False
+        grads = plan.run(arrays, None if seed is None else int(seed)) if plan else None
+        if grads is None:
+            grads = _backward.compute(dict(self.arguments, dout=dout, q=q, k=k, v=v, out=out, lse=lse,
+                                           alibi_slopes=alibi_slopes, attn_bias=attn_bias, seed=seed,
+                                           return_dbias=return_dbias))
+        return (*grads[:3], grads[3] if return_dbias else None)
+
+
+def _add_options(arrays, alibi_slopes, attn_bias):
+    if alibi_slopes is not None:
+        arrays["alibi_slopes"] = alibi_slopes
+    if attn_bias is not None:
+        arrays["attn_bias"] = attn_bias
+
+
+class _ResolvedFunction(torch.autograd.Function):
+    """A resolved call under autograd: its inputs are the tensors that can have gradients (and
+    the ALiBi slopes, which have none)."""
+
+    @staticmethod
+    def forward(ctx, resolved, seed, alibi_slopes, q, k, v, attn_bias):
+        out, lse = resolved.forward(q, k, v, alibi_slopes, attn_bias, seed)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_bias)
+        ctx.mark_non_differentiable(lse)
+        ctx.resolved, ctx.seed = resolved, seed
+        ctx.return_dbias = attn_bias is not None and attn_bias.requires_grad
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, alibi_slopes, attn_bias = ctx.saved_tensors
+        grads = ctx.resolved.backward(dout, q, k, v, out, lse, alibi_slopes, attn_bias, ctx.seed, ctx.return_dbias)
+        return None, None, None, *grads
+
+
+_apply_resolved = _bare_apply(_ResolvedFunction)
+
+
 # --------------------------------------------------------------------------------------------
 # Drop-in functions with flash_attn's signatures.
 
@@ -314,11 +477,13 @@ def _number(name, value):
 def _op_arguments(tensors, softmax_scale, causal, given, varlen=False):
     """The forward op's arguments from a drop-in call's: `tensors` (q, k, v and the varlen packing)
     and the options, checked here where the op's schema would give a less helpful message (the
-    core checks the rest). The checked scalars are cached per distinct call, since a model makes
-    the same call many times. The dropout seed is drawn only when dropout is on, so calls without
-    it leave torch's generator alone, as flash_attn's do (flash_attn applies dropout whenever
-    dropout_p > 0; modules pass 0.0 in eval mode). While a CUDA graph is captured it is drawn on
-    the device, by torch's CUDA generator, so that every replay gets a new one."""
+    core checks the rest), and the dropout seed (_with_seed)."""
+    return _with_seed(_checked_arguments(tensors, softmax_scale, causal, given, varlen))
+
+
+def _checked_arguments(tensors, softmax_scale, causal, given, varlen=False):
+    """_op_arguments without a seed. The checked scalars are cached per distinct call, since a
+    model makes the same call many times."""
     q = tensors["q"]
     scalars = (varlen, q.shape[-1], softmax_scale, causal, *[given.get(n) for n in _SCALAR_OPTIONS])
     try:
@@ -335,7 +500,16 @@ def _op_arguments(tensors, softmax_scale, causal, given, varlen=False):
             value = given.get(option.name)
             _check_tensor(option.name, value)
             arguments[option.name] = value
+    return arguments
+
+
+def _with_seed(arguments):
+    """The arguments with the dropout seed of the call where dropout is on. It is drawn only then,
+    so calls without it leave torch's generator alone, as flash_attn's do (flash_attn applies
+    dropout whenever dropout_p > 0; modules pass 0.0 in eval mode). While a CUDA graph is captured
+    it is drawn on the device, by torch's CUDA generator, so that every replay gets a new one."""
     if arguments["dropout_p"]:
+        q = arguments["q"]
         arguments["seed"] = (torch.randint(0, _SEED_BOUND, (), dtype=torch.int64, device=q.device)
                              if q.is_cuda and torch.cuda.is_current_stream_capturing() else draw_dropout_seed())
     return arguments
@@ -382,10 +556,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k), float32 or q's dtype, added
     after softcap and with ALiBi; its gradient is computed when it requires grad.
     """
-    arguments = _op_arguments(dict(q=q, k=k, v=v), softmax_scale, causal, dict(
-        dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        deterministic=deterministic, attn_bias=attn_bias))
-    out, lse = _attention(arguments)
+    out, lse = _dense(q, k, v, alibi_slopes, attn_bias,
+                      (softmax_scale, causal, dropout_p, window_size, softcap, deterministic))
     return _result(out, lse, return_attn_probs)
 
 

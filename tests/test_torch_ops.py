@@ -161,3 +161,49 @@ def _counting(op, calls, key):
         calls[key] = calls.get(key, 0) + 1
         return op(*args, **kwargs)
     return counted
+
+
+@pytest.mark.gpu
+def test_repeated_dense_calls_run_their_resolved_plans(monkeypatch):
+    """A dense eager call on CUDA tensors is resolved once per signature (checks, op arguments, the
+    core's plans) and its repeats run the plans on their own tensors: out, lse and gradients equal
+    the ops' way bit for bit, with or without grad, dropout seeds drawn as there, a dout of another
+    layout (an expanded one), the bias's gradient, and a misaligned view of q, which the plans
+    cannot take, sent the ops' way."""
+    import cupyflash.torch as cft
+    shape = (2, 113, 77, 4, 2, 40, True)
+    q, k, v, dout = _inputs(shape, torch.bfloat16, "cuda", seed=12)
+    generator = torch.Generator().manual_seed(13)
+    bias = torch.randn(4, 113, 77, generator=generator).to("cuda", torch.bfloat16)
+    slopes = torch.rand(4, generator=generator).to("cuda")
+    storage = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    misaligned = storage[1:].view(q.shape)  # contiguous, 2 bytes past a 16-byte boundary
+    misaligned.copy_(q)
+    cases = [(dict(causal=True), q, dout), (dict(causal=True), q, dout[:1].expand_as(dout)),
+             (dict(dropout_p=0.2, softcap=3.0, alibi_slopes=slopes, deterministic=True, attn_bias=bias), q, dout),
+             (dict(causal=True), misaligned, dout)]
+    counts = {}
+    monkeypatch.setattr(cft._Resolved, "forward", _counting(cft._Resolved.forward, counts, "forward"))
+
+    def run(options, q, dout, grad):
+        leaves = [x.detach().clone().requires_grad_(grad) for x in (q, k, v)]
+        given = dict(options)
+        if "attn_bias" in given:
+            given["attn_bias"] = given["attn_bias"].detach().clone().requires_grad_(grad)
+            leaves.append(given["attn_bias"])
+        leaves[0] = leaves[0] if q is not misaligned else misaligned.detach().requires_grad_(grad)
+        torch.manual_seed(5)
+        out, lse, _ = cft.flash_attn_func(*leaves[:3], return_attn_probs=True, **given)
+        grads = torch.autograd.grad(out, leaves, dout) if grad else []
+        return [out, lse, *grads]
+
+    for options, q_case, dout_case in cases:
+        for grad in (False, True):
+            resolved = [run(options, q_case, dout_case, grad) for _ in range(2)]  # made, then found
+            with monkeypatch.context() as forced:
+                forced.setattr(cft, "_resolution", lambda *args: None)
+                through_ops = run(options, q_case, dout_case, grad)
+            for again in resolved:
+                for name, x, y in zip(("out", "lse", "dq", "dk", "dv", "dbias"), again, through_ops):
+                    assert torch.equal(x, y), (list(options), grad, name)
+    assert counts["forward"] == 2 * 2 * len(cases)  # every call but the forced ones took its resolved plans

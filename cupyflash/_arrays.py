@@ -9,6 +9,7 @@ torch's allocator, JAX outputs are CuPy buffers that JAX adopts through DLPack.
 
 import dataclasses
 import functools
+import operator
 
 import numpy
 
@@ -130,14 +131,6 @@ def is_on_gpu(array):
 ANCHOR = "q"  # an array every launch plan's call has (a backward's too), on the call's device
 
 
-def _torch_data_pointer(tensor):
-    return tensor.data_ptr()
-
-
-def _cupy_data_pointer(array):
-    return array.data.ptr
-
-
 @dataclasses.dataclass(frozen=True)
 class Caller:
     """The kind of arrays a call came with, its device, and how the launch path treats them.
@@ -171,7 +164,10 @@ class Caller:
 
     def pointer_reader(self):
         """data_pointer as a function of the array alone (for launch plans)."""
-        return _torch_data_pointer if self.allocates_with_torch else _cupy_data_pointer
+        if self.allocates_with_torch:
+            import torch
+            return torch.Tensor.data_ptr
+        return operator.attrgetter("data.ptr")
 
     def stream_reader(self):
         """stream_pointer as a function of no arguments, resolved once (for launch plans)."""

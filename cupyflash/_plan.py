@@ -142,6 +142,10 @@ class _Output:
 
 
 _SCRATCH_ALIGNMENT = 256
+# A plan keeps a plain workspace up to this size per stream (Plan._scratch): small calls, whose
+# kernels take microseconds, save the allocation; larger ones would hold memory the allocator could reuse.
+_KEPT_SCRATCH_BYTES = 32 << 20
+_MAX_KEPT_SCRATCH = 64  # streams seen by one plan; past this its kept workspaces start afresh
 
 
 class Plan:
@@ -170,8 +174,8 @@ class Plan:
         self.params = params  # owns the words
         slot = lambda name: params.dtype.fields[_FIELDS.get(name, name)][1] // 8  # noqa: E731
         self.input_slots = [slot(name) for name, _ in self.inputs]
-        # Results: (name, slot, allocator). Scratch: per workspace (plain, zeroed), its allocator and
-        # (slot, byte offset) of each buffer in it.
+        # Results: (name, slot, allocator). Scratch: per workspace (plain, zeroed), its allocator,
+        # (slot, byte offset) of each buffer in it, and whether it is kept per stream (see _scratch).
         self.results = [(o.name, slot(o.name), caller.allocator(o.shape, o.dtype, o.zeroed, _twin(o, inputs)))
                         for o in outputs if not o.scratch]
         self.workspaces = []
@@ -182,7 +186,9 @@ class Plan:
                     offsets.append((slot(o.name), size))
                     size += -(-o.nbytes // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT
             if offsets:
-                self.workspaces.append((caller.allocator((size,), "uint8", zeroed), offsets))
+                kept = not zeroed and size <= _KEPT_SCRATCH_BYTES
+                self.workspaces.append((caller.allocator((size,), "uint8", zeroed), offsets, kept))
+        self.scratch_by_stream = {}  # (stream, workspace index) -> the workspace kept for that stream
         self.pointer_of, self.stream_of = caller.pointer_reader(), caller.stream_reader()
         dropout = params["dropout_scale"][0] != 0
         self.seed_slot = slot("dropout_seed") if dropout and "seed" not in inputs else None
@@ -197,13 +203,8 @@ class Plan:
         self.launches = [(function, l.grid, l.kernel.threads, l.kernel.smem_bytes, argv_address)
                          for function, l in zip(functions, launches)]
         self.lock = threading.Lock()
-        self.kept = []  # scratch of CuPy graph captures, which replays still write
+        self.captured_scratch = []  # of CuPy graph captures, which replays still write
         self.sinks = {}  # result name -> the array of the calls that drop it
-
-    def allocates_beyond(self, names):
-        """Whether a run with results `names` given by address (`into`) still allocates: scratch,
-        or a result not among them."""
-        return bool(self.workspaces) or any(name not in names for name, _, _ in self.results)
 
     def run(self, arrays, seed, into=None, stream=None, dropped=()):
         pointer_of = self.pointer_of
@@ -233,18 +234,13 @@ class Plan:
             outputs[name] = array
             slots.append(slot)
             pointers.append(array if type(array) is int else pointer_of(array))
+        stream = self.stream_of() if stream is None else stream
         if self.workspaces:
-            workspaces = []
-            for allocate, offsets in self.workspaces:
-                workspace = allocate(arrays)
-                workspaces.append(workspace)
+            for workspace, offsets in self._scratch(arrays, stream):
                 base = pointer_of(workspace)
                 for slot, offset in offsets:
                     slots.append(slot)
                     pointers.append(base + offset)
-            if self.caller.kind != "torch" and self.caller.capturing():
-                self.kept.append(workspaces)  # torch's graph pool keeps its own; CuPy's pool would reuse these
-        stream = self.stream_of() if stream is None else stream
         words = self.words
         with self.lock:  # the launch copies the parameter block, so it is free again after it
             for slot, pointer in zip(slots, pointers):
@@ -259,6 +255,35 @@ class Plan:
         if self.hands_back:
             return tuple(None if a is None else self.caller.give_back(a) for a in results)
         return results
+
+    def _scratch(self, arrays, stream):
+        """[(workspace, its offsets)] of a call on `stream`. A small plain workspace is kept per
+        stream and reused by the plan's calls on it: the stream runs them one after another (a
+        call's launches are enqueued together, under the lock), so none reads another's scratch,
+        and the call spends no allocation. The rest, and every workspace of a call under graph
+        capture (whose replays may run beside other calls), are allocated per call."""
+        capturing = self.caller.capturing()
+        result = []
+        for index, (allocate, offsets, kept) in enumerate(self.workspaces):
+            workspace = self.scratch_by_stream.get((stream, index)) if kept and not capturing else None
+            if workspace is None:
+                workspace = allocate(arrays)
+                if kept and not capturing:
+                    if len(self.scratch_by_stream) >= _MAX_KEPT_SCRATCH:
+                        self.scratch_by_stream.clear()
+                    self.scratch_by_stream[stream, index] = workspace
+            result.append((workspace, offsets))
+        if capturing and self.caller.kind != "torch":
+            # torch's graph pool keeps its own; CuPy's pool would reuse these
+            self.captured_scratch.append([workspace for workspace, _ in result])
+        return result
+
+    def allocates_on(self, stream, names):
+        """Whether a run on `stream` with results `names` given by address (`into`) allocates: a
+        result not among them, or scratch that is not kept for the stream."""
+        return (any(name not in names for name, _, _ in self.results)
+                or any(not kept or (stream, index) not in self.scratch_by_stream
+                       for index, (_, _, kept) in enumerate(self.workspaces)))
 
     def _sink(self, name, allocate, arrays):
         """The array of a result the caller drops: one per plan, which every such call writes (the

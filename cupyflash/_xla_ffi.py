@@ -157,18 +157,24 @@ class Array:
 
 _load = ctypes.c_uint64.from_address  # one 64-bit word of XLA's memory
 _int32 = ctypes.c_int32.from_address
-# Offsets of the words the fast readers load (module constants: a dictionary lookup costs as much).
-_EXT, _API, _CTX, _STAGE = (getattr(CallFrame, f).offset for f in ("extension_start", "api", "ctx", "stage"))
-_ARGS_SIZE, _ARGS = CallFrame.args.offset + Args.size.offset, CallFrame.args.offset + Args.args.offset
-_RETS_SIZE, _RETS = CallFrame.rets.offset + Rets.size.offset, CallFrame.rets.offset + Rets.rets.offset
-_ATTRS_SIZE, _ATTR_TYPES, _ATTR_NAMES, _ATTRS = (CallFrame.attrs.offset + getattr(Attrs, f).offset
+_pair = (ctypes.c_uint64 * 2).from_address
+_frame_words = (ctypes.c_uint64 * (CALL_FRAME_SIZE // 8)).from_address  # the whole frame in one read
+# Word indexes of the frame's fields the fast readers use (module constants: a dictionary lookup costs as much).
+_EXT, _API, _CTX, _STAGE = (getattr(CallFrame, f).offset // 8 for f in ("extension_start", "api", "ctx", "stage"))
+assert CallFrame.stage.offset % 8 == 0  # the stage (an enum) is the low half of its word on little-endian hosts
+_ARGS_SIZE, _ARGS = ((CallFrame.args.offset + getattr(Args, f).offset) // 8 for f in ("size", "args"))
+_RETS_SIZE, _RETS = ((CallFrame.rets.offset + getattr(Rets, f).offset) // 8 for f in ("size", "rets"))
+_ATTRS_SIZE, _ATTR_TYPES, _ATTR_NAMES, _ATTRS = ((CallFrame.attrs.offset + getattr(Attrs, f).offset) // 8
                                                   for f in ("size", "types", "names", "attrs"))
 _DATA = Buffer.data.offset
 
 
-def _pointers(frame, size, table):
-    start = _load(frame + table).value
-    return [_load(_load(start + 8 * i).value + _DATA).value for i in range(_load(frame + size).value)]
+def _pointers(words, size, table):
+    """The data addresses of the buffers in a frame's args or rets table."""
+    count = words[size]
+    if not count:
+        return []
+    return [_load(buffer + _DATA).value for buffer in (ctypes.c_uint64 * count).from_address(words[table])]
 
 
 class Call:
@@ -178,6 +184,7 @@ class Call:
 
     def __init__(self, address):
         self.address = address
+        self.words = _frame_words(address)  # its fields as 64-bit words (the stage is the low half of one)
 
     @property
     def frame(self):
@@ -185,25 +192,25 @@ class Call:
 
     def arg_pointers(self):
         """The operands' addresses, in order (every operand of our custom calls is a buffer)."""
-        return _pointers(self.address, _ARGS_SIZE, _ARGS)
+        return _pointers(self.words, _ARGS_SIZE, _ARGS)
 
     def ret_pointers(self):
-        return _pointers(self.address, _RETS_SIZE, _RETS)
+        return _pointers(self.words, _RETS_SIZE, _RETS)
 
     def first_scalar(self, name):
         """The value of attribute `name` (bytes) if it is the first attribute (XLA sorts them by
         name) and an int64 scalar, else None."""
-        frame = self.address
-        if not _load(frame + _ATTRS_SIZE).value:
+        words = self.words
+        if not words[_ATTRS_SIZE]:
             return None
-        span = _load(_load(frame + _ATTR_NAMES).value).value
-        if _load(span + 8).value != len(name) or ctypes.string_at(_load(span).value, len(name)) != name or \
-                _int32(_load(frame + _ATTR_TYPES).value).value != _ATTR_SCALAR:
+        text, length = _pair(_load(words[_ATTR_NAMES]).value)  # the first name's ByteSpan
+        if length != len(name) or ctypes.string_at(text, length) != name or \
+                _int32(words[_ATTR_TYPES]).value != _ATTR_SCALAR:
             return None
-        scalar = _load(_load(frame + _ATTRS).value).value
-        if _int32(scalar).value != _S64:
+        dtype, value = _pair(_load(words[_ATTRS]).value)  # XLA_FFI_Scalar: its dtype (an enum), its value's address
+        if dtype & 0xFFFFFFFF != _S64:
             return None
-        return ctypes.c_int64.from_address(_load(scalar + 8).value).value
+        return ctypes.c_int64.from_address(value).value
 
     @functools.cached_property
     def args(self):
@@ -236,8 +243,8 @@ class Call:
         return Array(pointer, what)
 
     def _api_call(self, name, args_type):
-        function = _api_function(_load(self.address + _API).value, name)
-        args = args_type(ctypes.sizeof(args_type), None, _load(self.address + _CTX).value)
+        function = _api_function(self.words[_API], name)
+        args = args_type(ctypes.sizeof(args_type), None, self.words[_CTX])
         error = function(args)
         if error:
             raise FfiError(f"XLA_FFI_{name} failed", error)
@@ -284,13 +291,14 @@ def _run(function, address):
         if _load(address).value < CALL_FRAME_SIZE:  # struct_size
             return _error(CallFrame.from_address(address),
                           f"XLA_FFI_CallFrame of {_load(address).value} bytes, expected {CALL_FRAME_SIZE}")
-        extension = _load(address + _EXT).value
+        call = Call(address)
+        extension = call.words[_EXT]
         if extension and ExtensionBase.from_address(extension).type == _EXTENSION_METADATA:
-            _answer_metadata(CallFrame.from_address(address))
+            _answer_metadata(call.frame)
             return None
-        if _int32(address + _STAGE).value != _STAGE_EXECUTE:
+        if call.words[_STAGE] & 0xFFFFFFFF != _STAGE_EXECUTE:
             return None  # only an execute handler is registered; nothing to do at other stages
-        function(Call(address))
+        function(call)
         return None
     except FfiError as error:
         return error.pointer

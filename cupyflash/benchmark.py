@@ -471,7 +471,7 @@ def write_options(results, out_dir):
 # cuDNN, at shapes small enough that the host sets the pace (where a call's GPU work takes longer,
 # as it can at the large shape, the figure is the GPU's time). Timing: `calls` back-to-back calls
 # after the warm-up (which takes any torch.compile or jax.jit compilation), synchronised once at the
-# end, wall time / calls; the median of HOST_REPS repetitions.
+# end, wall time / calls; the columns take turns, and a cell is the median of its HOST_REPS turns.
 
 HOST_SHAPES = {"small": (1, 128, 8, 64), "medium": (4, 512, 16, 128), "large": (8, 2048, 16, 128)}
 HOST_PASSES = ("fwd", "fwd+bwd")
@@ -654,21 +654,22 @@ HOST_COLUMNS = {  # name: (maker, what a call does)
 HOST_RATIOS = (("cupyflash.torch eager", "SDPA flash"), ("cupyflash.jax jit", "JAX cuDNN"))
 
 
-def host_us(call, calls=HOST_CALLS, reps=HOST_REPS, warmup=HOST_WARMUP):
-    """Median over `reps` repetitions of the wall time of `calls` back-to-back calls, synchronised
-    once at the end, per call, in microseconds."""
-    samples = []
+def _warm_up(call):
     with call.context():
-        for _ in range(warmup):
+        for _ in range(HOST_WARMUP):
             result = call.fn()
         call.sync(result)
-        for _ in range(reps):
-            begin = time.perf_counter()
-            for _ in range(calls):
-                result = call.fn()
-            call.sync(result)
-            samples.append((time.perf_counter() - begin) / calls * 1e6)
-    return float(numpy.median(samples))
+
+
+def _host_turn(call, calls):
+    """The wall time of `calls` back-to-back calls, synchronised once at the end, per call, in
+    microseconds."""
+    with call.context():
+        begin = time.perf_counter()
+        for _ in range(calls):
+            result = call.fn()
+        call.sync(result)
+        return (time.perf_counter() - begin) / calls * 1e6
 
 
 def profile_host(call, calls=HOST_CALLS, top=25):
@@ -705,10 +706,13 @@ def _error_note(error):
 
 def run_host(shapes=tuple(HOST_SHAPES.values()), calls=HOST_CALLS, columns=tuple(HOST_COLUMNS), profile=False,
              device="cuda", report=print):
-    """[HostCell] for every shape, pass and column (bf16, causal). A column that fails in a cell
-    (not installed, not supported here) gives a NaN cell with the reason. With `profile`, each cell's
-    cProfile report is printed after its timing. `device` other than "cuda" only exercises the
-    plumbing (the tests run it on the CPU)."""
+    """[HostCell] for every shape, pass and column (bf16, causal). The columns of a shape and pass
+    take turns, HOST_REPS rounds of `calls` calls each after every column's warm-up, and each
+    cell is the median of its rounds: the host's clocks drift over a run (they rise under load),
+    and turns give every column the same. A column that fails in a cell (not installed, not
+    supported here) gives a NaN cell with the reason. With `profile`, each cell's cProfile report
+    is printed after its timing. `device` other than "cuda" only exercises the plumbing (the tests
+    run it on the CPU)."""
     import torch
     cells = []
     for shape in shapes:
@@ -716,22 +720,44 @@ def run_host(shapes=tuple(HOST_SHAPES.values()), calls=HOST_CALLS, columns=tuple
         q, k, v, dout = (torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=generator)
                          for _ in range(4))
         for pass_ in HOST_PASSES:
+            timed, failed = {}, {}  # column -> its HostCall; column -> why it could not run
             for column in columns:
-                note = ""
-                call = None
                 try:
                     call = HOST_COLUMNS[column][0](q, k, v, dout, pass_)
-                    if call is None:
-                        continue
-                    us = host_us(call, calls)
-                    note = call.caveat() if call.caveat else ""
+                    if call is not None:
+                        _warm_up(call)
+                        timed[column] = call
                 except Exception as error:  # a column that cannot run is a "-" cell with its reason
-                    us, note = math.nan, _error_note(error)
+                    failed[column] = _error_note(error)
+            # A second warm-up of each, after all were made: a compiled column recompiles here
+            # after the next one's torch._dynamo.reset().
+            for column, call in list(timed.items()):
+                try:
+                    _warm_up(call)
+                except Exception as error:
+                    failed[column] = _error_note(error)
+                    del timed[column]
+            samples = {column: [] for column in timed}
+            for _ in range(HOST_REPS):
+                for column, call in list(timed.items()):
+                    try:
+                        samples[column].append(_host_turn(call, calls))
+                    except Exception as error:
+                        failed[column] = _error_note(error)
+                        del timed[column]
+            for column in columns:
+                if column in timed:
+                    call = timed[column]
+                    us, note = float(numpy.median(samples[column])), call.caveat() if call.caveat else ""
+                elif column in failed:
+                    us, note = math.nan, failed[column]
+                else:
+                    continue
                 cells.append(HostCell(shape, pass_, column, us, note))
                 report(f"host {_shape_text(shape)} {pass_} {column}: "
                        + (f"{us:.1f} us" if not math.isnan(us) else "-") + (f" ({note})" if note else ""))
-                if profile and not math.isnan(us):
-                    report(profile_host(call, calls))
+                if profile and column in timed:
+                    report(profile_host(timed[column], calls))
     return cells
 
 
@@ -781,7 +807,7 @@ def write_host(cells, out_dir, environment, calls=HOST_CALLS):
     lines = ["# Host time per call", "", environment, "",
              f"Microseconds per call (lower is better): the wall time of {calls} back-to-back calls after "
              f"{HOST_WARMUP} warm-up calls (which take any torch.compile or jax.jit compilation), synchronised "
-             f"once at the end, divided by {calls}; the median of {HOST_REPS} repetitions. bf16, causal; shapes "
+             f"once at the end, divided by {calls}; the columns take turns, and a cell is the median of its {HOST_REPS} turns. bf16, causal; shapes "
              "are batch x seqlen x nheads x headdim; fwd+bwd is the forward, then the gradients of q, k and v for "
              "a fixed dout. Where a call's GPU work takes longer than its host work (the large shape), the "
              "figure is the GPU's time.", "",

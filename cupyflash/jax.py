@@ -401,16 +401,15 @@ class _Launch:
         self.request, self.plan, self.names = request, plan, request.names
         self.results = _RESULTS[request.pass_]
         self.dbias = request.return_dbias
-        # Scratch (the backward's) comes from CuPy's pool, which reuses a block on the stream that
-        # was current when it was freed: so XLA's stream must be current while the plan runs.
-        self.allocates = plan is not None and (self.dbias or plan.allocates_beyond(self.results))
 
     def run(self, call, device, stream):
         """Runs the plan on the call's buffers; False where it cannot (an address not aligned as
-        the kernels need)."""
+        the kernels need). A call that allocates (the backward's scratch, where the plan keeps none
+        for XLA's stream yet, and dbias) runs with XLA's stream current in CuPy, whose pool reuses
+        a block on the stream that was current when it was freed."""
         plan, rets = self.plan, call.ret_pointers()
         arrays, into = dict(zip(self.names, call.arg_pointers())), dict(zip(self.results, rets))
-        if not self.allocates:
+        if not (self.dbias or plan.allocates_on(stream, self.results)):
             return plan.run(arrays, None, into, stream) is not None
         import cupy
         with cupy.cuda.Device(device), _external_stream(stream, device):

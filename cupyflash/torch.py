@@ -317,7 +317,7 @@ def _dense(q, k, v, alibi_slopes, attn_bias, scalars):
 
 
 def _layout(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+    return t.shape, t.stride(), t.dtype, t.device
 
 
 _resolved = {}  # signature -> _Resolved, or False where the call goes the ops' way
@@ -325,17 +325,21 @@ _resolved = {}  # signature -> _Resolved, or False where the call goes the ops' 
 
 def _resolution(q, k, v, alibi_slopes, attn_bias, scalars):
     """The _Resolved of a call's signature (made and checked at its first call), False where its
-    calls go the ops' way, None where the signature cannot be a key (an unhashable option)."""
+    calls go the ops' way, None where the signature cannot be a key (an unhashable option, or a
+    window_size that is not a pair)."""
+    scale, causal, dropout_p, window, softcap, deterministic = scalars
     try:
         # Types too: causal=1 must still meet the bool check, a window of floats the int check.
-        key = (scalars, tuple(map(type, scalars)), tuple(map(type, scalars[3])), _config.forced_choices(),
-               _layout(q), _layout(k), _layout(v), _layout(alibi_slopes), _layout(attn_bias))
+        key = (scalars, type(scale), type(causal), type(dropout_p), type(window[0]), type(window[1]), type(softcap),
+               type(deterministic), _config.forced_choices(), q.shape, q.stride(), q.dtype, q.device, k.shape,
+               k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device,
+               None if alibi_slopes is None else _layout(alibi_slopes), None if attn_bias is None else _layout(attn_bias))
         resolved = _resolved.get(key)
-    except TypeError:
+    except (TypeError, IndexError):
         return None
     if resolved is None:
         given = dict(zip(_DENSE_SCALARS[2:], scalars[2:]), alibi_slopes=alibi_slopes, attn_bias=attn_bias)
-        arguments = _checked_arguments(dict(q=q, k=k, v=v), scalars[0], scalars[1], given)
+        arguments = _checked_arguments(dict(q=q, k=k, v=v), scale, causal, given)
         resolved = _Resolved.of(arguments)
         if len(_resolved) >= 1024:
             _resolved.clear()

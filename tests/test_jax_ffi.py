@@ -265,7 +265,7 @@ def test_cuda_handler_plumbing_without_a_gpu(monkeypatch):
         def __init__(self, outputs, results):
             self.outputs, self.results, self.runs = outputs, results, []
 
-        def allocates_beyond(self, names):
+        def allocates_on(self, stream, names):
             return any(name not in names for name in self.outputs)
 
         def run(self, arrays, seed, into, stream):

@@ -186,7 +186,9 @@ class Plan:
                     offsets.append((slot(o.name), size))
                     size += -(-o.nbytes // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT
             if offsets:
-                kept = not zeroed and size <= _KEPT_SCRATCH_BYTES
+                # Not for torch: its allocator is cheap, and its graph pools (torch.compile's graph
+                # trees warm up there outside capture) must hold no tensor of ours across calls.
+                kept = not zeroed and size <= _KEPT_SCRATCH_BYTES and caller.kind != "torch"
                 self.workspaces.append((caller.allocator((size,), "uint8", zeroed), offsets, kept))
         self.scratch_by_stream = {}  # (stream, workspace index) -> the workspace kept for that stream
         self.pointer_of, self.stream_of = caller.pointer_reader(), caller.stream_reader()

@@ -348,8 +348,8 @@ def _resolution(q, k, v, alibi_slopes, attn_bias, scalars):
 
 
 class _Resolved:
-    """A dense eager call signature worked out once: the op's checked arguments and the core's plans, the forward's and the
-    backward's per layout of dout (made at the first backward). Where a plan cannot take a call's
+    """A dense eager call signature worked out once: the op's checked arguments and the core's
+    plans, the forward's and the backward's per layout of dout (made at the first backward). Where a plan cannot take a call's
     addresses (one not aligned as the kernels need) the call goes the ops' way, which copies."""
 
     def __init__(self, arguments, plan):
@@ -357,6 +357,7 @@ class _Resolved:
         self.arguments = dict(arguments, q=None, k=None, v=None, alibi_slopes=None, attn_bias=None)
         self.plan = plan
         self.dropout = bool(arguments["dropout_p"])
+        self.with_arrays = arguments["alibi_slopes"] is not None or arguments["attn_bias"] is not None
         self.backward_plans = {}
 
     @classmethod
@@ -388,7 +389,8 @@ class _Resolved:
             seed = draw_dropout_seed()
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (attn_bias is not None and attn_bias.requires_grad)):
-            return _apply_resolved(self, seed, alibi_slopes, q, k, v, attn_bias)
+            lse_out = []
+            return _apply_resolved(self, seed, lse_out, alibi_slopes, q, k, v, attn_bias), lse_out[0]
         return self.forward(q, k, v, alibi_slopes, attn_bias, seed)
 
     def forward(self, q, k, v, alibi_slopes, attn_bias, seed):
@@ -430,22 +432,31 @@ def _add_options(arrays, alibi_slopes, attn_bias):
 
 class _ResolvedFunction(torch.autograd.Function):
     """A resolved call under autograd: its inputs are the tensors that can have gradients (and
-    the ALiBi slopes, which have none)."""
+    the ALiBi slopes, which have none). Its one output is out: lse, which has no gradient, comes
+    back through `lse_out` (a list), which spares autograd a second output."""
 
     @staticmethod
-    def forward(ctx, resolved, seed, alibi_slopes, q, k, v, attn_bias):
+    def forward(ctx, resolved, seed, lse_out, alibi_slopes, q, k, v, attn_bias):
         out, lse = resolved.forward(q, k, v, alibi_slopes, attn_bias, seed)
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_bias)
-        ctx.mark_non_differentiable(lse)
+        lse_out.append(lse)
+        if resolved.with_arrays:
+            ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_bias)
+            ctx.return_dbias = attn_bias is not None and attn_bias.requires_grad
+        else:
+            ctx.save_for_backward(q, k, v, out, lse)
         ctx.resolved, ctx.seed = resolved, seed
-        ctx.return_dbias = attn_bias is not None and attn_bias.requires_grad
-        return out, lse
+        return out
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, alibi_slopes, attn_bias = ctx.saved_tensors
-        grads = ctx.resolved.backward(dout, q, k, v, out, lse, alibi_slopes, attn_bias, ctx.seed, ctx.return_dbias)
-        return None, None, None, *grads
+    def backward(ctx, dout):
+        resolved = ctx.resolved
+        if resolved.with_arrays:
+            q, k, v, out, lse, alibi_slopes, attn_bias = ctx.saved_tensors
+            return_dbias = ctx.return_dbias
+        else:
+            (q, k, v, out, lse), alibi_slopes, attn_bias, return_dbias = ctx.saved_tensors, None, None, False
+        grads = resolved.backward(dout, q, k, v, out, lse, alibi_slopes, attn_bias, ctx.seed, return_dbias)
+        return None, None, None, None, *grads
 
 
 _apply_resolved = _bare_apply(_ResolvedFunction)

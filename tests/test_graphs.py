@@ -77,11 +77,10 @@ def test_cupy_graph_replays_varlen_forward_with_new_cu_seqlens():
     rng = numpy.random.default_rng(7)
     total, longest = 300, 200
     q, k, v = (cupy.asarray(rng.standard_normal((total, 4, 64)).astype(numpy.float16)) for _ in range(3))
-    cu = cupy.zeros(4, cupy.int32)
-
+    cupy.cuda.Device().synchronize()  # the copies above ran on the null stream, which `stream` does not wait for
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        cu.set(_splits(0, total))
+        cu = cupy.asarray(_splits(0, total))  # on the stream that reads it (a non-blocking one)
         cupyflash.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
         stream.synchronize()
         stream.begin_capture()

@@ -28,7 +28,8 @@ which CuPy reduces from the kernels' float32 accumulator and copies into XLA's b
 
 GPU memory: the backward's scratch (and the padded head dims' arrays) come from CuPy's memory
 pool, beside XLA's own, with XLA's stream current in CuPy while the plan runs, so a freed block is
-reused in stream order; README's JAX section says what that means for XLA's preallocation.
+reused in stream order; a small scratch is kept per plan and stream (Plan._scratch), so repeated
+calls allocate nothing. README's JAX section says what that means for XLA's preallocation.
 
 jax.experimental.buffer_callback (JAX >= 0.7) hands a Python callback the same buffers without
 the ctypes structures of _xla_ffi.py; bench/jax_handlers.py compares the two mechanisms' host time

@@ -250,3 +250,48 @@ def test_unchecked_cu_seqlens_stay_inside_the_buffers():
         grads = cupyflash.flash_attn_varlen_backward(out, q, k, v, out, lse, bad, bad, 30, 30)
     cupy.cuda.Device().synchronize()
     assert out.shape == q.shape and all(g.shape == q.shape for g in grads)
+
+
+@pytest.mark.gpu
+def test_cupy_plans_keep_scratch_per_stream_and_a_dropped_lse_apart():
+    """A backward keeps its (small) scratch per stream: repeated calls on one stream reuse it, each
+    stream gets its own, a call under capture allocates its own, and every result equals the first
+    call's bit for bit (deterministic). A forward whose lse is dropped writes it into the plan's own
+    buffer, never into the out of a call."""
+    cupy = pytest.importorskip("cupy")
+    import cupyflash
+    from cupyflash import api
+    case = Case(**CASE, deterministic=True)
+    arrays = _check.to_cupy_inputs(case, _check.random_inputs(case, 3))
+    q, k, v, dout = (arrays[n] for n in ("q", "k", "v", "dout"))
+    out, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+
+    def backward():
+        return cupyflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+
+    want = [cupy.asnumpy(g) for g in backward()]
+    plan = api.plan_of("bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse), None, True,
+                       dict(deterministic=True), "test")  # the calls' cached plan
+    assert plan.workspaces[0][2]  # its plain workspace is small enough to keep
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    for stream in streams:
+        with stream:
+            for _ in range(3):
+                assert all((cupy.asnumpy(g) == w).all() for g, w in zip(backward(), want))
+            stream.synchronize()
+    kept = {key: workspace.data.ptr for key, workspace in plan.scratch_by_stream.items()}
+    assert len({stream for stream, _ in kept}) == len(kept) >= len(streams)  # one per stream
+    with streams[0]:
+        streams[0].begin_capture()
+        captured = backward()
+        graph = streams[0].end_capture()
+        graph.launch(streams[0])
+        streams[0].synchronize()
+    assert all((cupy.asnumpy(g) == w).all() for g, w in zip(captured, want))
+    assert {key: workspace.data.ptr for key, workspace in plan.scratch_by_stream.items()} == kept
+    assert plan.captured_scratch and all(w.data.ptr not in kept.values() for w in plan.captured_scratch[-1])
+
+    outs = [cupyflash.flash_attn_func(q, k, v, causal=True) for _ in range(3)]  # lse dropped
+    forward = api.plan_of("fwd", dict(q=q, k=k, v=v), None, True, {}, "test")
+    assert all((o == out).all() for o in outs)
+    assert forward.sinks["lse"].data.ptr not in {o.data.ptr for o in outs} | {lse.data.ptr}

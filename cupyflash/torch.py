@@ -127,6 +127,8 @@ class _Op:
             params.append(_parameter("return_dbias", bool, False))
         self.signature = inspect.Signature(params, return_annotation=returns)
         self.names = list(self.signature.parameters)
+        self.defaults = [p.default for p in params]
+        self.required = sum(p.default is inspect.Parameter.empty for p in params)
         self.op = torch.library.custom_op(f"cupyflash::{name}", self._with_signature(self.run), mutates_args=())
         self.op.register_fake(self._with_signature(self._fake))
 
@@ -137,6 +139,9 @@ class _Op:
         return function
 
     def bind(self, *args, **kwargs):
+        if not kwargs and self.required <= len(args) <= len(self.names):
+            # As the dispatcher calls: the arguments given, in order, up to the last one given.
+            return dict(zip(self.names, (*args, *self.defaults[len(args):])))
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         return bound.arguments

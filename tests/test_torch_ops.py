@@ -207,3 +207,20 @@ def test_repeated_dense_calls_run_their_resolved_plans(monkeypatch):
                 for name, x, y in zip(("out", "lse", "dq", "dk", "dv", "dbias"), again, through_ops):
                     assert torch.equal(x, y), (list(options), grad, name)
     assert counts["forward"] == 2 * 2 * len(cases)  # every call but the forced ones took its resolved plans
+
+
+def test_ops_bind_their_arguments_as_their_signatures_do():
+    """The ops' quick binding of positional arguments (as the dispatcher passes them) gives what
+    inspect's binding gives, every default filled in; anything else goes through inspect, which
+    names what is wrong."""
+    import cupyflash.torch as cft
+    for op in (cft._forward, cft._backward, cft._varlen_forward, cft._varlen_backward):
+        for given in range(op.required, len(op.names) + 1):
+            args = [object() for _ in range(given)]
+            bound = op.signature.bind(*args)
+            bound.apply_defaults()
+            assert op.bind(*args) == dict(bound.arguments)
+        with pytest.raises(TypeError):
+            op.bind(*range(op.required - 1))
+        with pytest.raises(TypeError):
+            op.bind(*range(len(op.names) + 1))

@@ -178,6 +178,10 @@ class Plan:
         # (slot, byte offset) of each buffer in it, and whether it is kept per stream (see _scratch).
         self.results = [(o.name, slot(o.name), caller.allocator(o.shape, o.dtype, o.zeroed, _twin(o, inputs)))
                         for o in outputs if not o.scratch]
+        # Buffers a plan keeps across calls (scratch per stream, sinks): not for torch, whose
+        # allocator is cheap and whose graph pools (torch.compile's graph trees warm up there
+        # outside capture) must hold no tensor of ours across calls.
+        self.keeps_buffers = caller.kind != "torch"
         self.workspaces = []
         for zeroed in (False, True):
             offsets, size = [], 0
@@ -186,9 +190,7 @@ class Plan:
                     offsets.append((slot(o.name), size))
                     size += -(-o.nbytes // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT
             if offsets:
-                # Not for torch: its allocator is cheap, and its graph pools (torch.compile's graph
-                # trees warm up there outside capture) must hold no tensor of ours across calls.
-                kept = not zeroed and size <= _KEPT_SCRATCH_BYTES and caller.kind != "torch"
+                kept = not zeroed and size <= _KEPT_SCRATCH_BYTES and self.keeps_buffers
                 self.workspaces.append((caller.allocator((size,), "uint8", zeroed), offsets, kept))
         self.scratch_by_stream = {}  # (stream, workspace index) -> the workspace kept for that stream
         self.pointer_of, self.stream_of = caller.pointer_reader(), caller.stream_reader()
@@ -264,7 +266,7 @@ class Plan:
         call's launches are enqueued together, under the lock), so none reads another's scratch,
         and the call spends no allocation. The rest, and every workspace of a call under graph
         capture (whose replays may run beside other calls), are allocated per call."""
-        capturing = self.caller.capturing()
+        capturing = self.keeps_buffers and self.caller.capturing()
         result = []
         for index, (allocate, offsets, kept) in enumerate(self.workspaces):
             workspace = self.scratch_by_stream.get((stream, index)) if kept and not capturing else None
@@ -275,8 +277,7 @@ class Plan:
                         self.scratch_by_stream.clear()
                     self.scratch_by_stream[stream, index] = workspace
             result.append((workspace, offsets))
-        if capturing and self.caller.kind != "torch":
-            # torch's graph pool keeps its own; CuPy's pool would reuse these
+        if capturing:  # CuPy's pool would hand these to later arrays while replays still write them
             self.captured_scratch.append([workspace for workspace, _ in result])
         return result
 
@@ -290,11 +291,11 @@ class Plan:
     def _sink(self, name, allocate, arrays):
         """The array of a result the caller drops: one per plan, which every such call writes (the
         writes of calls on different streams race, harmlessly: nothing reads it); not kept from a
-        call under graph capture, whose allocations belong to the graph."""
+        call under graph capture, whose allocations belong to the graph, nor for torch."""
         sink = self.sinks.get(name)
         if sink is None:
             sink = allocate(arrays)
-            if not self.caller.capturing():
+            if self.keeps_buffers and not self.caller.capturing():
                 self.sinks[name] = sink
         return sink
 

@@ -317,8 +317,13 @@ def _dense(q, k, v, alibi_slopes, attn_bias, scalars):
             result = resolved(q, k, v, alibi_slopes, attn_bias)
             if result is not None:
                 return result
-    given = dict(zip(_DENSE_SCALARS[2:], scalars[2:]), alibi_slopes=alibi_slopes, attn_bias=attn_bias)
-    return _attention(_op_arguments(dict(q=q, k=k, v=v), scalars[0], scalars[1], given))
+    return _attention(_op_arguments(dict(q=q, k=k, v=v), scalars[0], scalars[1],
+                                    _dense_options(scalars, alibi_slopes, attn_bias)))
+
+
+def _dense_options(scalars, alibi_slopes, attn_bias):
+    """The options of a dense call by name, but the scale and causal."""
+    return dict(zip(_DENSE_SCALARS[2:], scalars[2:]), alibi_slopes=alibi_slopes, attn_bias=attn_bias)
 
 
 def _layout(t):
@@ -343,8 +348,8 @@ def _resolution(q, k, v, alibi_slopes, attn_bias, scalars):
     except (TypeError, IndexError):
         return None
     if resolved is None:
-        given = dict(zip(_DENSE_SCALARS[2:], scalars[2:]), alibi_slopes=alibi_slopes, attn_bias=attn_bias)
-        arguments = _checked_arguments(dict(q=q, k=k, v=v), scale, causal, given)
+        arguments = _checked_arguments(dict(q=q, k=k, v=v), scale, causal,
+                                       _dense_options(scalars, alibi_slopes, attn_bias))
         resolved = _Resolved.of(arguments)
         if len(_resolved) >= 1024:
             _resolved.clear()
@@ -354,8 +359,9 @@ def _resolution(q, k, v, alibi_slopes, attn_bias, scalars):
 
 class _Resolved:
     """A dense eager call signature worked out once: the op's checked arguments and the core's
-    plans, the forward's and the backward's per layout of dout (made at the first backward). Where a plan cannot take a call's
-    addresses (one not aligned as the kernels need) the call goes the ops' way, which copies."""
+    plans, the forward's and the backward's per layout of dout (made at the first backward).
+    Where a plan cannot take a call's addresses (one not aligned as the kernels need) the call
+    goes the ops' way, which copies."""
 
     def __init__(self, arguments, plan):
         # The arguments but their tensors, which each call brings (holding them would keep them alive).

@@ -74,6 +74,52 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
                  "flash_attn_varlen_backward", varlen)
 
 
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention of q over a KV cache, after appending k and v to it in place: flash_attn's
+    flash_attn_with_kvcache, for incremental decoding and chunked prefill.
+
+    q is (batch, seqlen_q, nheads, headdim). k_cache and v_cache are (batch_cache, seqlen_cache,
+    nheads_k, headdim), or a paged cache (num_blocks, page_size, nheads_k, headdim) with
+    block_table (batch, pages per sequence) int32: sequence b's position t is in block
+    block_table[b, t // page_size] at row t % page_size (page_size a multiple of 16).
+    cache_seqlens (an int or an int32 (batch,) array; None: the cache is full) gives each
+    sequence's cached length; k and v (batch, seqlen_new, nheads_k, headdim), if given, are written
+    at positions cache_seqlens .. cache_seqlens + seqlen_new - 1, in place, and attended to.
+    rotary_cos and rotary_sin (seqlen_ro, rotary_dim / 2), with k and v, rotate the first
+    rotary_dim dims of the new keys by the angles of their positions, and those of q by the angles
+    of positions cache_seqlens + i when causal or local, else all at cache_seqlens;
+    rotary_interleaved pairs dims (2j, 2j + 1) (GPT-J), else (j, j + rotary_dim / 2) (GPT-NeoX).
+    cache_batch_idx (int32 (batch,)) picks the cache row of each batch entry (dense caches);
+    cache_leftpad (int32 (batch,)) where each sequence starts in its row. Sequence b attends to
+    positions cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1, which masks (causal aligned
+    bottom-right), the window and ALiBi see as keys 0 .. seqlen_k - 1. num_splits is a hint for
+    the GPU kernels (0 picks). Returns out like q, and lse (batch, nheads, seqlen_q) float32 with
+    return_softmax_lse. Options as flash_attn_func's: window_size, softcap, alibi_slopes.
+
+    Runs on NumPy arrays (the float64 reference, the caches updated in place); the GPU kernels are
+    not built yet, and GPU arrays raise NotImplementedError.
+    """
+    given = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    call, cache = validate.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                         cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, given,
+                                         rotary_interleaved, num_splits)
+    return_softmax_lse = validate.check_flag("return_softmax_lse", return_softmax_lse)
+    if call.caller.kind != "numpy":
+        raise NotImplementedError("flash_attn_with_kvcache has no GPU kernels yet: it runs on NumPy arrays (the "
+                                  "float64 reference)")
+    import numpy
+    seqlens = cache.cache_seqlens if cache.seqlens_int is None else numpy.full(call.shape.batch, cache.seqlens_int)
+    out, lse = reference.kvcache_attention(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad, block_table,
+        call.scale, call.causal, window_size=window_size, softcap=call.checked["softcap"],
+        rotary_interleaved=cache.rotary_interleaved, alibi_slopes=call.checked["alibi_slopes"])
+    out = out.astype(q.dtype)
+    return (out, lse.astype(validate.lse_dtype(call.dtype))) if return_softmax_lse else out
+
+
 # Packed forms: views into one array, no copies (JAX has no views; there indexing copies).
 
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, **given):

@@ -44,7 +44,7 @@ class Option:
     check: Callable               # check(value, call) -> the value as the kernels and the reference take it
     fill: Callable = None         # fill(fields, value, call, inputs): its FlashParams fields, not pointers
     kernels: str = ""             # what the kernels need when it is on: 'local', 'score', 'dropout', 'deterministic'
-    passes: tuple = ("fwd", "bwd")
+    passes: tuple = ("fwd", "bwd")   # and "kvcache": flash_attn_with_kvcache takes it
     varlen: bool = True           # whether the varlen functions take it
     parts: tuple = ()             # a pair's two ints, as named in torch op schemas and JAX attributes
     example: Callable = None      # example(rng, sizes, form) -> a value that turns it on (test grids)
@@ -283,13 +283,16 @@ OPTIONS = (
            "(left, right): query i sees keys [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]; "
            "-1 leaves a side unbounded. Blocks outside the window are skipped, not computed.",
            lambda value, call: window_bounds(call.causal, value), _fill_window, kernels="local", parts=("window_left", "window_right"),
+           passes=("fwd", "bwd", "kvcache"),
            example=lambda rng, sizes, form: (3, 1)),
     Option("softcap", "real", 0.0, "> 0: scores become softcap * tanh(scores / softcap)",
-           _check_softcap, _fill_softcap, kernels="score", example=lambda rng, sizes, form: 1.5),
+           _check_softcap, _fill_softcap, kernels="score", passes=("fwd", "bwd", "kvcache"),
+           example=lambda rng, sizes, form: 1.5),
     Option("alibi_slopes", "array", None,
            "float32 (nheads,) or (batch, nheads): head h adds -slope * |i + seqlen_k - seqlen_q - j| (no gradient); "
            "seqlen_q + seqlen_k up to 2**23",
-           _check_alibi, _fill_alibi, kernels="score", example=_example_alibi, forms=("batch", "heads")),
+           _check_alibi, _fill_alibi, kernels="score", passes=("fwd", "bwd", "kvcache"), example=_example_alibi,
+           forms=("batch", "heads")),
     Option("attn_bias", "array", None,
            "an additive bias broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k), float32 or q's "
            "dtype; its gradient is dbias",

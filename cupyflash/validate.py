@@ -321,3 +321,223 @@ def check_max_seqlen(name, max_seqlen, cu_seqlens):
     longest = int(lengths.max()) if lengths.size else 0
     if max_seqlen < longest or max_seqlen < 0:
         raise ValueError(f"{name} must be >= the longest sequence ({longest}), got {max_seqlen!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache: the caches and what is appended to them.
+
+PAGE_MULTIPLE = 16  # a paged cache's page size is a multiple of this (16 is vLLM's default)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The cache arguments of a flash_attn_with_kvcache call, checked. cache_seqlens, cache_batch_idx,
+    cache_leftpad and block_table are arrays on the call's device (or NumPy arrays on the NumPy
+    path) or None; an int cache_seqlens becomes None with `seqlens_int` set."""
+    k_cache: object
+    v_cache: object
+    k: object
+    v: object
+    rotary_cos: object
+    rotary_sin: object
+    cache_seqlens: object
+    seqlens_int: int
+    cache_batch_idx: object
+    cache_leftpad: object
+    block_table: object
+    rotary_interleaved: bool
+    num_splits: int
+    capacity: int   # positions per sequence: the cache's seqlen, or pages per sequence x page size
+    seqlen_new: int
+
+    @property
+    def paged(self):
+        return self.block_table is not None
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                  cache_leftpad, block_table, softmax_scale, causal, given, rotary_interleaved, num_splits):
+    """(Call, KVCache) of a flash_attn_with_kvcache call; `given` holds the options it takes
+    (options.for_call("kvcache"), defaults filled in). Values in device arrays (the lengths, the
+    indices, the block table) are checked on the host where reads_device_values allows."""
+    _config.forced_family()
+    _config.forced_kernel_family()
+    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache)
+    for name, value in (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                        ("block_table", block_table), ("alibi_slopes", given.get("alibi_slopes"))):
+        if value is not None:
+            arrays[name] = value
+    seqlens_int = None
+    if cache_seqlens is not None and not _is_array(cache_seqlens):
+        if isinstance(cache_seqlens, (bool, numpy.bool_)) or not isinstance(cache_seqlens, numbers.Integral):
+            raise TypeError(f"cache_seqlens must be an int or an int32 array of shape (batch,), got {cache_seqlens!r}")
+        if cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
+        seqlens_int, cache_seqlens = int(cache_seqlens), None
+    elif cache_seqlens is not None:
+        arrays["cache_seqlens"] = cache_seqlens
+    caller = caller_of(**arrays)
+    dtypes = NUMPY_DTYPES if caller.kind == "numpy" else GPU_DTYPES
+
+    for name, array in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_4d(name, array, "(batch, seqlen_q, nheads, headdim)" if name == "q" else
+                  "(batch_cache, seqlen_cache, nheads_k, headdim) or, paged, (num_blocks, page_size, nheads_k, headdim)")
+    dtype = _arrays.dtype_name(q)
+    if dtype not in dtypes:
+        raise TypeError(f"q must have dtype {' or '.join(dtypes)}, got {dtype}")
+    batch, seqlen_q, nheads, headdim = (int(n) for n in q.shape)
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    for name, array in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if _arrays.dtype_name(array) != dtype:
+            raise TypeError(f"{name} has dtype {_arrays.dtype_name(array)} but q has dtype {dtype}")
+    rows, seqlen_cache, nheads_k, cache_headdim = (int(n) for n in k_cache.shape)
+    if cache_headdim != headdim:
+        raise ValueError(f"k_cache has head dim {cache_headdim} but q has head dim {headdim}")
+    if nheads % nheads_k:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of k_cache's nheads ({nheads_k})")
+    if headdim > _config.MAX_HEADDIM:
+        raise ValueError(f"head dim must be at most {_config.MAX_HEADDIM}, got {headdim}")
+
+    if block_table is not None:
+        _check_index_array("block_table", block_table, 2)
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape (batch, pages per sequence) with batch = {batch}, got "
+                             f"{tuple(block_table.shape)}")
+        if seqlen_cache % PAGE_MULTIPLE:
+            raise ValueError(f"a paged k_cache's page size (its dim 1) must be a multiple of {PAGE_MULTIPLE}, got "
+                             f"{seqlen_cache}")
+        for name, value in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if value is not None:
+                raise ValueError(f"{name} does not combine with block_table (a paged cache): pass None")
+        capacity = int(block_table.shape[1]) * seqlen_cache
+    else:
+        capacity = seqlen_cache
+        if cache_batch_idx is None and rows < batch:
+            raise ValueError(f"k_cache has {rows} rows (dim 0) for a batch of {batch}: pass cache_batch_idx or a "
+                             f"cache with a row per batch entry")
+
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v come together: got k {'None' if k is None else 'an array'} and v "
+                         f"{'None' if v is None else 'an array'}")
+    seqlen_new = 0
+    if k is not None:
+        for name, array in (("k", k), ("v", v)):
+            _check_4d(name, array, "(batch, seqlen_new, nheads_k, headdim)")
+            if _arrays.dtype_name(array) != dtype:
+                raise TypeError(f"{name} has dtype {_arrays.dtype_name(array)} but q has dtype {dtype}")
+        if tuple(k.shape) != tuple(v.shape) or k.shape[0] != batch or tuple(k.shape[2:]) != (nheads_k, headdim):
+            raise ValueError(f"k and v must have shape (batch, seqlen_new, nheads_k, headdim) = ({batch}, seqlen_new, "
+                             f"{nheads_k}, {headdim}), got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        seqlen_new = int(k.shape[1])
+    if seqlen_new > capacity:
+        raise ValueError(f"k has {seqlen_new} new tokens but the cache holds {capacity} per sequence")
+
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin come together: pass both or neither")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos and rotary_sin rotate the new keys: they need k and v")
+        for name, table in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if len(table.shape) != 2 or table.shape[1] < 1 or 2 * table.shape[1] > headdim:
+                raise ValueError(f"{name} must be 2-D (seqlen_ro, rotary_dim / 2) with rotary_dim <= headdim = "
+                                 f"{headdim}, got shape {tuple(table.shape)}")
+            if _arrays.dtype_name(table) not in (dtype, "float32"):
+                raise TypeError(f"{name} must have q's dtype ({dtype}) or float32, got {_arrays.dtype_name(table)}")
+            check_last_dim_contiguous(name, table)
+        if tuple(rotary_cos.shape) != tuple(rotary_sin.shape):
+            raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and "
+                             f"{tuple(rotary_sin.shape)}")
+    rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
+    if isinstance(num_splits, (bool, numpy.bool_)) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 picks it), got {num_splits!r}")
+
+    for name, value in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                        ("cache_leftpad", cache_leftpad)):
+        if value is not None:
+            _check_index_array(name, value, 1)
+            if tuple(value.shape) != (batch,):
+                raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(value.shape)}")
+    for name, array in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if array is not None:
+            check_last_dim_contiguous(name, array)
+    if seqlens_int is not None and seqlens_int + seqlen_new > capacity:
+        raise ValueError(f"cache_seqlens ({seqlens_int}) + the {seqlen_new} new tokens exceed the cache's "
+                         f"{capacity} positions per sequence")
+    if cache_seqlens is None and seqlens_int is None and seqlen_new:
+        raise ValueError("k and v are appended at cache_seqlens: pass cache_seqlens (without it the cache is full)")
+
+    shape = Shape(batch, nheads, nheads_k, seqlen_q, capacity, headdim)
+    call = Call("kvcache", caller, shape, dtype, check_scale(softmax_scale, headdim), check_flag("causal", causal), {})
+    for option in options.for_call("kvcache"):
+        call.checked[option.name] = option.check(given[option.name], call)
+    cache = KVCache(k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, seqlens_int, cache_batch_idx,
+                    cache_leftpad, block_table, rotary_interleaved, int(num_splits), capacity, seqlen_new)
+    if reads_device_values(caller):
+        _check_kvcache_values(call, cache, rows)
+    return call, cache
+
+
+def _is_array(value):
+    return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+def _check_4d(name, array, layout):
+    if not _is_array(array):
+        raise TypeError(f"{name} must be an array, got {type(array).__name__}")
+    if len(array.shape) != 4:
+        raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(array.shape)}")
+    if 0 in tuple(array.shape):
+        raise ValueError(f"{name} has an empty dimension: shape {tuple(array.shape)}")
+
+
+def _check_index_array(name, array, ndim):
+    if not _is_array(array):
+        raise TypeError(f"{name} must be an int32 array, got {type(array).__name__}")
+    if _arrays.dtype_name(array) != "int32":
+        raise TypeError(f"{name} must be an int32 array, got dtype {_arrays.dtype_name(array)}")
+    if len(array.shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(array.shape)}")
+
+
+def _check_kvcache_values(call, cache, rows):
+    """The values of the lengths, indices and block table, read on the host (a GPU array waits for
+    the work that computes it)."""
+    caller, batch = call.caller, call.shape.batch
+    host = lambda array: None if array is None else numpy.asarray(_arrays.to_host(array, caller))  # noqa: E731
+    if cache.cache_seqlens is not None:
+        lengths = host(cache.cache_seqlens).astype(numpy.int64)
+    else:
+        full = cache.capacity - cache.seqlen_new if cache.seqlens_int is None else cache.seqlens_int
+        lengths = numpy.full(batch, full, numpy.int64)
+    ends = lengths + cache.seqlen_new
+    for b in range(batch):
+        if lengths[b] < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got cache_seqlens[{b}] = {lengths[b]}")
+        if ends[b] > cache.capacity:
+            raise ValueError(f"cache_seqlens[{b}] ({lengths[b]}) + the {cache.seqlen_new} new tokens exceed the "
+                             f"cache's {cache.capacity} positions per sequence")
+    index = host(cache.cache_batch_idx)
+    if index is not None and ((index < 0) | (index >= rows)).any():
+        b = int(numpy.argmax((index < 0) | (index >= rows)))
+        raise ValueError(f"cache_batch_idx must index k_cache's {rows} rows, got cache_batch_idx[{b}] = {index[b]}")
+    leftpad = host(cache.cache_leftpad)
+    if leftpad is not None and ((leftpad < 0) | (leftpad > lengths)).any():
+        b = int(numpy.argmax((leftpad < 0) | (leftpad > lengths)))
+        raise ValueError(f"cache_leftpad must be in [0, cache_seqlens], got cache_leftpad[{b}] = {leftpad[b]} with "
+                         f"cache_seqlens[{b}] = {lengths[b]}")
+    table = host(cache.block_table)
+    if table is not None:
+        page_size, blocks = cache.k_cache.shape[1], cache.k_cache.shape[0]
+        for b in range(batch):
+            used = table[b, :-(-int(ends[b]) // page_size)]
+            if ((used < 0) | (used >= blocks)).any():
+                p = int(numpy.argmax((used < 0) | (used >= blocks)))
+                raise ValueError(f"block_table[{b}, {p}] = {used[p]} is not a block of k_cache (0 .. {blocks - 1})")
+    if cache.rotary_cos is not None:
+        last = int((lengths + max(cache.seqlen_new, call.shape.seqlen_q if call.local else 1)).max())
+        if cache.rotary_cos.shape[0] < last:
+            raise ValueError(f"rotary_cos and rotary_sin have {cache.rotary_cos.shape[0]} rows, but positions up to "
+                             f"{last - 1} are rotated (cache_seqlens + the new tokens, or + seqlen_q for q)")

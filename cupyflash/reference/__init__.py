@@ -36,11 +36,14 @@ whose docstring gives the order of the options) and one block-skipping rule
     the tolerance yardstick for GPU tests.
 Variable-length (packed) batches, flash_attn's varlen layout, run every sequence as its own
 batch-1 problem through the naive or low-precision functions: attention_*_varlen(_lowp) (varlen.py).
+flash_attn_with_kvcache's append, rotary and attention over a (paged) cache: kvcache_attention
+(kvcache.py).
 Dropout's Philox generator is philox.py. Argument checks are the package's (cupyflash.validate,
 cupyflash.options); this package only computes.
 """
 
 from ._common import LN2, LOG2E, key_block_range, query_block_range, scaled_scores, score_bias, visible
+from .kvcache import kvcache_attention, rotate
 from .lowp import attention_backward_lowp, attention_forward_lowp, round_to
 from .naive import attention_backward, attention_forward
 from .philox import dropout_keep_mask, philox4x32_10
@@ -54,4 +57,5 @@ __all__ = ["attention_forward", "attention_backward", "attention_forward_tiled",
            "attention_forward_lowp", "attention_backward_lowp", "attention_forward_varlen",
            "attention_backward_varlen", "attention_forward_varlen_lowp", "attention_backward_varlen_lowp",
            "visible", "key_block_range", "query_block_range", "scaled_scores", "score_bias", "round_to",
-           "philox4x32_10", "dropout_keep_mask", "dropout_keep_threshold", "window_bounds", "LOG2E", "LN2"]
+           "philox4x32_10", "dropout_keep_mask", "dropout_keep_threshold", "window_bounds", "LOG2E", "LN2",
+           "kvcache_attention", "rotate"]

@@ -1,0 +1,304 @@
+"""flash_attn_with_kvcache on the NumPy path (CPU): the append into the caches (in place, dense and
+paged), rotary (interleaved and half-split, on keys and queries at their positions), cache_batch_idx,
+cache_leftpad, GQA and the options, against a naive float64 attention written here from the
+documented semantics; and the argument checks, each error naming its argument."""
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash._arrays import bfloat16_dtype
+
+RNG_SEED = 21
+
+
+def _rotated(x, cos, sin, positions, interleaved):
+    """x (seqlen, nheads, headdim) with pairs of its first 2 * cos.shape[1] dims multiplied, as
+    complex numbers, by cos + i sin at each row's position."""
+    x = np.array(x, np.float64)
+    half = cos.shape[1]
+    if interleaved:
+        first, second = slice(0, 2 * half, 2), slice(1, 2 * half, 2)
+    else:
+        first, second = slice(0, half), slice(half, 2 * half)
+    turn = (np.asarray(cos, np.float64) + 1j * np.asarray(sin, np.float64))[positions][:, None, :]
+    pairs = (x[..., first] + 1j * x[..., second]) * turn
+    x[..., first], x[..., second] = pairs.real, pairs.imag
+    return x
+
+
+def _attention(q, k, v, scale, causal, window, softcap, slopes):
+    """Naive attention of one sequence: q (sq, h, d), k and v (sk, hk, d) in float64; (out, lse)."""
+    sq, h, d = q.shape
+    sk, hk = k.shape[:2]
+    out, lse = np.zeros((sq, h, d)), np.full((h, sq), -np.inf)
+    for head in range(h):
+        kv = head // (h // hk)
+        s = q[:, head] @ k[:, kv].T * scale
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+        diagonal = i + sk - sq
+        if slopes is not None:
+            s = s - slopes[head] * np.abs(diagonal - j)
+        left, right = window
+        seen = np.ones((sq, sk), bool)
+        if causal:
+            seen &= j <= diagonal
+        if left >= 0:
+            seen &= j >= diagonal - left
+        if right >= 0:
+            seen &= j <= diagonal + right
+        s = np.where(seen, s, -np.inf)
+        for row in range(sq):
+            if seen[row].any():
+                m = s[row].max()
+                e = np.exp(s[row] - m)
+                out[row, head] = e @ v[:, kv] / e.sum()
+                lse[head, row] = m + np.log(e.sum())
+    return out, lse
+
+
+def _expected(q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, interleaved, scale, causal,
+              window, softcap, alibi):
+    """(out, lse, k_cache, v_cache after the append) from the documented semantics, on dense caches."""
+    k_cache, v_cache = k_cache.copy(), v_cache.copy()
+    batch, sq, h, d = q.shape
+    out, lse = np.zeros(q.shape), np.zeros((batch, h, sq))
+    local = causal or tuple(window) != (-1, -1)
+    for b in range(batch):
+        row = b if batch_idx is None else batch_idx[b]
+        start = 0 if leftpad is None else leftpad[b]
+        length = int(seqlens[b])
+        qb = np.asarray(q[b], np.float64)
+        if k is not None:
+            new = np.arange(length, length + k.shape[1])
+            kb = k[b]
+            if cos is not None:
+                kb = _rotated(kb, cos, sin, new, interleaved)
+                qb = _rotated(qb, cos, sin, length + (np.arange(sq) if local else np.zeros(sq, int)), interleaved)
+            k_cache[row, new] = np.asarray(kb, np.float64).astype(k_cache.dtype)
+            v_cache[row, new] = v[b]
+            length += k.shape[1]
+        keys = slice(start, length)
+        slopes = None if alibi is None else (alibi[b] if alibi.ndim == 2 else alibi)
+        out[b], lse[b] = _attention(qb, np.asarray(k_cache[row, keys], np.float64),
+                                    np.asarray(v_cache[row, keys], np.float64), scale, causal, window, softcap, slopes)
+    return out, lse, k_cache, v_cache
+
+
+def _case(batch=3, seqlen_q=1, nheads=4, nheads_k=2, headdim=40, capacity=70, seqlen_new=None, rotary_dim=0,
+          dtype=np.float64, seed=RNG_SEED):
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
+    case = dict(q=draw(batch, seqlen_q, nheads, headdim), k_cache=draw(batch, capacity, nheads_k, headdim),
+                v_cache=draw(batch, capacity, nheads_k, headdim))
+    new = seqlen_q if seqlen_new is None else seqlen_new
+    if new:
+        case.update(k=draw(batch, new, nheads_k, headdim), v=draw(batch, new, nheads_k, headdim))
+    longest = capacity - new
+    case["cache_seqlens"] = rng.integers(0, longest + 1, batch).astype(np.int32)
+    if rotary_dim:
+        angles = rng.uniform(0, 2 * np.pi, (capacity + seqlen_q, rotary_dim // 2))
+        case.update(rotary_cos=np.cos(angles).astype(dtype), rotary_sin=np.sin(angles).astype(dtype))
+    return case, rng
+
+
+def _check(case, **options):
+    """Runs flash_attn_with_kvcache on copies of the case's caches, compares out, lse and the caches
+    after the append with _expected, and returns them."""
+    got_k, got_v = case["k_cache"].copy(), case["v_cache"].copy()
+    args = {name: value for name, value in case.items() if name not in ("k_cache", "v_cache")}
+    out, lse = cupyflash.flash_attn_with_kvcache(k_cache=got_k, v_cache=got_v, return_softmax_lse=True, **args,
+                                                 **options)
+    headdim = case["q"].shape[-1]
+    scale = options.get("softmax_scale") or headdim ** -0.5
+    want = _expected(case["q"], case["k_cache"], case["v_cache"], case.get("k"), case.get("v"),
+                     case.get("rotary_cos"), case.get("rotary_sin"), np.broadcast_to(case["cache_seqlens"],
+                                                                                     case["q"].shape[:1]),
+                     options.get("cache_batch_idx"), options.get("cache_leftpad"),
+                     options.get("rotary_interleaved", True), scale, options.get("causal", False),
+                     options.get("window_size", (-1, -1)), options.get("softcap", 0.0), options.get("alibi_slopes"))
+    exact = case["q"].dtype == np.float64
+    tolerance = 1e-10 if exact else 2e-2
+    np.testing.assert_allclose(np.asarray(out, np.float64), want[0], atol=tolerance, rtol=tolerance)
+    np.testing.assert_allclose(lse, want[1], atol=tolerance, rtol=tolerance)
+    # The caches: what was appended (rotated in float64 two ways, then rounded to the cache's dtype:
+    # a last-place difference either way), and every other row exactly.
+    unit = 1e-14 if exact else 2.0 ** -8
+    appended = np.zeros(got_k.shape[:2], bool)
+    if case.get("k") is not None:
+        for b, length in enumerate(np.broadcast_to(case["cache_seqlens"], case["q"].shape[:1])):
+            row = b if options.get("cache_batch_idx") is None else options["cache_batch_idx"][b]
+            appended[row, length:length + case["k"].shape[1]] = True
+    for name, got, expected in zip(("k_cache", "v_cache"), (got_k, got_v), want[2:]):
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(expected, np.float64), rtol=unit, atol=unit)
+        assert np.array_equal(got[~appended], case[name][~appended]), f"{name}: a row that was not appended changed"
+    return out, lse, got_k, got_v
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 0), (1, 1), (4, 4), (16, 16), (33, 33), (3, 5)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_append_and_attend_against_naive(seqlen_q, seqlen_new, causal):
+    """Decode (seqlen_q 1), speculative (4, 16), chunked prefill (33) and more new keys than queries,
+    with GQA and per-sequence lengths; the cache rows past the new tokens are left alone."""
+    case, _ = _case(seqlen_q=seqlen_q, seqlen_new=seqlen_new)
+    _check(case, causal=causal)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("rotary_dim", [40, 16, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rotary_on_new_keys_and_queries(interleaved, rotary_dim, causal):
+    """GPT-J (interleaved) and GPT-NeoX (half-split) rotary over all or part of the head dim; q turns
+    at cache_seqlens + i when causal, all at cache_seqlens otherwise."""
+    case, _ = _case(seqlen_q=4, rotary_dim=rotary_dim)
+    _check(case, causal=causal, rotary_interleaved=interleaved)
+
+
+def test_rotary_with_a_window_turns_queries_at_their_positions():
+    case, _ = _case(seqlen_q=5, rotary_dim=8)
+    _check(case, window_size=(6, 2))
+
+
+@pytest.mark.parametrize("options", [dict(window_size=(7, 0)), dict(window_size=(3, 2), causal=False),
+                                     dict(softcap=1.5, causal=True), dict(softmax_scale=0.3),
+                                     dict(alibi_slopes="heads", causal=True), dict(alibi_slopes="batch")])
+def test_options(options):
+    case, rng = _case(seqlen_q=6)
+    options = dict(options)
+    if options.get("alibi_slopes") == "heads":
+        options["alibi_slopes"] = rng.uniform(0.1, 0.6, 4).astype(np.float64)
+    elif options.get("alibi_slopes") == "batch":
+        options["alibi_slopes"] = rng.uniform(0.1, 0.6, (3, 4)).astype(np.float64)
+    _check(case, **options)
+
+
+def test_cache_batch_idx_and_leftpad():
+    """Batch entries read and write cache rows given by cache_batch_idx (of a cache with spare rows),
+    and attend from cache_leftpad on: positions, masks and ALiBi count from there."""
+    case, rng = _case(seqlen_q=2, rotary_dim=8)
+    spare = rng.standard_normal((2,) + case["k_cache"].shape[1:])
+    case["k_cache"] = np.concatenate([case["k_cache"], spare])
+    case["v_cache"] = np.concatenate([case["v_cache"], spare + 1])
+    index = np.array([4, 0, 2], np.int32)
+    leftpad = np.minimum(case["cache_seqlens"], np.array([3, 0, 9])).astype(np.int32)
+    out, _, k_cache, _ = _check(case, causal=True, cache_batch_idx=index, cache_leftpad=leftpad,
+                                alibi_slopes=np.full(4, 0.25))
+    untouched = [1, 3]
+    assert np.array_equal(k_cache[untouched], case["k_cache"][untouched])
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_a_paged_cache_gives_the_dense_results(page_size):
+    """The same sequences in a paged cache (pages shuffled among spare blocks through block_table) give
+    the dense cache's out and lse, and the append lands in the right page rows."""
+    case, rng = _case(seqlen_q=3, capacity=4 * page_size, rotary_dim=8)
+    batch, capacity, nheads_k, headdim = case["k_cache"].shape
+    pages = capacity // page_size
+    blocks = batch * pages + 5
+    table = rng.permutation(blocks)[:batch * pages].reshape(batch, pages).astype(np.int32)
+    paged = {}
+    for name in ("k_cache", "v_cache"):
+        store = rng.standard_normal((blocks, page_size, nheads_k, headdim))
+        store[table] = case[name].reshape(batch, pages, page_size, nheads_k, headdim)
+        paged[name] = store
+    dense = _check(case, causal=True)
+    args = {name: value for name, value in case.items() if name not in ("k_cache", "v_cache")}
+    out, lse = cupyflash.flash_attn_with_kvcache(**paged, **args, block_table=table, causal=True,
+                                                 return_softmax_lse=True)
+    np.testing.assert_array_equal(out, dense[0])
+    np.testing.assert_array_equal(lse, dense[1])
+    for name, cache in zip(("k_cache", "v_cache"), dense[2:]):
+        assert np.array_equal(paged[name][table].reshape(cache.shape), cache)
+
+
+def test_an_int_length_an_empty_sequence_and_a_full_cache():
+    case, _ = _case(seqlen_q=2, seqlen_new=0)
+    case["cache_seqlens"] = np.array([0, 5, 70], np.int32)
+    out, lse, _, _ = _check(case, causal=True)
+    assert (out[0] == 0).all() and np.isneginf(lse[0]).all()  # no key: out 0, lse -inf
+    case, _ = _case(seqlen_q=2)
+    case["cache_seqlens"] = 11
+    _check(case)
+    case, _ = _case(seqlen_q=2, seqlen_new=0)
+    del case["cache_seqlens"]  # the whole cache
+    _check(dict(case, cache_seqlens=np.full(3, 70, np.int32)))
+    full = cupyflash.flash_attn_with_kvcache(case["q"], case["k_cache"], case["v_cache"])
+    np.testing.assert_array_equal(full, cupyflash.flash_attn_with_kvcache(
+        case["q"], case["k_cache"], case["v_cache"], cache_seqlens=70))
+
+
+def test_low_precision_caches_hold_the_rounded_appended_keys():
+    """bfloat16 arrays: the appended (rotated) keys land in the cache rounded to bfloat16, and the
+    attention reads them from there; the result comes back in q's dtype."""
+    case, _ = _case(seqlen_q=2, rotary_dim=8, dtype=bfloat16_dtype())
+    out, _, _, _ = _check(case, causal=True)
+    assert out.dtype == bfloat16_dtype()
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: a clear exception naming the argument.
+
+def _bad(case, error, match, **changes):
+    args = dict(case)
+    args.update(changes)
+    for name in [n for n, value in changes.items() if value is None]:
+        args[name] = None
+    with pytest.raises(error, match=match):
+        cupyflash.flash_attn_with_kvcache(**args)
+
+
+def test_bad_input_names_the_argument():
+    case, rng = _case(seqlen_q=2, rotary_dim=8)
+    f64 = np.float64
+    _bad(case, ValueError, "exceed the cache", cache_seqlens=np.array([0, 69, 3], np.int32))
+    _bad(case, ValueError, "exceed the cache", cache_seqlens=69)
+    _bad(case, ValueError, "cache_seqlens must be >= 0", cache_seqlens=np.array([0, -1, 3], np.int32))
+    _bad(case, ValueError, "cache_seqlens must be >= 0", cache_seqlens=-2)
+    _bad(case, TypeError, "cache_seqlens must be an int32 array", cache_seqlens=np.zeros(3, np.int64))
+    _bad(case, ValueError, r"cache_seqlens must have shape \(batch,\)", cache_seqlens=np.zeros(4, np.int32))
+    _bad(case, TypeError, "cache_seqlens must be an int or", cache_seqlens=2.0)
+    _bad(case, ValueError, "k_cache and v_cache must have the same shape", v_cache=case["v_cache"][:, :60])
+    _bad(case, TypeError, "k_cache has dtype float32", k_cache=case["k_cache"].astype(np.float32))
+    _bad(case, ValueError, "k_cache has head dim", k_cache=case["k_cache"][..., :32], v_cache=case["v_cache"][..., :32])
+    _bad(case, ValueError, "multiple of k_cache's nheads", k_cache=case["k_cache"][:, :, :1].repeat(3, 2),
+         v_cache=case["v_cache"][:, :, :1].repeat(3, 2))
+    _bad(case, ValueError, "k_cache has 2 rows", k_cache=case["k_cache"][:2], v_cache=case["v_cache"][:2])
+    _bad(case, ValueError, "k and v come together", v=None)
+    _bad(case, ValueError, "k and v must have shape", k=case["k"][:, :, :1], v=case["v"][:, :, :1])
+    _bad(case, TypeError, "k has dtype", k=case["k"].astype(np.float32))
+    _bad(case, ValueError, "rotary_cos and rotary_sin come together", rotary_sin=None)
+    _bad(case, ValueError, "rotary_cos and rotary_sin have 2 rows", rotary_cos=case["rotary_cos"][:2],
+         rotary_sin=case["rotary_sin"][:2])
+    _bad(case, ValueError, r"rotary_cos must be 2-D \(seqlen_ro, rotary_dim / 2\)",
+         rotary_cos=np.ones((80, 21), f64), rotary_sin=np.ones((80, 21), f64))
+    _bad(case, ValueError, "they need k and v", k=None, v=None)
+    _bad(case, ValueError, "k and v are appended at cache_seqlens", cache_seqlens=None)
+    _bad(case, ValueError, "cache_batch_idx must index k_cache's 3 rows", cache_batch_idx=np.array([0, 3, 1], np.int32))
+    _bad(case, TypeError, "cache_batch_idx must be a CuPy, PyTorch or JAX array", cache_batch_idx=[0, 1, 2])
+    _bad(case, ValueError, r"cache_leftpad must be in \[0, cache_seqlens\]",
+         cache_leftpad=case["cache_seqlens"] + np.int32(1))
+    _bad(case, TypeError, "rotary_interleaved must be a bool", rotary_interleaved=1)
+    _bad(case, ValueError, "num_splits must be an int >= 0", num_splits=-1)
+    _bad(case, TypeError, "q must be a CuPy, PyTorch or JAX array", q=[1.0])
+    _bad(case, ValueError, "window_size", window_size=(1, 2, 3))
+    _bad(case, ValueError, "softcap", softcap=-1.0)
+    _bad(case, ValueError, "alibi_slopes must have shape", alibi_slopes=np.ones(3, np.float64))
+
+
+def test_bad_paged_input_names_the_argument():
+    case, rng = _case(seqlen_q=1, capacity=32)
+    paged = dict(case, k_cache=case["k_cache"].reshape(6, 16, 2, 40), v_cache=case["v_cache"].reshape(6, 16, 2, 40),
+                 block_table=np.arange(6, dtype=np.int32).reshape(3, 2))
+    cupyflash.flash_attn_with_kvcache(**paged)
+    _bad(paged, TypeError, "block_table must be an int32 array", block_table=paged["block_table"].astype(np.int64))
+    _bad(paged, ValueError, r"block_table must have shape \(batch, pages per sequence\)",
+         block_table=paged["block_table"][:2])
+    _bad(paged, ValueError, r"block_table\[1, 0\] = 9 is not a block", block_table=np.array([[0, 1], [9, 3], [4, 5]],
+                                                                                            np.int32))
+    _bad(paged, ValueError, "page size .* multiple of 16", k_cache=case["k_cache"].reshape(12, 8, 2, 40),
+         v_cache=case["v_cache"].reshape(12, 8, 2, 40))
+    _bad(paged, ValueError, "cache_leftpad does not combine with block_table", cache_leftpad=np.zeros(3, np.int32))
+    _bad(paged, ValueError, "cache_batch_idx does not combine with block_table",
+         cache_batch_idx=np.arange(3, dtype=np.int32))

@@ -30,7 +30,8 @@ if not hasattr(torch.library, "custom_op"):
     raise ImportError(f"cupyflash.torch needs PyTorch 2.4 or newer (torch.library.custom_op); found {torch.__version__}")
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
-           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "draw_dropout_seed"]
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
+           "draw_dropout_seed"]
 
 Tensor = torch.Tensor
 
@@ -76,11 +77,12 @@ def _empty(like, shape=None, dtype=None):
 _KIND_ANNOTATIONS = {"flag": bool, "real": float, "array": Optional[Tensor], "seed": Optional[Tensor]}
 
 
-def _option_parameters(varlen):
-    """The ops' option arguments as inspect.Parameters, in table order."""
+def _option_parameters(varlen, pass_=None):
+    """The ops' option arguments as inspect.Parameters, in table order: those of either pass, or
+    of `pass_` alone."""
     params = []
     for option in options.OPTIONS:
-        if varlen and not option.varlen:
+        if (varlen and not option.varlen) or (pass_ is not None and pass_ not in option.passes):
             continue
         if option.kind == "pair":
             params += [_parameter(part, int, value) for part, value in zip(option.parts, option.default)]
@@ -474,6 +476,65 @@ _apply_resolved = _bare_apply(_ResolvedFunction)
 
 
 # --------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache: a custom op that writes the caches in place (inference: no gradient).
+
+_KVCACHE_TENSORS = ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad",
+                    "block_table")
+
+
+def _numpy_view(t):
+    """A NumPy array sharing a CPU tensor's memory (bfloat16 through its bits), so that the NumPy
+    path's in-place writes land in the tensor."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(bfloat16_dtype())
+    return t.numpy()
+
+
+def _kvcache_implementation(a):
+    """The op's results for its bound arguments: (out, lse), the caches written in place."""
+    caches = [a[name] if a[name].is_cuda else _numpy_view(a[name]) for name in ("k_cache", "v_cache")]
+    given = {}
+    for option in options.for_call("kvcache"):
+        value = (tuple(a[part] for part in option.parts) if option.kind == "pair" else a[option.name])
+        given[option.name] = _to_core(value) if option.kind == "array" else value
+    out, lse = api.flash_attn_with_kvcache(
+        _to_core(a["q"]), *caches, *(_to_core(a[name]) for name in _KVCACHE_TENSORS),
+        softmax_scale=a["softmax_scale"], causal=a["causal"], rotary_interleaved=a["rotary_interleaved"],
+        num_splits=a["num_splits"], return_softmax_lse=True, **given)
+    return _from_core(out), _from_core(lse)
+
+
+def _kvcache_fake(a):
+    q = a["q"]
+    lse_dtype = getattr(torch, validate.lse_dtype(str(q.dtype).replace("torch.", "")))
+    return _empty(q), _empty(q, (q.shape[0], q.shape[2], q.shape[1]), lse_dtype)
+
+
+def _kvcache_op():
+    params = [_parameter(name, Tensor) for name in ("q", "k_cache", "v_cache")]
+    params += [_parameter("softmax_scale", float), _parameter("causal", bool)]
+    params += [_parameter(name, Optional[Tensor], None) for name in _KVCACHE_TENSORS]
+    params += _option_parameters(False, "kvcache")
+    params += [_parameter("rotary_interleaved", bool, True), _parameter("num_splits", int, 0)]
+    signature = inspect.Signature(params, return_annotation=tuple[Tensor, Tensor])
+
+    def bound(method):
+        def function(*args, **kwargs):
+            arguments = signature.bind(*args, **kwargs)
+            arguments.apply_defaults()
+            return method(arguments.arguments)
+        function.__signature__ = signature
+        return function
+    op = torch.library.custom_op("cupyflash::flash_attn_with_kvcache", bound(_kvcache_implementation),
+                                 mutates_args=("k_cache", "v_cache"))
+    op.register_fake(bound(_kvcache_fake))
+    return op
+
+
+_kvcache = _kvcache_op()
+
+
+# --------------------------------------------------------------------------------------------
 # Drop-in functions with flash_attn's signatures.
 
 _SEED_BOUND = 2 ** 63 - 1  # seeds are int64 tensors: keys in [0, 2**63 - 1)
@@ -632,6 +693,35 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         deterministic=deterministic), varlen=True)
     out, lse = _varlen_attention(arguments)
     return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash_attn.flash_attn_with_kvcache: attention of q over the caches after appending k and v
+    to them in place (cupyflash.flash_attn_with_kvcache has the semantics). A custom op that
+    declares the caches it writes, so torch.compile keeps the writes; no gradient. CPU tensors
+    run the NumPy reference; CUDA tensors wait for the GPU kernels (NotImplementedError)."""
+    for name, value in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    tensors = dict(k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
+                   cache_leftpad=cache_leftpad, block_table=block_table, alibi_slopes=alibi_slopes)
+    for name, value in tensors.items():
+        _check_tensor(name, value)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((q.shape[0],), validate.check_seqlens_int(cache_seqlens), dtype=torch.int32,
+                                   device=q.device)
+    left, right = options.window_bounds(False, window_size)
+    out, lse = _kvcache(q, k_cache, v_cache, validate.check_scale(softmax_scale, q.shape[-1]),
+                        validate.check_flag("causal", causal), k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                        cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                        block_table=block_table, window_left=left, window_right=right,
+                        softcap=_number("softcap", softcap), alibi_slopes=alibi_slopes,
+                        rotary_interleaved=validate.check_flag("rotary_interleaved", rotary_interleaved),
+                        num_splits=validate.check_num_splits(num_splits))
+    return (out, lse) if validate.check_flag("return_softmax_lse", return_softmax_lse) else out
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,

@@ -370,11 +370,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
             arrays[name] = value
     seqlens_int = None
     if cache_seqlens is not None and not _is_array(cache_seqlens):
-        if isinstance(cache_seqlens, (bool, numpy.bool_)) or not isinstance(cache_seqlens, numbers.Integral):
-            raise TypeError(f"cache_seqlens must be an int or an int32 array of shape (batch,), got {cache_seqlens!r}")
-        if cache_seqlens < 0:
-            raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
-        seqlens_int, cache_seqlens = int(cache_seqlens), None
+        seqlens_int, cache_seqlens = check_seqlens_int(cache_seqlens), None
     elif cache_seqlens is not None:
         arrays["cache_seqlens"] = cache_seqlens
     caller = caller_of(**arrays)
@@ -451,8 +447,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
             raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and "
                              f"{tuple(rotary_sin.shape)}")
     rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
-    if isinstance(num_splits, (bool, numpy.bool_)) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 picks it), got {num_splits!r}")
+    num_splits = check_num_splits(num_splits)
 
     for name, value in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                         ("cache_leftpad", cache_leftpad)):
@@ -478,6 +473,21 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     if reads_device_values(caller):
         _check_kvcache_values(call, cache, rows)
     return call, cache
+
+
+def check_seqlens_int(cache_seqlens):
+    """An int cache_seqlens (every sequence's length)."""
+    if isinstance(cache_seqlens, (bool, numpy.bool_)) or not isinstance(cache_seqlens, numbers.Integral):
+        raise TypeError(f"cache_seqlens must be an int or an int32 array of shape (batch,), got {cache_seqlens!r}")
+    if not 0 <= cache_seqlens < 2 ** 31:
+        raise ValueError(f"cache_seqlens must be >= 0 (and an int32), got {cache_seqlens}")
+    return int(cache_seqlens)
+
+
+def check_num_splits(num_splits):
+    if isinstance(num_splits, (bool, numpy.bool_)) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 picks it), got {num_splits!r}")
+    return int(num_splits)
 
 
 def _is_array(value):

@@ -47,9 +47,10 @@ import numpy
 
 from . import _arrays, _config, _xla_ffi, api, options, validate
 
-__all__ = ["flash_attn", "flash_attn_varlen", "forward_with_lse", "varlen_forward_with_lse"]
+__all__ = ["flash_attn", "flash_attn_varlen", "forward_with_lse", "varlen_forward_with_lse", "flash_attn_with_kvcache"]
 
 _FORWARD, _BACKWARD = "cupyflash_flash_attn_fwd", "cupyflash_flash_attn_bwd"
+_KVCACHE = "cupyflash_flash_attn_with_kvcache"
 _VARLEN_FORWARD, _VARLEN_BACKWARD = "cupyflash_flash_attn_varlen_fwd", "cupyflash_flash_attn_varlen_bwd"
 
 # JAX's name of the seed option (a key array rather than the core's int).
@@ -128,6 +129,70 @@ def varlen_forward_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     varlen = validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     static, operands = _prepare(q, k, v, softmax_scale, causal, given, "varlen_forward_with_lse", varlen)
     return _forward(q, k, v, operands, static)
+
+
+_KVCACHE_OPERANDS = ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad",
+                     "block_table", "alibi_slopes")  # after q, k_cache, v_cache, each where given
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash_attn_with_kvcache, functional: returns (out, k_cache, v_cache), the caches with k and v
+    appended (and lse after out with return_softmax_lse). cupyflash.flash_attn_with_kvcache has the
+    semantics. The caches are the custom call's results aliased to its operands: under jax.jit with
+    them donated (donate_argnums) XLA writes them in place. CPU arrays run the NumPy reference; the
+    GPU kernels are not built yet (the custom call fails with NotImplementedError)."""
+    if cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
+        cache_seqlens = jnp.full((q.shape[0],), validate.check_seqlens_int(cache_seqlens), jnp.int32)
+    given = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    call, cache = validate.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                         cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, given,
+                                         rotary_interleaved, num_splits, traced=True)
+    return_softmax_lse = validate.check_flag("return_softmax_lse", return_softmax_lse)
+    present = dict(k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+                   cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+                   alibi_slopes=alibi_slopes)
+    operands = [q, k_cache, v_cache] + [present[name] for name in _KVCACHE_OPERANDS if present[name] is not None]
+    attrs = {"softmax_scale": numpy.float64(call.scale), "causal": numpy.bool_(call.causal),
+             "rotary_interleaved": numpy.bool_(cache.rotary_interleaved), "num_splits": numpy.int64(cache.num_splits)}
+    for option in options.for_call("kvcache"):
+        if option.kind != "array":  # the window unfolded: causal travels on its own
+            value = options.window_bounds(False, window_size) if option.kind == "pair" else call.checked[option.name]
+            attrs.update(_encode(option, value))
+    attrs.update({f"has_{name}": numpy.bool_(True) for name in _KVCACHE_OPERANDS if present[name] is not None})
+    stats = (q.shape[0], q.shape[2], q.shape[1])
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(stats, validate.lse_dtype(call.dtype)),
+               jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    out, lse, k_cache, v_cache = jax.ffi.ffi_call(_KVCACHE, results, input_output_aliases={1: 2, 2: 3},
+                                                  vmap_method="sequential")(*operands, **attrs)
+    return (out, lse, k_cache, v_cache) if return_softmax_lse else (out, k_cache, v_cache)
+
+
+def _kvcache_cpu_handler(call):
+    """The NumPy path on XLA's CPU buffers: the caches are the results aliased to the operands, so
+    the reference appends into them in place."""
+    attrs = call.attrs
+    names = ["q", "k_cache", "v_cache"] + [name for name in _KVCACHE_OPERANDS if attrs.get(f"has_{name}")]
+    arrays = dict(zip(names, (a.numpy() for a in call.args)))
+    out, lse, k_cache, v_cache = (r.numpy() for r in call.rets)
+    for name, result in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if result.ctypes.data != arrays[name].ctypes.data:  # not aliased in place: the result starts as the operand
+            numpy.copyto(result, arrays[name])
+    given = {option.name: _decode(option, attrs) for option in options.for_call("kvcache") if option.kind != "array"}
+    results = api.flash_attn_with_kvcache(
+        arrays["q"], k_cache, v_cache, *(arrays.get(name) for name in _KVCACHE_OPERANDS[:-1]),
+        softmax_scale=float(attrs["softmax_scale"]), causal=bool(attrs["causal"]),
+        rotary_interleaved=bool(attrs["rotary_interleaved"]), num_splits=int(attrs["num_splits"]),
+        alibi_slopes=arrays.get("alibi_slopes"), return_softmax_lse=True, **given)
+    numpy.copyto(out, results[0])
+    numpy.copyto(lse, results[1])
+
+
+def _kvcache_cuda_handler(call):
+    raise NotImplementedError("flash_attn_with_kvcache has no GPU kernels yet: it runs on CPU arrays (the NumPy "
+                              "reference)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -516,6 +581,8 @@ def _register():
     for name, pass_, varlen in sorted(targets):
         for platform, make in (("cpu", _cpu_handler), ("CUDA", _cuda_handler)):
             jax.ffi.register_ffi_target(name, _xla_ffi.handler_capsule(make(name, pass_, varlen)), platform=platform)
+    for platform, handler in (("cpu", _kvcache_cpu_handler), ("CUDA", _kvcache_cuda_handler)):
+        jax.ffi.register_ffi_target(_KVCACHE, _xla_ffi.handler_capsule(handler), platform=platform)
 
 
 _register()  # once per process: the module is imported once

@@ -356,10 +356,13 @@ class KVCache:
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                  cache_leftpad, block_table, softmax_scale, causal, given, rotary_interleaved, num_splits):
+                  cache_leftpad, block_table, softmax_scale, causal, given, rotary_interleaved, num_splits,
+                  traced=False):
     """(Call, KVCache) of a flash_attn_with_kvcache call; `given` holds the options it takes
     (options.for_call("kvcache"), defaults filled in). Values in device arrays (the lengths, the
-    indices, the block table) are checked on the host where reads_device_values allows."""
+    indices, the block table) are checked on the host where reads_device_values allows. `traced`:
+    the arrays are a trace's (JAX), checked for what they are, not where or what they hold (the
+    call checks again when it runs)."""
     _config.forced_family()
     _config.forced_kernel_family()
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -373,7 +376,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         seqlens_int, cache_seqlens = check_seqlens_int(cache_seqlens), None
     elif cache_seqlens is not None:
         arrays["cache_seqlens"] = cache_seqlens
-    caller = caller_of(**arrays)
+    caller = _arrays.Caller("numpy", -1) if traced else caller_of(**arrays)
     dtypes = NUMPY_DTYPES if caller.kind == "numpy" else GPU_DTYPES
 
     for name, array in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -470,7 +473,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         call.checked[option.name] = option.check(given[option.name], call)
     cache = KVCache(k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, seqlens_int, cache_batch_idx,
                     cache_leftpad, block_table, rotary_interleaved, int(num_splits), capacity, seqlen_new)
-    if reads_device_values(caller):
+    if not traced and reads_device_values(caller):
         _check_kvcache_values(call, cache, rows)
     return call, cache
 

@@ -1,6 +1,7 @@
 """cupyflash.torch.flash_attn_with_kvcache on CPU tensors (the NumPy path): the same results as the
 core on NumPy copies, the caches written in place (bfloat16 too), opcheck of the custom op that
-declares its writes, and torch.compile keeping them.
+declares its writes, torch.compile keeping them, and greedy generation by a small Llama-style model
+with the cache (dense and paged) giving the tokens of recomputing every step.
 (The test_torch_*.py files are split by concern; test_torch_autograd.py lists them.)
 """
 
@@ -89,3 +90,75 @@ def test_bad_input_names_the_argument():
         cft.flash_attn_with_kvcache(**dict(inputs, k_cache=inputs["k_cache"].numpy()))
     with pytest.raises(ValueError, match="exceed the cache"):
         cft.flash_attn_with_kvcache(**dict(inputs, cache_seqlens=46))
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy generation with the KV cache, against recomputing the whole sequence with SDPA.
+
+SMALL_LLAMA = dict(vocab=64, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, seqlen=64)
+
+
+def _generate_recomputing(model, prompt, steps):
+    """Greedy tokens and the last logits of each step, each step running the whole sequence
+    through SDPA with rotary applied by the model's own function."""
+    from test_torch_model import sdpa_attention
+    tokens, logits = prompt, []
+    for _ in range(steps):
+        s = tokens.shape[1]
+        x = model.embed(tokens)
+        for layer in model.layers:
+            x = layer(x, model.cos[:s], model.sin[:s], sdpa_attention)
+        logits.append(model.head(model.norm(x[:, -1])))
+        tokens = torch.cat([tokens, logits[-1].argmax(-1, keepdim=True)], dim=1)
+    return tokens, logits
+
+
+def _generate_with_kvcache(model, prompt, steps, paged):
+    """The same with cupyflash's KV cache: the prompt as one chunk, then a token a step, rotary
+    (GPT-NeoX halves) applied by flash_attn_with_kvcache at the cache's positions."""
+    c = model.layers[0].c
+    batch, half = prompt.shape[0], c["head_dim"] // 2
+    capacity, page = 48, 16
+    cos, sin = model.cos[:, 0, :half], model.sin[:, 0, :half]
+    generator = torch.Generator().manual_seed(3)
+    if paged:  # each sequence's pages scattered among spare blocks
+        pages = capacity // page
+        table = torch.randperm(batch * pages + 4, generator=generator)[:batch * pages].view(batch, pages).int()
+        shape = (batch * pages + 4, page, c["kv_heads"], c["head_dim"])
+    else:
+        table, shape = None, (batch, capacity, c["kv_heads"], c["head_dim"])
+    caches = [(torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64))
+              for _ in model.layers]
+    lengths = torch.zeros(batch, dtype=torch.int32)
+    tokens, current, logits = prompt, prompt, []
+    for _ in range(steps):
+        x = model.embed(current)
+        # The layers' own rotary turned off (cos 1, sin 0: exact), flash_attn_with_kvcache rotates.
+        unturned = torch.ones_like(model.cos[:current.shape[1]]), torch.zeros_like(model.sin[:current.shape[1]])
+        for layer, (k_cache, v_cache) in zip(model.layers, caches):
+            x = layer(x, *unturned, lambda q, k, v: cft.flash_attn_with_kvcache(
+                q, k_cache, v_cache, k, v, cos, sin, cache_seqlens=lengths, block_table=table, causal=True,
+                rotary_interleaved=False))
+        logits.append(model.head(model.norm(x[:, -1])))
+        lengths = lengths + current.shape[1]
+        current = logits[-1].argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, current], dim=1)
+    return tokens, logits
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("paged", [False, True])
+def test_greedy_generation_with_the_kvcache_matches_recomputation(batch, paged):
+    """A small Llama-style model (test_torch_model's, float64) generates 16 tokens greedily after a
+    5-token prompt: with the KV cache (dense or paged) the tokens are those of recomputing every
+    step's whole sequence through SDPA, and the logits agree to float64 rounding."""
+    from test_torch_model import Decoder
+    torch.manual_seed(0)
+    model = Decoder(SMALL_LLAMA).double()
+    prompt = torch.randint(0, SMALL_LLAMA["vocab"], (batch, 5), generator=torch.Generator().manual_seed(batch))
+    with torch.no_grad():
+        want_tokens, want_logits = _generate_recomputing(model, prompt, 16)
+        tokens, logits = _generate_with_kvcache(model, prompt, 16, paged)
+    assert torch.equal(tokens, want_tokens)
+    for got, want in zip(logits, want_logits):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)

@@ -50,7 +50,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
 
 @_takes_options("fwd", varlen=True)
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                           causal=False, *, return_lse=False, **given):
+                           causal=False, *, return_lse=False, block_table=None, **given):
     """flash_attn_func over a batch of sequences of different lengths, packed without padding.
 
     q is (total_q, nheads, headdim) and k, v (total_k, nheads_k, headdim); sequence b is rows
@@ -58,11 +58,33 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (int32 arrays of length batch + 1 on q's device; empty sequences are allowed). max_seqlen_* are
     the longest lengths (ints). lse is (nheads, total_q). Masks and ALiBi are per sequence.
     The cu_seqlens are checked on the host, which waits for them to be computed.
+    With block_table (int32 (batch, pages per sequence)), k and v are a paged cache (num_blocks,
+    page_size, nheads_k, headdim), page_size a multiple of 16: sequence b's key t is in block
+    block_table[b, t // page_size] at row t % page_size, for t < cu_seqlens_k[b + 1] -
+    cu_seqlens_k[b] (prefill from a paged cache). NumPy arrays only, so far.
     """
+    if block_table is not None:
+        k, v = _unpaged(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     result = _call("fwd", dict(q=q, k=k, v=v), softmax_scale, causal, given, "flash_attn_varlen_func", varlen,
                    dropped=() if return_lse else ("lse",))
     return result if return_lse else result[0]
+
+
+def _unpaged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table):
+    """(k, v) packed as a varlen call takes them, gathered from a paged cache's pages."""
+    caller = validate.check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table)
+    if caller.kind != "numpy":
+        raise NotImplementedError("flash_attn_varlen_func with block_table has no GPU kernels yet: it runs on NumPy "
+                                  "arrays (the float64 reference)")
+    import numpy
+    cu = numpy.asarray(cu_seqlens_k, numpy.int64)
+    lengths = numpy.diff(cu)
+    sequence = numpy.repeat(numpy.arange(len(lengths)), lengths)  # of each packed key
+    position = numpy.arange(cu[-1]) - cu[sequence]                 # within its sequence
+    page = k_cache.shape[1]
+    blocks, rows = block_table[sequence, position // page], position % page
+    return k_cache[blocks, rows], v_cache[blocks, rows]
 
 
 @_takes_options("bwd", varlen=True)

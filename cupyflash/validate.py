@@ -288,8 +288,8 @@ def check_cu_seqlens(name, cu_seqlens, batch, total):
     """Checks the cumulative sequence lengths `name` (a host array); returns it as a NumPy array.
 
     It must be a 1-D int32 array of length batch + 1 (any length >= 1 when batch is None) that
-    starts at 0, never decreases and ends at total, the packed length. TypeError for a wrong
-    type or dtype, ValueError for the rest."""
+    starts at 0, never decreases and ends at total, the packed length (when total is not None).
+    TypeError for a wrong type or dtype, ValueError for the rest."""
     dtype = getattr(cu_seqlens, "dtype", None)
     if dtype is None:
         raise TypeError(f"{name} must be an int32 array, got {type(cu_seqlens).__name__}")
@@ -308,7 +308,7 @@ def check_cu_seqlens(name, cu_seqlens, batch, total):
     if (lengths < 0).any():
         b = int(numpy.argmax(lengths < 0))
         raise ValueError(f"{name} must be non-decreasing, got {name}[{b}] = {cu[b]} > {name}[{b + 1}] = {cu[b + 1]}")
-    if cu[-1] != total:
+    if total is not None and cu[-1] != total:
         raise ValueError(f"{name} must end at the packed length {total}, got {name}[-1] = {cu[-1]}")
     return cu
 
@@ -554,3 +554,39 @@ def _check_kvcache_values(call, cache, rows):
         if cache.rotary_cos.shape[0] < last:
             raise ValueError(f"rotary_cos and rotary_sin have {cache.rotary_cos.shape[0]} rows, but positions up to "
                              f"{last - 1} are rotated (cache_seqlens + the new tokens, or + seqlen_q for q)")
+
+
+def check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table):
+    """The Caller of a varlen call whose k and v are a paged cache read through block_table (the
+    varlen checks follow on the gathered arrays); the lengths and the block table are read on the host."""
+    caller = caller_of(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       block_table=block_table)
+    for name, array in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_4d(name, array, "(num_blocks, page_size, nheads_k, headdim) with block_table")
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k and v (the paged caches) must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    if k_cache.shape[1] % PAGE_MULTIPLE:
+        raise ValueError(f"a paged k's page size (its dim 1) must be a multiple of {PAGE_MULTIPLE}, got "
+                         f"{k_cache.shape[1]}")
+    _check_index_array("block_table", block_table, 2)
+    check_varlen_shapes(q, k_cache[:, 0], Varlen(cu_seqlens_q, cu_seqlens_k, 0, 0))
+    batch = cu_seqlens_q.shape[0] - 1
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table must have shape (batch, pages per sequence) with batch = {batch}, got "
+                         f"{tuple(block_table.shape)}")
+    if not reads_device_values(caller):
+        raise ValueError("flash_attn_varlen_func with block_table reads cu_seqlens_k and block_table on the host: "
+                         "not under no_host_sync or a graph capture")
+    cu = check_cu_seqlens("cu_seqlens_k", _arrays.to_host(cu_seqlens_k, caller), batch, None)
+    table = numpy.asarray(_arrays.to_host(block_table, caller))
+    page, blocks = k_cache.shape[1], k_cache.shape[0]
+    for b, length in enumerate(numpy.diff(cu.astype(numpy.int64))):
+        if length > table.shape[1] * page:
+            raise ValueError(f"sequence {b} has {length} keys (cu_seqlens_k) but block_table gives it "
+                             f"{table.shape[1]} pages of {page}")
+        used = table[b, :-(-int(length) // page)]
+        if ((used < 0) | (used >= blocks)).any():
+            p = int(numpy.argmax((used < 0) | (used >= blocks)))
+            raise ValueError(f"block_table[{b}, {p}] = {used[p]} is not a block of k (0 .. {blocks - 1})")
+    return caller

@@ -243,6 +243,33 @@ class Caller:
 
 
 
+class _StreamHandle:
+    """The CUDA stream protocol (`__cuda_stream__`) for a raw CUstream."""
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return 0, self.ptr
+
+
+_streams = {}  # (CUstream, device) -> CuPy's stream object for it
+
+
+def external_stream(ptr, device_id):
+    """CuPy's stream object for a raw CUstream (XLA's, torch's), to make it CuPy's current one."""
+    stream = _streams.get((ptr, device_id))
+    if stream is None:
+        import cupy
+        if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14 deprecates ExternalStream
+            stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+        else:
+            stream = cupy.cuda.ExternalStream(ptr, device_id)
+        if len(_streams) >= 64:
+            _streams.clear()
+        _streams[ptr, device_id] = stream
+    return stream
+
+
 def to_host(array, caller):
     """A NumPy copy of a small array (waits for the work that computes it)."""
     if caller.kind == "numpy":

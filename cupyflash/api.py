@@ -6,7 +6,7 @@ The options are keyword arguments declared in options.py; each function's signat
 docstring list those it takes.
 """
 
-from . import _plan, options, reference, validate
+from . import _kvcache, _plan, options, reference, validate
 from .validate import Varlen
 
 
@@ -121,8 +121,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     the GPU kernels (0 picks). Returns out like q, and lse (batch, nheads, seqlen_q) float32 with
     return_softmax_lse. Options as flash_attn_func's: window_size, softcap, alibi_slopes.
 
-    Runs on NumPy arrays (the float64 reference, the caches updated in place); the GPU kernels are
-    not built yet, and GPU arrays raise NotImplementedError.
+    NumPy arrays run the float64 reference; GPU arrays run array operations and the varlen kernels
+    (cupyflash/_kvcache.py: correct and graph-capturable, not yet fast), the caches updated in place
+    either way.
     """
     given = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     call, cache = validate.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
@@ -130,8 +131,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                          rotary_interleaved, num_splits)
     return_softmax_lse = validate.check_flag("return_softmax_lse", return_softmax_lse)
     if call.caller.kind != "numpy":
-        raise NotImplementedError("flash_attn_with_kvcache has no GPU kernels yet: it runs on NumPy arrays (the "
-                                  "float64 reference)")
+        return _kvcache.attention(call, cache, q, call.checked["alibi_slopes"], return_softmax_lse)
     import numpy
     seqlens = cache.cache_seqlens if cache.seqlens_int is None else numpy.full(call.shape.batch, cache.seqlens_int)
     out, lse = reference.kvcache_attention(

@@ -142,8 +142,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """flash_attn_with_kvcache, functional: returns (out, k_cache, v_cache), the caches with k and v
     appended (and lse after out with return_softmax_lse). cupyflash.flash_attn_with_kvcache has the
     semantics. The caches are the custom call's results aliased to its operands: under jax.jit with
-    them donated (donate_argnums) XLA writes them in place. CPU arrays run the NumPy reference; the
-    GPU kernels are not built yet (the custom call fails with NotImplementedError)."""
+    them donated (donate_argnums) XLA writes them in place. CPU arrays run the NumPy reference, GPU
+    arrays the core's GPU path (cupyflash/_kvcache.py) on XLA's stream."""
     if cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
         cache_seqlens = jnp.full((q.shape[0],), validate.check_seqlens_int(cache_seqlens), jnp.int32)
     given = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
@@ -170,29 +170,41 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return (out, lse, k_cache, v_cache) if return_softmax_lse else (out, k_cache, v_cache)
 
 
-def _kvcache_cpu_handler(call):
-    """The NumPy path on XLA's CPU buffers: the caches are the results aliased to the operands, so
-    the reference appends into them in place."""
-    attrs = call.attrs
-    names = ["q", "k_cache", "v_cache"] + [name for name in _KVCACHE_OPERANDS if attrs.get(f"has_{name}")]
-    arrays = dict(zip(names, (a.numpy() for a in call.args)))
-    out, lse, k_cache, v_cache = (r.numpy() for r in call.rets)
+def _kvcache_handler(platform):
+    """Runs flash_attn_with_kvcache on XLA's buffers: the NumPy path on the CPU, the GPU path on XLA's
+    device and stream. The caches are the results aliased to the operands, so the append lands in
+    them in place."""
+    def handler(call):
+        attrs = call.attrs
+        names = ["q", "k_cache", "v_cache"] + [name for name in _KVCACHE_OPERANDS if attrs.get(f"has_{name}")]
+        if platform == "cpu":
+            _run_kvcache(attrs, dict(zip(names, (a.numpy() for a in call.args))), [r.numpy() for r in call.rets])
+            return
+        import cupy
+        device, stream = _device(call), call.cuda_stream()
+        with cupy.cuda.Device(device), _arrays.external_stream(stream, device):
+            _run_kvcache(attrs, dict(zip(names, (a.cupy(device) for a in call.args))),
+                         [r.cupy(device) for r in call.rets])
+    return handler
+
+
+def _run_kvcache(attrs, arrays, results):
+    out, lse, k_cache, v_cache = results
     for name, result in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if result.ctypes.data != arrays[name].ctypes.data:  # not aliased in place: the result starts as the operand
-            numpy.copyto(result, arrays[name])
+        if _address(result) != _address(arrays[name]):  # not aliased in place: the result starts as the operand
+            result[...] = arrays[name]
     given = {option.name: _decode(option, attrs) for option in options.for_call("kvcache") if option.kind != "array"}
     results = api.flash_attn_with_kvcache(
         arrays["q"], k_cache, v_cache, *(arrays.get(name) for name in _KVCACHE_OPERANDS[:-1]),
         softmax_scale=float(attrs["softmax_scale"]), causal=bool(attrs["causal"]),
         rotary_interleaved=bool(attrs["rotary_interleaved"]), num_splits=int(attrs["num_splits"]),
         alibi_slopes=arrays.get("alibi_slopes"), return_softmax_lse=True, **given)
-    numpy.copyto(out, results[0])
-    numpy.copyto(lse, results[1])
+    out[...] = results[0]
+    lse[...] = results[1]
 
 
-def _kvcache_cuda_handler(call):
-    raise NotImplementedError("flash_attn_with_kvcache has no GPU kernels yet: it runs on CPU arrays (the NumPy "
-                              "reference)")
+def _address(array):
+    return array.ctypes.data if isinstance(array, numpy.ndarray) else array.data.ptr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,7 +490,7 @@ class _Launch:
         if not (self.dbias or plan.allocates_on(stream, self.results)):
             return plan.run(arrays, None, into, stream) is not None
         import cupy
-        with cupy.cuda.Device(device), _external_stream(stream, device):
+        with cupy.cuda.Device(device), _arrays.external_stream(stream, device):
             results = plan.run(arrays, None, into, stream)
             if results is not None and self.dbias:  # reduced by CuPy from the kernels' float32 accumulator
                 _copy(rets[3], results[3], stream)
@@ -517,7 +529,7 @@ _SIGNATURE_BYTES = _SIGNATURE.encode()
 def _new_launch(call, target, pass_, varlen, device, stream):
     import cupy
     request = _Request.of(call, target, pass_, varlen)
-    with cupy.cuda.Device(device), _external_stream(stream, device), validate.no_host_sync():
+    with cupy.cuda.Device(device), _arrays.external_stream(stream, device), validate.no_host_sync():
         plan = api.plan_of(*request.core_call([a.cupy(device) for a in call.args]))
     return _Launch(request, plan)
 
@@ -526,7 +538,7 @@ def _run_copying(request, call, device, stream):
     """The core's own path (results in CuPy arrays, then copied into XLA's): for head dims that
     are not a multiple of 8, and for buffers the plan cannot take by address."""
     import cupy
-    with cupy.cuda.Device(device), _external_stream(stream, device), validate.no_host_sync():
+    with cupy.cuda.Device(device), _arrays.external_stream(stream, device), validate.no_host_sync():
         results = request.run([a.cupy(device) for a in call.args])
         for ret, result in zip(call.ret_pointers(), results, strict=True):
             _copy(ret, cupy.ascontiguousarray(result), stream)
@@ -549,40 +561,14 @@ def _device(call):
     return 0 if _one_device() else call.device_ordinal()
 
 
-class _StreamHandle:
-    """The CUDA stream protocol (`__cuda_stream__`) for a raw CUstream."""
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return 0, self.ptr
-
-
-_streams = {}  # (CUstream, device) -> CuPy's stream object for it
-
-
-def _external_stream(ptr, device_id):
-    stream = _streams.get((ptr, device_id))
-    if stream is None:
-        import cupy
-        if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14 deprecates ExternalStream
-            stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-        else:
-            stream = cupy.cuda.ExternalStream(ptr, device_id)
-        if len(_streams) >= 64:
-            _streams.clear()
-        _streams[ptr, device_id] = stream
-    return stream
-
-
 def _register():
     targets = {(_FORWARD, "fwd", False), (_BACKWARD, "bwd", False), (_VARLEN_FORWARD, "fwd", True),
                (_VARLEN_BACKWARD, "bwd", True)}
     for name, pass_, varlen in sorted(targets):
         for platform, make in (("cpu", _cpu_handler), ("CUDA", _cuda_handler)):
             jax.ffi.register_ffi_target(name, _xla_ffi.handler_capsule(make(name, pass_, varlen)), platform=platform)
-    for platform, handler in (("cpu", _kvcache_cpu_handler), ("CUDA", _kvcache_cuda_handler)):
-        jax.ffi.register_ffi_target(_KVCACHE, _xla_ffi.handler_capsule(handler), platform=platform)
+    for platform in ("cpu", "CUDA"):
+        jax.ffi.register_ffi_target(_KVCACHE, _xla_ffi.handler_capsule(_kvcache_handler(platform)), platform=platform)
 
 
 _register()  # once per process: the module is imported once

@@ -702,7 +702,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """flash_attn.flash_attn_with_kvcache: attention of q over the caches after appending k and v
     to them in place (cupyflash.flash_attn_with_kvcache has the semantics). A custom op that
     declares the caches it writes, so torch.compile keeps the writes; no gradient. CPU tensors
-    run the NumPy reference; CUDA tensors wait for the GPU kernels (NotImplementedError)."""
+    run the NumPy reference, CUDA tensors the core's GPU path (cupyflash/_kvcache.py)."""
     for name, value in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")

@@ -276,7 +276,7 @@ def test_cuda_handler_plumbing_without_a_gpu(monkeypatch):
     monkeypatch.setattr(cfjax, "_launches", {})
     monkeypatch.setattr(cfjax, "_one_device", lambda: True)
     monkeypatch.setattr(cupy.cuda, "Device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(cfjax, "_external_stream", lambda stream, device: _entered(entered, stream))
+    monkeypatch.setattr(cfjax._arrays, "external_stream", lambda stream, device: _entered(entered, stream))
     monkeypatch.setattr(cfjax, "_copy", lambda *args: copies.append(args))
     monkeypatch.setattr(cfjax, "_run_copying", lambda request, call, device, stream: copying.append(stream))
     monkeypatch.setattr(api, "plan_of", lambda *args: planned.append(args) or plans.pop(0))

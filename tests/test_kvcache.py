@@ -352,3 +352,62 @@ def test_bad_paged_varlen_input_names_the_argument():
         call(k=k_cache.reshape(-1, 8, 2, 16), v=v_cache.reshape(-1, 8, 2, 16))
     with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
         call(cu_seqlens_k=np.array([0, 20, 7, 60], np.int32))
+
+
+# --------------------------------------------------------------------------------------------
+# The GPU path's composition (append, gather into packed arrays, the varlen call), run with NumPy
+# as its array module: its index arithmetic against the reference, without a GPU.
+
+def _composed(case, **options):
+    from cupyflash import _kvcache, validate
+    args = {name: case.get(name) for name in ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens")}
+    for name in ("cache_batch_idx", "cache_leftpad", "block_table"):
+        args[name] = options.pop(name, case.get(name))
+    given = dict(window_size=options.pop("window_size", (-1, -1)), softcap=options.pop("softcap", 0.0),
+                 alibi_slopes=options.pop("alibi_slopes", None))
+    k_cache, v_cache = case["k_cache"].copy(), case["v_cache"].copy()
+    call, cache = validate.check_kvcache(case["q"], k_cache, v_cache, args["k"], args["v"], args["rotary_cos"],
+                                         args["rotary_sin"], args["cache_seqlens"], args["cache_batch_idx"],
+                                         args["cache_leftpad"], args["block_table"], None,
+                                         options.pop("causal", False), given, options.pop("rotary_interleaved", True),
+                                         0)
+    arrays = dict(args, q=case["q"], k_cache=k_cache, v_cache=v_cache, alibi_slopes=given["alibi_slopes"])
+    out, lse = _kvcache.compose(call, cache, arrays, np)
+    return out, lse, k_cache, v_cache
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(causal=True, rotary_interleaved=False),
+                                     dict(window_size=(9, 3), softcap=2.0), dict(causal=True, alibi_slopes="batch"),
+                                     dict(causal=True, cache_batch_idx=True, cache_leftpad=True), dict(paged=16)])
+@pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (5, 5), (2, 0)])
+def test_the_gpu_composition_with_numpy_gives_the_reference(options, seqlen_q, seqlen_new):
+    """float32 inputs: the composition rotates in float32, as the GPU does; out and lse within float32
+    rounding of the reference's, the appended caches equal to one float32 unit."""
+    case, rng = _case(seqlen_q=seqlen_q, seqlen_new=seqlen_new, rotary_dim=16 if seqlen_new else 0,
+                      dtype=np.float32, capacity=64)
+    options = dict(options)
+    if options.pop("paged", None):
+        pages, blocks = 4, 3 * 4 + 2
+        table = rng.permutation(blocks)[:12].reshape(3, 4).astype(np.int32)
+        for name in ("k_cache", "v_cache"):
+            store = rng.standard_normal((blocks, 16, 2, 40)).astype(np.float32)
+            store[table] = case[name].reshape(3, pages, 16, 2, 40)
+            case[name] = store
+        options.update(causal=True, block_table=table)
+    if options.get("alibi_slopes") == "batch":
+        options["alibi_slopes"] = rng.uniform(0.1, 0.6, (3, 4)).astype(np.float32)
+    if options.pop("cache_batch_idx", None):
+        spare = rng.standard_normal((1,) + case["k_cache"].shape[1:]).astype(np.float32)
+        case["k_cache"], case["v_cache"] = (np.concatenate([case[n], spare]) for n in ("k_cache", "v_cache"))
+        options["cache_batch_idx"] = np.array([3, 0, 1], np.int32)
+    if options.pop("cache_leftpad", None):
+        options["cache_leftpad"] = np.minimum(case["cache_seqlens"], 5).astype(np.int32)
+    want_k, want_v = case["k_cache"].copy(), case["v_cache"].copy()
+    reference_args = {n: v for n, v in case.items() if n not in ("k_cache", "v_cache")}
+    want_out, want_lse = cupyflash.flash_attn_with_kvcache(k_cache=want_k, v_cache=want_v, **reference_args,
+                                                           **options, return_softmax_lse=True)
+    out, lse, k_cache, v_cache = _composed(case, **options)
+    np.testing.assert_allclose(out, want_out, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k_cache, want_k, rtol=2 ** -22, atol=2 ** -22)
+    np.testing.assert_array_equal(v_cache, want_v)

@@ -1,0 +1,160 @@
+"""flash_attn_with_kvcache on the GPU (marked `gpu`), CuPy and torch arrays: out within the
+project's 2x rule of the float64 reference (the naive low-precision yardstick computed per
+sequence on the same rotated queries and cached keys), lse likewise, and the caches appended in
+place as the NumPy path appends them (to one unit of the dtype: the GPU rotates in float32); dense
+and paged caches, cache_batch_idx, cache_leftpad, rotary both ways, decode to chunked prefill,
+and a CUDA-graph replay with new lengths written on the device."""
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import reference
+from cupyflash._arrays import bfloat16_dtype
+
+pytestmark = pytest.mark.gpu
+
+UNIT = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+
+
+def _case(rng, dtype, batch=3, seqlen_q=1, nheads=8, nheads_k=2, headdim=64, capacity=256, seqlen_new=1,
+          rotary_dim=32, paged_page=0):
+    np_dtype = bfloat16_dtype() if dtype == "bfloat16" else np.dtype(dtype)
+    draw = lambda *shape: rng.standard_normal(shape).astype(np_dtype)  # noqa: E731
+    case = dict(q=draw(batch, seqlen_q, nheads, headdim))
+    if paged_page:
+        pages = capacity // paged_page
+        blocks = batch * pages + 3
+        case.update(k_cache=draw(blocks, paged_page, nheads_k, headdim), v_cache=draw(blocks, paged_page, nheads_k, headdim),
+                    block_table=rng.permutation(blocks)[:batch * pages].reshape(batch, pages).astype(np.int32))
+    else:
+        case.update(k_cache=draw(batch, capacity, nheads_k, headdim), v_cache=draw(batch, capacity, nheads_k, headdim))
+    if seqlen_new:
+        case.update(k=draw(batch, seqlen_new, nheads_k, headdim), v=draw(batch, seqlen_new, nheads_k, headdim))
+    case["cache_seqlens"] = rng.integers(0, capacity - seqlen_new + 1, batch).astype(np.int32)
+    if rotary_dim and seqlen_new:
+        angles = rng.uniform(0, 2 * np.pi, (capacity + seqlen_q, rotary_dim // 2))
+        case.update(rotary_cos=np.cos(angles).astype(np_dtype), rotary_sin=np.sin(angles).astype(np_dtype))
+    return case
+
+
+def _yardstick(case, dtype, options):
+    """(reference out, lse, caches after the append; naive low-precision out and lse), per sequence."""
+    k_cache, v_cache = case["k_cache"].copy(), case["v_cache"].copy()
+    args = {n: v for n, v in case.items() if n not in ("k_cache", "v_cache")}
+    ref_out, ref_lse = cupyflash.flash_attn_with_kvcache(k_cache=k_cache, v_cache=v_cache, return_softmax_lse=True,
+                                                         **dict(args, q=case["q"].astype(np.float64)), **options)
+    q = np.asarray(case["q"], np.float64)
+    batch, seqlen_q = q.shape[:2]
+    local = options.get("causal", False) or options.get("window_size", (-1, -1)) != (-1, -1)
+    lengths = case["cache_seqlens"]
+    new = 0 if "k" not in case else case["k"].shape[1]
+    page = k_cache.shape[1]
+    capacity = case["block_table"].shape[1] * page if "block_table" in case else k_cache.shape[1]
+    lowp_out, lowp_lse = np.zeros(ref_out.shape), np.full(ref_lse.shape, -np.inf)
+    for b in range(batch):
+        qb = q[b]
+        if "rotary_cos" in case:
+            positions = lengths[b] + (np.arange(seqlen_q) if local else np.zeros(seqlen_q, int))
+            qb = reference.rotate(qb, case["rotary_cos"], case["rotary_sin"], positions,
+                                  options.get("rotary_interleaved", True))
+        start = 0 if options.get("cache_leftpad") is None else options["cache_leftpad"][b]
+        row = b if options.get("cache_batch_idx") is None else options["cache_batch_idx"][b]
+        rows, blocks = reference.kvcache.cache_positions(capacity, case.get("block_table"), b, page)
+        keys = np.arange(start, lengths[b] + new)
+        if not len(keys):
+            continue
+        at = (blocks[keys], rows[keys]) if "block_table" in case else (row, rows[keys])
+        kb, vb = (np.asarray(cache[at], np.float64)[None] for cache in (k_cache, v_cache))
+        slopes = options.get("alibi_slopes")
+        o, l = reference.attention_forward_lowp(qb[None], kb, vb, dtype, None, options.get("causal", False),
+                                                return_lse=True, window_size=options.get("window_size", (-1, -1)),
+                                                softcap=options.get("softcap", 0.0),
+                                                alibi_slopes=None if slopes is None else np.asarray(slopes))
+        lowp_out[b], lowp_lse[b] = o[0], l[0]
+    return ref_out, ref_lse, k_cache, v_cache, lowp_out, lowp_lse
+
+
+def _error(got, want, rows=None):
+    diff = np.abs(np.asarray(got, np.float64) - want)
+    return float((diff if rows is None else diff[rows]).max(initial=0))
+
+
+def _run_and_check(case, dtype, framework, **options):
+    import cupy
+    ref_out, ref_lse, ref_k, ref_v, lowp_out, lowp_lse = _yardstick(case, dtype, options)
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        to_device = lambda a: torch.from_dlpack(cupy.asarray(a))  # noqa: E731
+        to_host = lambda t: cupy.asnumpy(cupy.from_dlpack(t))  # noqa: E731
+    else:
+        to_device, to_host = cupy.asarray, cupy.asnumpy
+    arrays = {n: to_device(v) for n, v in case.items()}
+    device_options = {n: to_device(v) if isinstance(v, np.ndarray) else v for n, v in options.items()}
+    out, lse = cupyflash.flash_attn_with_kvcache(**arrays, **device_options, return_softmax_lse=True)
+    out, lse = to_host(out), to_host(lse)
+    floor = UNIT[dtype] * float(np.abs(ref_out).max(initial=1))
+    assert not np.isnan(np.asarray(out, np.float64)).any()
+    assert _error(out, ref_out) <= 2 * _error(lowp_out, ref_out) + floor, "out"
+    seen = ~np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), ~seen), "lse: rows without keys"
+    assert _error(lse, ref_lse, seen) <= 2 * _error(lowp_lse, ref_lse, seen) + 2.0 ** -20 * 64, "lse"
+    for name, want in (("k_cache", ref_k), ("v_cache", ref_v)):
+        got = np.asarray(to_host(arrays[name]), np.float64)
+        np.testing.assert_allclose(got, np.asarray(want, np.float64), rtol=2 * UNIT[dtype], atol=2 * UNIT[dtype],
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (4, 4), (1, 0), (33, 33)])
+def test_dense_decode_to_chunked_prefill(framework, dtype, seqlen_q, seqlen_new):
+    rng = np.random.default_rng(seqlen_q * 7 + seqlen_new)
+    case = _case(rng, dtype, seqlen_q=seqlen_q, seqlen_new=seqlen_new)
+    _run_and_check(case, dtype, framework, causal=True)
+
+
+@pytest.mark.parametrize("page", [16, 256])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_paged_caches_and_rotary(page, interleaved):
+    rng = np.random.default_rng(page + interleaved)
+    case = _case(rng, "bfloat16", seqlen_q=3, seqlen_new=3, capacity=512, paged_page=page)
+    _run_and_check(case, "bfloat16", "cupy", causal=True, rotary_interleaved=interleaved)
+
+
+def test_batch_index_leftpad_and_options():
+    rng = np.random.default_rng(11)
+    case = _case(rng, "bfloat16", batch=4, seqlen_q=2, seqlen_new=2, headdim=40, rotary_dim=40)
+    spare = rng.standard_normal((2,) + case["k_cache"].shape[1:]).astype(bfloat16_dtype())
+    case["k_cache"], case["v_cache"] = (np.concatenate([case[n], spare]) for n in ("k_cache", "v_cache"))
+    options = dict(causal=True, window_size=(50, 0), softcap=2.0, cache_batch_idx=np.array([5, 0, 3, 1], np.int32),
+                   cache_leftpad=np.minimum(case["cache_seqlens"], 7).astype(np.int32),
+                   alibi_slopes=rng.uniform(0.01, 0.1, (4, 8)).astype(np.float32))
+    _run_and_check(case, "bfloat16", "cupy", **options)
+
+
+def test_a_captured_decode_step_replays_with_new_lengths():
+    """A decode step captured in a CUDA graph (CuPy stream capture) appends and attends at the
+    lengths found on the device at each replay; every replay equals the same call made eagerly."""
+    import cupy
+    rng = np.random.default_rng(3)
+    case = _case(rng, "bfloat16", batch=2, seqlen_q=1, seqlen_new=1, capacity=128, rotary_dim=0)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        arrays = {n: cupy.asarray(v) for n, v in case.items()}
+        cupyflash.flash_attn_with_kvcache(**arrays, causal=True)  # plans, kernels and pool blocks outside the capture
+        eager = {n: arrays[n].copy() for n in ("k_cache", "v_cache")}
+        stream.synchronize()
+        stream.begin_capture()
+        out = cupyflash.flash_attn_with_kvcache(**arrays, causal=True)
+        graph = stream.end_capture()
+        for step in range(5):
+            lengths = np.array([10 + step, 60 + 2 * step], np.int32)
+            arrays["cache_seqlens"].set(lengths)
+            graph.launch(stream)
+            want = cupyflash.flash_attn_with_kvcache(
+                arrays["q"], eager["k_cache"], eager["v_cache"], arrays["k"], arrays["v"],
+                cache_seqlens=cupy.asarray(lengths), causal=True)
+            stream.synchronize()
+            assert bool((out == want).all()), f"replay {step}"
+            assert bool((arrays["k_cache"] == eager["k_cache"]).all()), f"replay {step}: k_cache"

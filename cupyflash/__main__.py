@@ -236,6 +236,11 @@ def bench(args):
         if not args.profile:  # a profile times one column: host.md keeps the last full table
             print(benchmark.write_host(cells, args.out, benchmark.host_environment(), args.host_calls))
         return status
+    if args.decode:
+        grid = dict(benchmark.DECODE_GRID, batches=args.decode_batches, caches=args.decode_caches)
+        cells = benchmark.run_decode(benchmark.decode_shapes(grid))
+        print(benchmark.write_decode(cells, args.out, benchmark.host_environment()))
+        return status
     if args.options_only:
         print(benchmark.write_options(benchmark.run_options(), args.out))
         return status
@@ -294,6 +299,16 @@ def _parser():
                               help="only the host-time table: microseconds per call of each way of calling "
                                    "cupyflash beside SDPA flash and JAX cuDNN, written to host.md and host.csv "
                                    "(default: off)")
+    bench_parser.add_argument("--decode", action="store_true",
+                              help="only the decode table: TB/s of the KV cache read per decode step beside SDPA "
+                                   "flash and cuDNN, dense and paged caches, written to decode.md, decode.csv and "
+                                   "decode.png (default: off)")
+    bench_parser.add_argument("--decode-batches", type=_positive, nargs="+",
+                              default=list(benchmark.DECODE_GRID["batches"]),
+                              help="batches of the decode table (default: %(default)s)")
+    bench_parser.add_argument("--decode-caches", type=_positive, nargs="+",
+                              default=list(benchmark.DECODE_GRID["caches"]),
+                              help="cache lengths of the decode table (default: %(default)s)")
     bench_parser.add_argument("--host-shapes", type=_host_shape, nargs="+", default=list(benchmark.HOST_SHAPES),
                               metavar="SHAPE",
                               help="shapes of the host table: " + ", ".join(

@@ -32,6 +32,7 @@ import contextlib
 import cProfile
 import csv
 import dataclasses
+import itertools
 import math
 import os
 import pstats
@@ -943,3 +944,229 @@ def write_memory(results, out_dir):
     except ImportError:
         pass
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ decode
+# Decode steps (`bench --decode`): seqlen_q query tokens per sequence over a cache of `cache` keys
+# and values already written, bf16, not causal (a step's queries see the whole cache). A step's cost
+# is its read of the cache, so the figure is TB/s of K and V read (bytes / time), beside the
+# device's copy bandwidth. Every implementation reads the same logical cache: cupyflash's
+# flash_attn_with_kvcache in its own layout (dense, or paged through a shuffled block table), the
+# peers SDPA's dense (batch, nheads_k, cache, headdim) layout in every cell (they have no paged
+# cache). Each peer's output is first compared with cupyflash's where cupyflash runs. (On the CPU
+# the tests run the plumbing: cupyflash.torch there is the NumPy reference.)
+
+DECODE_GRID = dict(batches=(1, 4, 16, 64, 128), caches=(1024, 4096, 16384, 65536, 131072),
+                   heads=((32, 8), (8, 1), (32, 32)), headdims=(64, 128), seqlens_q=(1, 4),
+                   layouts=("dense", "paged16", "paged256"))
+DECODE_MAX_BYTES = 24 << 30  # K and V of a cell (each implementation holds its own copy); larger cells are left out
+COPY_TBPS = 4.24  # the H200's device-to-device copy (../shared/peers/README.md)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    batch: int
+    cache: int
+    nheads: int
+    nheads_k: int
+    headdim: int
+    seqlen_q: int
+    layout: str  # "dense" or "paged<page size>"
+
+    @property
+    def kv_bytes(self):
+        return 2 * self.batch * self.cache * self.nheads_k * self.headdim * 2
+
+    @property
+    def page(self):
+        return int(self.layout[5:]) if self.layout.startswith("paged") else 0
+
+
+@dataclasses.dataclass
+class DecodeCell:
+    shape: DecodeShape
+    impl: str
+    ms: float   # NaN where the implementation failed, disagreed or is missing
+    note: str = ""
+
+    @property
+    def tbps(self):
+        return self.shape.kv_bytes / (self.ms * 1e-3) / 1e12
+
+
+def decode_shapes(grid=DECODE_GRID, max_bytes=DECODE_MAX_BYTES):
+    """Every cell of the grid whose K and V fit in max_bytes, in grid order."""
+    shapes = []
+    for (nheads, nheads_k), headdim, seqlen_q, layout, batch, cache in itertools.product(
+            grid["heads"], grid["headdims"], grid["seqlens_q"], grid["layouts"], grid["batches"], grid["caches"]):
+        shape = DecodeShape(batch, cache, nheads, nheads_k, headdim, seqlen_q, layout)
+        if shape.kv_bytes <= max_bytes:
+            shapes.append(shape)
+    return shapes
+
+
+def _decode_cupyflash(shape, q, k, v, generator):
+    """cupyflash.torch's flash_attn_with_kvcache: the cache in cupyflash's layout, dense or paged."""
+    import torch
+    from .torch import flash_attn_with_kvcache
+    k_cache, v_cache = (x.transpose(1, 2).contiguous() for x in (k, v))  # (batch, cache, nheads_k, headdim)
+    table = None
+    if shape.page:
+        pages = shape.cache // shape.page
+        table = torch.randperm(shape.batch * pages, generator=generator).view(shape.batch, pages).int().to(q.device)
+        paged = [torch.empty((shape.batch * pages, shape.page) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
+                 for x in (k_cache, v_cache)]
+        for store, dense in zip(paged, (k_cache, v_cache)):
+            store[table.flatten().long()] = dense.reshape(shape.batch * pages, shape.page, *dense.shape[2:])
+        k_cache, v_cache = paged
+    seqlens = torch.full((shape.batch,), shape.cache, dtype=torch.int32, device=q.device)
+    return lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
+
+
+def _decode_sdpa(backend_name):
+    def make(shape, q, k, v, generator):
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = getattr(SDPBackend, backend_name)
+        qt = q.transpose(1, 2)  # (batch, nheads, seqlen_q, headdim)
+
+        def step():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, k, v, enable_gqa=True).transpose(1, 2)
+        return step
+    return make
+
+
+DECODE_IMPLEMENTATIONS = {
+    "cupyflash": _decode_cupyflash,
+    "SDPA flash (FA2)": _decode_sdpa("FLASH_ATTENTION"),
+    "SDPA cuDNN": _decode_sdpa("CUDNN_ATTENTION"),
+}
+
+
+def run_decode(shapes, impls=tuple(DECODE_IMPLEMENTATIONS), device="cuda", reps=5, report=print):
+    """[DecodeCell] of every shape and implementation, timed in turns (median_ms); `device` other
+    than "cuda" runs each call once, untimed (the tests' plumbing check on the CPU)."""
+    import torch
+    cells = []
+    for shape in shapes:
+        generator = torch.Generator().manual_seed(shape.batch * 7 + shape.cache)
+        draw = lambda *size: torch.randn(*size, generator=generator).to(device, torch.bfloat16)  # noqa: E731
+        q = draw(shape.batch, shape.seqlen_q, shape.nheads, shape.headdim)
+        k, v = (draw(shape.batch, shape.nheads_k, shape.cache, shape.headdim) for _ in range(2))  # SDPA's layout
+        steps, notes, expected = {}, {}, None
+        for impl in impls:
+            try:
+                step = DECODE_IMPLEMENTATIONS[impl](shape, q, k, v, generator)
+                out = step()
+                if impl == "cupyflash":
+                    expected = out
+                elif expected is not None and not _agrees(out, expected):
+                    raise ValueError("its output disagrees with cupyflash's")
+                steps[impl] = step
+            except Exception as error:  # a missing or failing implementation gives a blank cell with its reason
+                notes[impl] = _error_note(error)
+        if device == "cuda":
+            times = median_ms({impl: BatchTimer(step) for impl, step in steps.items()}, reps, report)
+        else:
+            times = {impl: math.nan for impl in steps}
+        for impl in impls:
+            cell = DecodeCell(shape, impl, times.get(impl, math.nan), notes.get(impl, ""))
+            cells.append(cell)
+            report(f"decode {_decode_label(shape)} {impl}: "
+                   + (f"{cell.tbps:.2f} TB/s" if not math.isnan(cell.ms) else f"- ({cell.note})" if cell.note else "-"))
+        del q, k, v, steps, expected
+    return cells
+
+
+def _agrees(got, want):
+    got, want = got.float(), want.float()
+    return bool(got.isfinite().all()) and (got - want).abs().max().item() <= 0.05 * want.abs().max().item() + 1e-3
+
+
+def _decode_label(shape):
+    return (f"b{shape.batch} cache{shape.cache} h{shape.nheads}/{shape.nheads_k} d{shape.headdim} "
+            f"sq{shape.seqlen_q} {shape.layout}")
+
+
+def write_decode(cells, out_dir, environment):
+    """decode.csv (a row per cell), decode.md (a row per shape: TB/s of each implementation, the
+    ratio to the best peer and the fraction of copy bandwidth; blank cells' reasons as footnotes)
+    and decode.png (TB/s against the cache length); returns the markdown."""
+    os.makedirs(out_dir, exist_ok=True)
+    impls = list(dict.fromkeys(c.impl for c in cells))
+    with open(os.path.join(out_dir, "decode.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["batch", "cache", "nheads", "nheads_k", "headdim", "seqlen_q", "layout", "impl", "ms",
+                         "tbps", "note"])
+        for c in cells:
+            s = c.shape
+            writer.writerow([s.batch, s.cache, s.nheads, s.nheads_k, s.headdim, s.seqlen_q, s.layout, c.impl,
+                             f"{c.ms:.5f}", f"{c.tbps:.3f}", c.note])
+    by_shape = {}
+    for c in cells:
+        by_shape.setdefault(c.shape, {})[c.impl] = c
+    notes = {}
+    lines = ["# Decode: TB/s of K and V read per step", "", environment, "",
+             "bf16, not causal, the cache full (cache_seqlens = cache); peers read a dense copy of the same cache. "
+             f"Copy bandwidth: {COPY_TBPS} TB/s.", "",
+             "| batch | cache | heads | hdim | seqlen_q | layout | " + " | ".join(impls)
+             + " | cupyflash / best peer | cupyflash / copy |", "|" + "---|" * (8 + len(impls))]
+    for shape, row in by_shape.items():
+        texts = []
+        for impl in impls:
+            cell = row.get(impl)
+            if cell is None or math.isnan(cell.ms):
+                note = cell.note if cell is not None else ""
+                texts.append("-" if not note else f"- ({notes.setdefault(f'{impl}: {note}', len(notes) + 1)})")
+            else:
+                texts.append(f"{cell.tbps:.2f}")
+        ours = row.get("cupyflash")
+        peers = [c.tbps for impl, c in row.items() if impl != "cupyflash" and not math.isnan(c.ms)]
+        ratio = ours.tbps / max(peers) if ours is not None and not math.isnan(ours.ms) and peers else math.nan
+        fraction = ours.tbps / COPY_TBPS if ours is not None and not math.isnan(ours.ms) else math.nan
+        lines.append(f"| {shape.batch} | {shape.cache} | {shape.nheads}/{shape.nheads_k} | {shape.headdim} | "
+                     f"{shape.seqlen_q} | {shape.layout} | " + " | ".join(texts) + f" | {_ratio(ratio)} | {_ratio(fraction)} |")
+    if notes:
+        lines += [""] + [f"({number}) {text}" for text, number in notes.items()]
+    markdown = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "decode.md"), "w") as f:
+        f.write(markdown)
+    _plot_decode(cells, impls, os.path.join(out_dir, "decode.png"))
+    return markdown
+
+
+def _ratio(x):
+    return "" if math.isnan(x) else f"{x:.2f}"
+
+
+def _plot_decode(cells, impls, path):
+    """TB/s against the cache length, one panel per head layout and head dim (seqlen_q 1, dense,
+    batch 16 where the grid has it)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    chosen = [c for c in cells if c.shape.seqlen_q == 1 and c.shape.layout == "dense" and not math.isnan(c.ms)]
+    batch = 16 if any(c.shape.batch == 16 for c in chosen) else min((c.shape.batch for c in chosen), default=0)
+    panels = sorted({(c.shape.nheads, c.shape.nheads_k, c.shape.headdim) for c in chosen})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
+    for ax, (nheads, nheads_k, headdim) in zip(axes[0], panels):
+        for impl in impls:
+            points = sorted((c.shape.cache, c.tbps) for c in chosen if c.impl == impl and c.shape.batch == batch
+                            and (c.shape.nheads, c.shape.nheads_k, c.shape.headdim) == (nheads, nheads_k, headdim))
+            if points:
+                ax.plot(*zip(*points), marker="o", label=impl)
+        ax.axhline(COPY_TBPS, color="gray", linestyle=":", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"h {nheads}/{nheads_k}, d {headdim}, batch {batch}", fontsize=9)
+        ax.set_xlabel("cache length")
+        ax.set_ylabel("TB/s")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,64 @@
+"""`bench --decode` without a GPU: the grid and its memory bound, the table it writes from made-up
+figures, each implementation's call and the cross-check on CPU tensors (cupyflash.torch runs the
+NumPy reference there), and the one-line refusal without a GPU."""
+
+import csv
+import math
+
+import pytest
+
+from cupyflash import _arrays, benchmark
+from test_bench_host import run
+
+
+def test_the_grid_keeps_the_cells_that_fit():
+    shapes = benchmark.decode_shapes()
+    grid = benchmark.DECODE_GRID
+    assert all(s.kv_bytes <= benchmark.DECODE_MAX_BYTES for s in shapes)
+    assert {s.batch for s in shapes} == set(grid["batches"]) and {s.cache for s in shapes} == set(grid["caches"])
+    assert {s.layout for s in shapes} == set(grid["layouts"]) and {s.seqlen_q for s in shapes} == set(grid["seqlens_q"])
+    left_out = [s for s in (benchmark.DecodeShape(b, c, h, hk, d, 1, "dense") for b in grid["batches"]
+                            for c in grid["caches"] for h, hk in grid["heads"] for d in grid["headdims"])
+                if s not in shapes]
+    assert left_out and all(s.kv_bytes > benchmark.DECODE_MAX_BYTES for s in left_out)
+    assert benchmark.DecodeShape(2, 64, 4, 2, 32, 1, "paged16").page == 16
+
+
+def test_each_implementation_runs_and_is_checked_against_cupyflash_on_cpu(monkeypatch):
+    pytest.importorskip("torch")
+    shapes = [benchmark.DecodeShape(2, 64, 4, 2, 32, 1, "dense"), benchmark.DecodeShape(3, 96, 8, 1, 16, 4, "paged16")]
+    messages = []
+    cells = benchmark.run_decode(shapes, impls=("cupyflash", "SDPA flash (FA2)"), device="cpu", report=messages.append)
+    assert [(c.shape, c.impl) for c in cells] == [(s, i) for s in shapes for i in ("cupyflash", "SDPA flash (FA2)")]
+    assert all(not c.note for c in cells), [c.note for c in cells]  # both run and agree
+    assert len(messages) == len(cells)
+
+    def wrong(shape, q, k, v, generator):
+        return lambda: q * 0 + 1
+    monkeypatch.setitem(benchmark.DECODE_IMPLEMENTATIONS, "wrong", wrong)
+    cells = benchmark.run_decode(shapes[:1], impls=("cupyflash", "wrong"), device="cpu", report=messages.append)
+    assert cells[1].note == "ValueError: its output disagrees with cupyflash's" and math.isnan(cells[1].ms)
+
+
+def test_the_table_has_ratios_fractions_and_footnotes(tmp_path):
+    shape, other = benchmark.DecodeShape(16, 8192, 32, 8, 128, 1, "dense"), benchmark.DecodeShape(
+        16, 8192, 32, 8, 128, 1, "paged16")
+    ms = shape.kv_bytes / 3.0e12 * 1e3  # 3 TB/s
+    cells = [benchmark.DecodeCell(shape, "cupyflash", ms), benchmark.DecodeCell(shape, "SDPA flash (FA2)", 2 * ms),
+             benchmark.DecodeCell(shape, "SDPA cuDNN", math.nan, "RuntimeError: no cuDNN"),
+             benchmark.DecodeCell(other, "cupyflash", math.nan, "NotImplementedError: no kernels"),
+             benchmark.DecodeCell(other, "SDPA flash (FA2)", ms), benchmark.DecodeCell(other, "SDPA cuDNN", ms / 2)]
+    markdown = benchmark.write_decode(cells, str(tmp_path), "NVIDIA H200; made up")
+    assert "| 16 | 8192 | 32/8 | 128 | 1 | dense | 3.00 | 1.50 | - (1) | 2.00 | 0.71 |" in markdown
+    assert "| 16 | 8192 | 32/8 | 128 | 1 | paged16 | - (2) | 3.00 | 6.00 |  |  |" in markdown
+    assert "(1) SDPA cuDNN: RuntimeError: no cuDNN" in markdown and "(2) cupyflash: NotImplementedError" in markdown
+    with open(tmp_path / "decode.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6 and rows[0]["impl"] == "cupyflash" and float(rows[0]["tbps"]) == pytest.approx(3.0)
+
+
+@pytest.mark.skipif(_arrays.gpu_available(), reason="a GPU is present: bench would run")
+def test_bench_decode_without_a_gpu_says_so_in_one_line(tmp_path):
+    code, out, err = run("bench", "--decode", "--decode-batches", "1", "--out", str(tmp_path / "results"))
+    assert code == 1 and out.startswith("bench times the kernels on a GPU: ") and len(out.splitlines()) == 1
+    assert "Traceback" not in err and not (tmp_path / "results").exists()

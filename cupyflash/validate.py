@@ -543,12 +543,7 @@ def _check_kvcache_values(call, cache, rows):
                          f"cache_seqlens[{b}] = {lengths[b]}")
     table = host(cache.block_table)
     if table is not None:
-        page_size, blocks = cache.k_cache.shape[1], cache.k_cache.shape[0]
-        for b in range(batch):
-            used = table[b, :-(-int(ends[b]) // page_size)]
-            if ((used < 0) | (used >= blocks)).any():
-                p = int(numpy.argmax((used < 0) | (used >= blocks)))
-                raise ValueError(f"block_table[{b}, {p}] = {used[p]} is not a block of k_cache (0 .. {blocks - 1})")
+        _check_pages(table, ends, cache.k_cache, "k_cache")
     if cache.rotary_cos is not None:
         last = int((lengths + max(cache.seqlen_new, call.shape.seqlen_q if call.local else 1)).max())
         if cache.rotary_cos.shape[0] < last:
@@ -580,13 +575,22 @@ def check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_ta
                          "not under no_host_sync or a graph capture")
     cu = check_cu_seqlens("cu_seqlens_k", _arrays.to_host(cu_seqlens_k, caller), batch, None)
     table = numpy.asarray(_arrays.to_host(block_table, caller))
-    page, blocks = k_cache.shape[1], k_cache.shape[0]
-    for b, length in enumerate(numpy.diff(cu.astype(numpy.int64))):
+    lengths = numpy.diff(cu.astype(numpy.int64))
+    page = k_cache.shape[1]
+    for b, length in enumerate(lengths):
         if length > table.shape[1] * page:
             raise ValueError(f"sequence {b} has {length} keys (cu_seqlens_k) but block_table gives it "
                              f"{table.shape[1]} pages of {page}")
+    _check_pages(table, lengths, k_cache, "k")
+    return caller
+
+
+def _check_pages(table, lengths, cache, name):
+    """The blocks that hold each sequence's first lengths[b] positions (block_table on the host) are
+    blocks of the paged cache `name`."""
+    page, blocks = cache.shape[1], cache.shape[0]
+    for b, length in enumerate(lengths):
         used = table[b, :-(-int(length) // page)]
         if ((used < 0) | (used >= blocks)).any():
             p = int(numpy.argmax((used < 0) | (used >= blocks)))
-            raise ValueError(f"block_table[{b}, {p}] = {used[p]} is not a block of k (0 .. {blocks - 1})")
-    return caller
+            raise ValueError(f"block_table[{b}, {p}] = {used[p]} is not a block of {name} (0 .. {blocks - 1})")

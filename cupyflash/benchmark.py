@@ -212,12 +212,9 @@ def _restore_jax_core_shaped_array():
 def _wrong_results(calls, expected):
     """The passes whose results disagree with `expected` (cupyflash's (out, grads), itself tested
     against the float64 reference), far beyond the 16-bit rounding two correct kernels differ by."""
-    def agrees(got, want):
-        got, want = got.float(), want.float()
-        return bool(got.isfinite().all()) and (got - want).abs().max().item() <= 0.05 * want.abs().max().item() + 1e-3
     out, grads = calls.results()
-    wrong = set() if agrees(out, expected[0]) else {"fwd", "fwd+bwd"}
-    if not all(agrees(g, e) for g, e in zip(grads, expected[1])):
+    wrong = set() if _agrees(out, expected[0]) else {"fwd", "fwd+bwd"}
+    if not all(_agrees(g, e) for g, e in zip(grads, expected[1])):
         wrong |= {"bwd", "fwd+bwd"}
     return wrong
 
@@ -879,12 +876,20 @@ def write_speed(rows, out_dir, impls):
     return "\n".join(lines)
 
 
-def _plot_speed(rows, impls, path):
+def _pyplot():
+    """matplotlib.pyplot drawing to files, or None where matplotlib is not installed (no plots then)."""
     try:
         import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _plot_speed(rows, impls, path):
+    plt = _pyplot()
+    if plt is None:
         return
     for dtype in sorted({r.dtype for r in rows}):
         panels = sorted({(r.headdim, r.causal, r.pass_) for r in rows if r.dtype == dtype},
@@ -924,10 +929,8 @@ def write_memory(results, out_dir):
         writer = csv.writer(f)
         writer.writerow(["seqlen", "impl", "extra_mib"])
         writer.writerows(results)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    plt = _pyplot()
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for n in names:
             points = [(s, table[s, n]) for s in seqlens if not math.isnan(table[s, n])]
@@ -941,8 +944,6 @@ def write_memory(results, out_dir):
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "memory.png"), dpi=110)
         plt.close(fig)
-    except ImportError:
-        pass
     return "\n".join(lines)
 
 
@@ -1080,6 +1081,8 @@ def run_decode(shapes, impls=tuple(DECODE_IMPLEMENTATIONS), device="cuda", reps=
 
 
 def _agrees(got, want):
+    """Whether torch tensor `got` is finite and within 5% of `want`'s largest magnitude of it: far
+    beyond the 16-bit rounding two correct kernels differ by."""
     got, want = got.float(), want.float()
     return bool(got.isfinite().all()) and (got - want).abs().max().item() <= 0.05 * want.abs().max().item() + 1e-3
 
@@ -1143,11 +1146,8 @@ def _ratio(x):
 def _plot_decode(cells, impls, path):
     """TB/s against the cache length, one panel per head layout and head dim (seqlen_q 1, dense,
     batch 16 where the grid has it)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return
     chosen = [c for c in cells if c.shape.seqlen_q == 1 and c.shape.layout == "dense" and not math.isnan(c.ms)]
     batch = 16 if any(c.shape.batch == 16 for c in chosen) else min((c.shape.batch for c in chosen), default=0)

@@ -131,8 +131,7 @@ def varlen_forward_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     return _forward(q, k, v, operands, static)
 
 
-_KVCACHE_OPERANDS = ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad",
-                     "block_table", "alibi_slopes")  # after q, k_cache, v_cache, each where given
+_KVCACHE_OPERANDS = validate.KVCACHE_ARRAYS + ("alibi_slopes",)  # after q, k_cache, v_cache, each where given
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -195,7 +194,7 @@ def _run_kvcache(attrs, arrays, results):
             result[...] = arrays[name]
     given = {option.name: _decode(option, attrs) for option in options.for_call("kvcache") if option.kind != "array"}
     results = api.flash_attn_with_kvcache(
-        arrays["q"], k_cache, v_cache, *(arrays.get(name) for name in _KVCACHE_OPERANDS[:-1]),
+        arrays["q"], k_cache, v_cache, *(arrays.get(name) for name in validate.KVCACHE_ARRAYS),
         softmax_scale=float(attrs["softmax_scale"]), causal=bool(attrs["causal"]),
         rotary_interleaved=bool(attrs["rotary_interleaved"]), num_splits=int(attrs["num_splits"]),
         alibi_slopes=arrays.get("alibi_slopes"), return_softmax_lse=True, **given)

@@ -60,6 +60,11 @@ def _from_core(x):
     return torch.from_numpy(numpy.ascontiguousarray(x))  # contiguous, like the fake tensors below
 
 
+def _lse_dtype(q):
+    """lse's torch dtype for q's (validate.lse_dtype)."""
+    return getattr(torch, validate.lse_dtype(str(q.dtype).replace("torch.", "")))
+
+
 def _empty(like, shape=None, dtype=None):
     """A contiguous tensor, as the real implementations return (the fake ones must match strides)."""
     return torch.empty(like.shape if shape is None else shape, dtype=dtype or like.dtype, device=like.device)
@@ -180,8 +185,7 @@ class _Op:
         q = a["q"]
         if self.pass_ == "fwd":
             stats = (q.shape[1], q.shape[0]) if self.varlen else (q.shape[0], q.shape[2], q.shape[1])
-            lse_dtype = getattr(torch, validate.lse_dtype(str(q.dtype).replace("torch.", "")))
-            return _empty(q), _empty(q, stats, lse_dtype)
+            return _empty(q), _empty(q, stats, _lse_dtype(q))
         grads = (_empty(q), _empty(a["k"]), _empty(a["v"]))
         if self.varlen:
             return grads
@@ -223,8 +227,7 @@ class _Differentiable:
         """(out, lse) of the forward op's arguments (a dict with every one of them)."""
         q, k, v, bias = arguments["q"], arguments["k"], arguments["v"], arguments.get(options.DIFFERENTIABLE)
         if _eager(q, k, v, bias):
-            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                            or (bias is not None and bias.requires_grad)):
+            if _needs_grad(q, k, v, bias):
                 return _apply_eager(self, arguments, q, k, v, bias)
             return self.forward.compute(arguments)  # nothing to differentiate: no autograd node
         return self.forward.op(**arguments)
@@ -278,6 +281,13 @@ class _Eager(torch.autograd.Function):
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _needs_grad(q, k, v, bias):
+    """Whether an eager call needs an autograd node: grad mode on and a differentiable input that
+    requires grad."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (bias is not None and bias.requires_grad))
 
 
 def _eager(*tensors):
@@ -400,8 +410,7 @@ class _Resolved:
             if torch.cuda.is_current_stream_capturing():
                 return None
             seed = draw_dropout_seed()
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or (attn_bias is not None and attn_bias.requires_grad)):
+        if _needs_grad(q, k, v, attn_bias):
             lse_out = []
             return _apply_resolved(self, seed, lse_out, alibi_slopes, q, k, v, attn_bias), lse_out[0]
         return self.forward(q, k, v, alibi_slopes, attn_bias, seed)
@@ -478,8 +487,6 @@ _apply_resolved = _bare_apply(_ResolvedFunction)
 # --------------------------------------------------------------------------------------------
 # flash_attn_with_kvcache: a custom op that writes the caches in place (inference: no gradient).
 
-_KVCACHE_TENSORS = ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad",
-                    "block_table")
 
 
 def _numpy_view(t):
@@ -498,7 +505,7 @@ def _kvcache_implementation(a):
         value = (tuple(a[part] for part in option.parts) if option.kind == "pair" else a[option.name])
         given[option.name] = _to_core(value) if option.kind == "array" else value
     out, lse = api.flash_attn_with_kvcache(
-        _to_core(a["q"]), *caches, *(_to_core(a[name]) for name in _KVCACHE_TENSORS),
+        _to_core(a["q"]), *caches, *(_to_core(a[name]) for name in validate.KVCACHE_ARRAYS),
         softmax_scale=a["softmax_scale"], causal=a["causal"], rotary_interleaved=a["rotary_interleaved"],
         num_splits=a["num_splits"], return_softmax_lse=True, **given)
     return _from_core(out), _from_core(lse)
@@ -506,14 +513,13 @@ def _kvcache_implementation(a):
 
 def _kvcache_fake(a):
     q = a["q"]
-    lse_dtype = getattr(torch, validate.lse_dtype(str(q.dtype).replace("torch.", "")))
-    return _empty(q), _empty(q, (q.shape[0], q.shape[2], q.shape[1]), lse_dtype)
+    return _empty(q), _empty(q, (q.shape[0], q.shape[2], q.shape[1]), _lse_dtype(q))
 
 
 def _kvcache_op():
     params = [_parameter(name, Tensor) for name in ("q", "k_cache", "v_cache")]
     params += [_parameter("softmax_scale", float), _parameter("causal", bool)]
-    params += [_parameter(name, Optional[Tensor], None) for name in _KVCACHE_TENSORS]
+    params += [_parameter(name, Optional[Tensor], None) for name in validate.KVCACHE_ARRAYS]
     params += _option_parameters(False, "kvcache")
     params += [_parameter("rotary_interleaved", bool, True), _parameter("num_splits", int, 0)]
     signature = inspect.Signature(params, return_annotation=tuple[Tensor, Tensor])

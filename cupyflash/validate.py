@@ -327,6 +327,9 @@ def check_max_seqlen(name, max_seqlen, cu_seqlens):
 # flash_attn_with_kvcache: the caches and what is appended to them.
 
 PAGE_MULTIPLE = 16  # a paged cache's page size is a multiple of this (16 is vLLM's default)
+# flash_attn_with_kvcache's array arguments after q, k_cache and v_cache, in its signature's order.
+KVCACHE_ARRAYS = ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad",
+                  "block_table")
 
 
 @dataclasses.dataclass(frozen=True)

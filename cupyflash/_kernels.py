@@ -13,7 +13,9 @@ from . import _config, _params, _sources
 DTYPES = ("float16", "bfloat16")
 ROW_KERNEL_ROWS, ROW_KERNEL_THREADS = 64, 256  # the backward's row kernels (RowKernel in sm80/bwd_schedule.cuh)
 
-_HEADER = {"fwd": "sm80/fwd.cuh", "bwd": "sm80/bwd.cuh", "bwd_dot": "sm80/bwd.cuh", "bwd_convert_dq": "sm80/bwd.cuh"}
+_HEADER = {"fwd": "sm80/fwd.cuh", "bwd": "sm80/bwd.cuh", "bwd_dot": "sm80/bwd.cuh", "bwd_convert_dq": "sm80/bwd.cuh",
+           "decode": "sm80/decode.cuh", "decode_combine": "sm80/decode.cuh", "kvcache_append": "sm80/decode.cuh"}
+ROW_KERNELS = ("bwd_dot", "bwd_convert_dq", "decode_combine", "kvcache_append")  # no tile: ROW_KERNEL_THREADS each
 _WGMMA_HEADER = {"fwd": "sm90/fwd.cuh"}
 
 
@@ -24,14 +26,15 @@ class Kernel:
 
     The flag combinations that exist (all_kernels lists exactly these):
       fwd: plain, or options (wgmma: never even_k, as TMA zero-fills the columns past the head dim);
-      bwd: plain (tile table 'bwd'), options, or options and deterministic (both 'bwd_options').
+      bwd: plain (tile table 'bwd'), options, or options and deterministic (both 'bwd_options');
+      decode: plain or options, never even_k.
     A deterministic backward always runs the options kernels' tiles, so it is compiled as an
     options kernel (with every option off unless the call sets some): no deterministic kernel
     without options, and none for the forward, whose order of adds is fixed anyway.
     """
-    pass_: str                               # 'fwd', 'bwd', 'bwd_dot' or 'bwd_convert_dq'
+    pass_: str                               # 'fwd', 'bwd', 'decode' or a row kernel (ROW_KERNELS)
     dtype: str                               # 'float16' or 'bfloat16'
-    tile: Optional[_config.Tile] = None      # fwd and bwd only
+    tile: Optional[_config.Tile] = None      # fwd, bwd and decode only
     local: bool = False                      # causal or sliding window: each row sees a bounded key range
     even_k: bool = False                     # caller's head dim == tile head dim: no column bounds
     options: bool = False                    # the score options and dropout (cuda_src/common/score.cuh)
@@ -87,8 +90,15 @@ class Kernel:
                     + f"{{ flash_fwd_sm90<{args}, {bf16}, {_bool(self.local)}, {_bool(self.options)}>(p, maps); }}\n")
         if self.tile is None:
             call = f"flash_{self.pass_}<{bf16}>(p);"
-            check = (f"static_assert(RowKernel::kRows == {ROW_KERNEL_ROWS} && RowKernel::kThreads == {ROW_KERNEL_THREADS}, "
-                     f"\"row kernel blocks differ from cupyflash/_kernels.py\");\n")
+            check = "" if not self.pass_.startswith("bwd") else (
+                f"static_assert(RowKernel::kRows == {ROW_KERNEL_ROWS} && RowKernel::kThreads == {ROW_KERNEL_THREADS}, "
+                f"\"row kernel blocks differ from cupyflash/_kernels.py\");\n")
+        elif self.pass_ == "decode":
+            t = self.tile
+            args = f"{t.headdim}, {t.block_n}, {t.warps}"
+            call = f"flash_decode<{args}, {bf16}, {_bool(self.local)}, {_bool(self.options)}>(p);"
+            check = (f"static_assert(DecodeTile<{args}>::kSmemBytes == {self.smem_bytes} && DecodeTile<{args}>::kRows == "
+                     f"{t.block_m}, \"the decode tile differs from cupyflash/_config.py\");\n")
         else:
             t = self.tile
             args = f"{t.headdim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}"
@@ -115,12 +125,14 @@ def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
         return [Kernel(_config.kernel_pass(table), dtype, tile, local, False, options)
                 for (table, tile), dtype, local, options in itertools.product(
                     _config.all_tiles(families, kernel_family), DTYPES, (False, True), (False, True))]
-    kernels = [Kernel(pass_, dtype) for pass_ in ("bwd_dot", "bwd_convert_dq") for dtype in DTYPES]
+    kernels = [Kernel(pass_, dtype) for pass_ in ROW_KERNELS for dtype in DTYPES]
     flags_of_table = {"fwd": ((False, False), (True, False)), "bwd": ((False, False),),
-                      "bwd_options": ((True, False), (True, True))}  # (options, deterministic)
+                      "bwd_options": ((True, False), (True, True)), "decode": ((False, False), (True, False))}
     for (table, tile), dtype, local, even_k in itertools.product(
             _config.all_tiles(families), DTYPES, (False, True), (False, True)):
-        for options, deterministic in flags_of_table[table]:
+        if even_k and table == "decode":
+            continue
+        for options, deterministic in flags_of_table[table]:  # (options, deterministic)
             kernels.append(Kernel(_config.kernel_pass(table), dtype, tile, local, even_k, options, deterministic))
     return kernels
 

@@ -1,137 +1,200 @@
-"""flash_attn_with_kvcache on the GPU, composed of array operations and the varlen forward kernel:
-correct and graph-capturable (nothing is read on the host), not yet fast (the split-KV decode
-kernels will replace it).
+"""flash_attn_with_kvcache on the GPU: the KV-cache kernels of cuda_src/sm80/decode.cuh.
 
-On the caller's stream, in CuPy (torch tensors are viewed through DLPack, zero copy, so the cache
-writes land in them):
-  1. the new keys (rotated, in float32, then rounded to the cache's dtype) and values are written
-     into the caches at cache_seqlens, and q is rotated;
-  2. each sequence's keys, positions cache_leftpad .. cache_seqlens + seqlen_new - 1, are gathered
-     into packed arrays (batch x capacity rows, the unused ones left out of cu_seqlens_k);
-  3. the varlen forward runs on them under no_host_sync, every sequence with its own masks, ALiBi
-     and bottom-right alignment.
-The packed copy reads and writes the whole cache once per call: a decode step costs about three
-times its cache read.
+A call is up to three launches on the caller's stream, planned once per call signature
+(_plan.Plan): the new keys (rotated) and values appended into the caches (kvcache_append, when k
+and v are given); attention of the packed query rows of each KV group over its sequence's cache,
+the keys split into num_splits ranges (decode); and the splits merged by log-sum-exp
+(decode_combine, with more than one). The split count follows from shapes alone, and nothing is
+read on the host but what validation reads (validate.reads_device_values), so a decode step
+captures in a CUDA graph and replays as the lengths change on the device.
 """
 
-import numpy
+import math
 
-from . import _arrays, api, validate
+from . import _arrays, _config, _kernels, _params, _plan, _schedule, options
 
-_captured = []  # the allocations of calls made under graph capture (_captured_call)
+ROWS_PER_CTA = 16  # packed query rows of a decode CTA (DecodeTile::kRows)
+MAX_SPLITS = 128
+# The inputs by FlashParams field: the caches are `k` and `v`, the new keys and values `k_new` and `v_new`.
+_CACHES = ("k", "v")
+_INDEX_ARRAYS = ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table")
 
 
-def attention(call, cache, q, alibi_slopes, return_softmax_lse):
-    """(out, lse) of a checked GPU call (validate.check_kvcache), in the caller's kind of array."""
-    import cupy
-    caller = call.caller
-    view = caller.launchable if caller.kind != "torch" else cupy.from_dlpack
-    with cupy.cuda.Device(caller.device_id), _arrays.external_stream(caller.stream_pointer(), caller.device_id):
-        stream = cupy.cuda.get_current_stream()
-        arrays = {name: None if value is None else view(value)
-                  for name, value in dict(q=q, k_cache=cache.k_cache, v_cache=cache.v_cache, k=cache.k, v=cache.v,
-                                          rotary_cos=cache.rotary_cos, rotary_sin=cache.rotary_sin,
-                                          cache_seqlens=cache.cache_seqlens, cache_batch_idx=cache.cache_batch_idx,
-                                          cache_leftpad=cache.cache_leftpad, block_table=cache.block_table,
-                                          alibi_slopes=alibi_slopes).items()}
-        if stream.is_capturing():
-            out, lse = _captured_call(lambda: compose(call, cache, arrays, cupy))
+_resolved = {}  # signature (signature()) -> the Plan of its calls
+_MAX_RESOLVED = 1024
+# The plan's inputs, by FlashParams field, in flash_attn_with_kvcache's order of array arguments.
+FIELDS = ("q", "k", "v", "k_new", "v_new", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
+          "cache_leftpad", "block_table", "alibi_slopes")
+
+
+def signature(arrays, scalars):
+    """The plan's key of a call: the layout of each array argument (flash_attn_with_kvcache's, in
+    FIELDS' order, None where not given) and the type and value of each scalar argument (an int
+    cache_seqlens among them); None where something cannot be part of a key (NumPy arrays, lists)."""
+    key = [_config.forced_choices()]
+    for value in scalars:
+        try:
+            hash(value)
+        except TypeError:
+            return None
+        key += (type(value), value)
+    for array in arrays:
+        if array is None or not hasattr(array, "shape"):
+            key.append(None)
+            continue
+        cls = type(array)
+        kind = _arrays.kind_of_type(cls)
+        if kind == "torch":
+            key.append((cls, array.shape, array.stride(), array.dtype, array.get_device()))
+        elif kind == "cupy":
+            key.append((cls, array.shape, array.strides, array.dtype, array.data.device_id))
         else:
-            out, lse = compose(call, cache, arrays, cupy)
-    if caller.kind == "torch":
-        import torch
-        out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
-    elif caller.kind != "cupy":
-        out, lse = caller.give_back(out), caller.give_back(lse)
+            return None
+    return tuple(key)
+
+
+def _by_field(arrays):
+    return {name: array for name, array in zip(FIELDS, arrays) if array is not None and hasattr(array, "shape")}
+
+
+def run_resolved(key, arrays, return_softmax_lse):
+    """The call's result through the plan of its signature, or None where there is none yet (or an
+    input is not aligned as the plan's were)."""
+    plan = _resolved.get(key) if key is not None else None
+    if plan is None:
+        return None
+    results = plan.run(_by_field(arrays), None, dropped=() if return_softmax_lse else ("lse",))
+    if results is None:
+        return None
+    return results if return_softmax_lse else results[0]
+
+
+def attention(call, cache, arrays, return_softmax_lse, key):
+    """(out, lse) of a checked GPU call (validate.check_kvcache) with these array arguments (in
+    FIELDS' order), in the caller's kind of array; the caches are written in place. The plan is
+    kept under `key` (signature())."""
+    result = run_resolved(key, arrays, return_softmax_lse)
+    if result is not None:
+        return result
+    arrays = [call.caller.launchable(a) if hasattr(a, "shape") else a for a in arrays]
+    inputs, copied = _launchable(_by_field(arrays))
+    plan = _new_plan(call, cache, inputs)
+    if key is not None and not copied:
+        if len(_resolved) >= _MAX_RESOLVED:
+            _resolved.clear()
+        _resolved[key] = plan
+    out, lse = plan.run(inputs, None, dropped=() if return_softmax_lse else ("lse",))
     return (out, lse) if return_softmax_lse else out
 
 
-def compose(call, cache, a, xp):
-    """(out, lse) of a checked call on arrays `a` by name (those of array module xp: CuPy here, NumPy
-    in the tests, which check the index arithmetic against the reference without a GPU)."""
-    batch, seqlen_q, nheads, headdim = a["q"].shape
-    k_cache, v_cache = a["k_cache"], a["v_cache"]
-    nheads_k, capacity, new = k_cache.shape[2], cache.capacity, cache.seqlen_new
-    page = k_cache.shape[1]
-    entries = xp.arange(batch, dtype=xp.int32)
-    if a["cache_seqlens"] is not None:
-        lengths = a["cache_seqlens"].astype(xp.int32)
-    else:
-        full = capacity - new if cache.seqlens_int is None else cache.seqlens_int
-        lengths = xp.full(batch, full, xp.int32)
-    rows = entries if a["cache_batch_idx"] is None else a["cache_batch_idx"]
-
-    def at(positions):  # the cache index of each sequence's positions (batch, n), clamped into the cache
-        positions = xp.minimum(positions, capacity - 1)
-        if cache.paged:
-            return a["block_table"][entries[:, None], positions // page], positions % page
-        return rows[:, None], positions
-
-    q = a["q"]
-    if new:
-        positions = lengths[:, None] + xp.arange(new, dtype=xp.int32)[None]
-        k_new = a["k"]
-        if a["rotary_cos"] is not None:
-            k_new = _rotate(k_new, a["rotary_cos"], a["rotary_sin"], positions, cache.rotary_interleaved, xp)
-            offsets = xp.arange(seqlen_q, dtype=xp.int32) if call.local else xp.zeros(seqlen_q, xp.int32)
-            q = _rotate(q, a["rotary_cos"], a["rotary_sin"], lengths[:, None] + offsets[None],
-                        cache.rotary_interleaved, xp).astype(q.dtype)
-        where = at(positions)
-        k_cache[where] = k_new.astype(k_cache.dtype)
-        v_cache[where] = a["v"]
-
-    starts = xp.zeros(batch, xp.int32) if a["cache_leftpad"] is None else a["cache_leftpad"]
-    seqlens_k = xp.maximum(lengths + new - starts, 0).astype(xp.int32)
-    cu_seqlens_k = xp.zeros(batch + 1, xp.int32)
-    cu_seqlens_k[1:] = xp.cumsum(seqlens_k)
-    j = xp.arange(capacity, dtype=xp.int32)[None]
-    dummy = batch * capacity  # the row that takes every unused position
-    destination = xp.where(j < seqlens_k[:, None], cu_seqlens_k[:-1, None] + j, dummy).ravel()
-    where = at(starts[:, None] + j)
-    packed = []
-    for source in (k_cache, v_cache):
-        rows_out = xp.empty((dummy + 1, nheads_k, headdim), source.dtype)
-        rows_out[destination] = source[where].reshape(-1, nheads_k, headdim)
-        packed.append(rows_out)
-    if xp is numpy:  # the NumPy path checks the packing on the host: exactly the packed rows
-        packed = [rows_out[:int(cu_seqlens_k[-1])] for rows_out in packed]
-    cu_seqlens_q = xp.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=xp.int32)
-    q_packed = xp.ascontiguousarray(q).reshape(batch * seqlen_q, nheads, headdim)
-    with validate.no_host_sync():
-        out, lse = api.flash_attn_varlen_func(
-            q_packed, *packed, cu_seqlens_q, cu_seqlens_k, seqlen_q, capacity, call.scale, call.causal,
-            window_size=call.checked["window_size"],  # causal folded in: the varlen call folds it again, the same
-            softcap=call.checked["softcap"], alibi_slopes=a["alibi_slopes"],
-            return_lse=True)
-    out = out.reshape(batch, seqlen_q, nheads, headdim)
-    return out, xp.ascontiguousarray(lse.reshape(nheads, batch, seqlen_q).transpose(1, 0, 2))
+def _launchable(arrays):
+    """(the call's arrays as the kernels read them, whether any was copied). The caches are written
+    in place, so they cannot be copied: their rows must be 16-byte aligned (cp.async). q is copied
+    where its rows are not; index arrays and the block table where they are not contiguous."""
+    result = {}
+    for name, array in arrays.items():
+        strides = _arrays.element_strides(array)
+        pointer = array.data_ptr() if hasattr(array, "data_ptr") else array.data.ptr
+        if name in _CACHES or name == "q":
+            aligned = pointer % 16 == 0 and all(s * 2 % 16 == 0 for s in strides[:-1])
+            if not aligned and name in _CACHES:
+                cache = "k_cache" if name == "k" else "v_cache"
+                raise ValueError(f"{cache} must start on a 16-byte boundary with every stride but the last a multiple "
+                                 f"of 8 elements (the kernels read 16-byte rows, and the cache is written in place); "
+                                 f"got strides {strides}")
+        elif name in _INDEX_ARRAYS:
+            aligned = strides[-1] == 1 and (len(strides) == 1 or strides[0] >= array.shape[1])
+        else:
+            aligned = True
+        result[name] = array if aligned else _copy(array)
+    return result, any(result[name] is not array for name, array in arrays.items())
 
 
-def _captured_call(compose):
-    """compose() under graph capture, every allocation it makes kept for the process's life: the
-    graph's replays read and write them, and CuPy's pool would hand them to later arrays."""
-    import cupy
-    pool, kept = cupy.get_default_memory_pool(), []
-
-    def malloc(size):
-        memory = pool.malloc(size)
-        kept.append(memory)
-        return memory
-    with cupy.cuda.using_allocator(malloc):
-        result = compose()
-    _captured.append(kept)
-    return result
+def _copy(array):
+    if hasattr(array, "clone"):
+        import torch
+        return array.clone(memory_format=torch.contiguous_format)
+    return array.copy()
 
 
-def _rotate(x, cos, sin, positions, interleaved, xp):
-    """x (batch, n, heads, headdim) rotated in float32 at positions (batch, n) (see
-    cupyflash.reference.rotate)."""
-    x = x.astype(xp.float32)
-    half = cos.shape[1]
-    c = cos.astype(xp.float32)[positions][:, :, None, :]
-    s = sin.astype(xp.float32)[positions][:, :, None, :]
-    first, second = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if interleaved else \
-        (slice(0, half), slice(half, 2 * half))
-    a, b = x[..., first].copy(), x[..., second].copy()
-    x[..., first], x[..., second] = a * c - b * s, a * s + b * c
-    return x
+def splits(ctas, key_blocks, warps, resident):
+    """How many key ranges each of `ctas` CTAs' keys are split into, `resident` CTAs running at once:
+    the fewest whose waves are within 85% of the best quantisation (a decode's CTAs all read about
+    as many keys, so a part-filled last wave idles the rest of the GPU), each split keeping at
+    least one key block per warp."""
+    most = max(1, min(MAX_SPLITS, -(-key_blocks // warps)))
+    efficiency = {}
+    for count in range(1, most + 1):
+        waves = ctas * count / resident
+        efficiency[count] = waves / math.ceil(waves)
+    best = max(efficiency.values())
+    return next(count for count in range(1, most + 1) if efficiency[count] >= 0.85 * best)
+
+
+def _new_plan(call, cache, arrays):
+    shape, caller = call.shape, call.caller
+    device_id = caller.device_id
+    tile = _schedule.tile("decode", shape.headdim, device_id)
+    kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.needs("score"))
+    group = shape.nheads // shape.nheads_k
+    m_blocks = -(-shape.seqlen_q * group // ROWS_PER_CTA)
+    ctas = m_blocks * shape.nheads_k * shape.batch
+    key_blocks = -(-cache.capacity // tile.block_n)
+    count = cache.num_splits or splits(ctas, key_blocks, tile.warps, _schedule.resident_ctas(kernel, caller.device()))
+    count = max(1, min(count, MAX_SPLITS, key_blocks))
+
+    q = arrays["q"]
+    fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
+                  seqlen_k=cache.capacity, headdim=shape.headdim, headdim_padded=tile.headdim,
+                  softmax_scale=call.scale, scale_log2=call.scale * math.log2(math.e), inv_softmax_scale=1.0 / call.scale,
+                  window_left=0, window_right=0, seqlen_new=cache.seqlen_new, capacity=cache.capacity,
+                  cache_rows=int(cache.k_cache.shape[0]), cache_seqlens_all=_full_length(cache),
+                  page_size=int(cache.k_cache.shape[1]) if cache.paged else 0, num_splits=count,
+                  rotary_interleaved=int(cache.rotary_interleaved), rotary_q_per_row=int(call.local))
+    contiguous_out = _plan._contiguous_strides(tuple(q.shape))
+    for name, strides in (("q", _arrays.element_strides(q)), ("out", contiguous_out),
+                          ("k", _arrays.element_strides(arrays["k"])), ("v", _arrays.element_strides(arrays["v"]))):
+        fields.update({f"{name}_batch_stride": strides[0], f"{name}_row_stride": strides[1],
+                       f"{name}_head_stride": strides[2]})
+    for name in ("k_new", "v_new"):
+        if name in arrays:
+            strides = _arrays.element_strides(arrays[name])
+            fields.update({f"{name}_batch_stride": strides[0], f"{name}_row_stride": strides[1],
+                           f"{name}_head_stride": strides[2]})
+    if "block_table" in arrays:
+        fields["block_table_batch_stride"] = _arrays.element_strides(arrays["block_table"])[0]
+    if "rotary_cos" in arrays:
+        cos, sin = arrays["rotary_cos"], arrays["rotary_sin"]
+        fields.update(rotary_rows=int(cos.shape[0]), rotary_dim=2 * int(cos.shape[1]),
+                      rotary_is_float32=int(_arrays.dtype_name(cos) == "float32"),
+                      rotary_cos_row_stride=_arrays.element_strides(cos)[0],
+                      rotary_sin_row_stride=_arrays.element_strides(sin)[0])
+        if _arrays.dtype_name(sin) != _arrays.dtype_name(cos):
+            raise TypeError(f"rotary_cos and rotary_sin must have one dtype, got {_arrays.dtype_name(cos)} and "
+                            f"{_arrays.dtype_name(sin)}")
+    for name, value in call.checked.items():
+        option = options.by_name(name)
+        if option.fill is not None and option.is_on(value):
+            option.fill(fields, value, call, arrays)
+    params = _params.make_params(**fields)
+
+    stats = (shape.batch, shape.nheads, shape.seqlen_q)
+    outputs = [_plan._Output("out", tuple(q.shape), call.dtype), _plan._Output("lse", stats, "float32")]
+    launches = []
+    if cache.seqlen_new:
+        launches.append(_plan._Launch(_kernels.Kernel("kvcache_append", call.dtype), (cache.seqlen_new, shape.batch, 1)))
+    launches.append(_plan._Launch(kernel, (m_blocks * count, shape.nheads_k, shape.batch)))
+    if count > 1:
+        rows = math.prod(stats)
+        outputs += [_plan._Output("out_partial", (count, rows, shape.headdim), "float32", scratch=True),
+                    _plan._Output("lse_partial", (count, rows), "float32", scratch=True)]
+        warps = _kernels.ROW_KERNEL_THREADS // 32
+        launches.append(_plan._Launch(_kernels.Kernel("decode_combine", call.dtype), (-(-rows // warps), 1, 1)))
+    return _plan.Plan(caller, params, arrays, outputs, launches, lambda o: (o["out"], o["lse"]))
+
+
+def _full_length(cache):
+    """Every sequence's cached length when cache_seqlens is an int or None (the cache is full)."""
+    if cache.seqlens_int is not None:
+        return cache.seqlens_int
+    return cache.capacity - cache.seqlen_new

@@ -69,11 +69,17 @@ def new_plan(call, arrays, key, return_dbias=False):
     """The plan of a checked call (validate.Call), cached under `key` unless an input had to be copied."""
     inputs, copied = _launchable(call.caller, arrays)
     plan = (_forward_plan if call.pass_ == "fwd" else _backward_plan)(call, inputs, return_dbias)
-    if key is not None and not copied:
+    if not copied:
+        store(key, plan)
+    return plan, inputs
+
+
+def store(key, plan):
+    """Caches `plan` under `key` (None: a call that cannot be keyed, not cached)."""
+    if key is not None:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
-    return plan, inputs
 
 
 def _alignment(name, array):
@@ -290,13 +296,16 @@ class Plan:
 
     def _sink(self, name, allocate, arrays):
         """The array of a result the caller drops: one per plan, which every such call writes (the
-        writes of calls on different streams race, harmlessly: nothing reads it); not kept from a
-        call under graph capture, whose allocations belong to the graph, nor for torch."""
+        writes of calls on different streams race, harmlessly: nothing reads it); a call under
+        graph capture gets its own, kept for the graph's replays; torch's are not kept (its graph
+        pools hold what a capture allocates)."""
         sink = self.sinks.get(name)
         if sink is None:
             sink = allocate(arrays)
             if self.keeps_buffers and not self.caller.capturing():
                 self.sinks[name] = sink
+            elif self.keeps_buffers:  # CuPy's pool would hand it to later arrays while replays still write it
+                self.captured_scratch.append([sink])
         return sink
 
 

@@ -121,17 +121,30 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     the GPU kernels (0 picks). Returns out like q, and lse (batch, nheads, seqlen_q) float32 with
     return_softmax_lse. Options as flash_attn_func's: window_size, softcap, alibi_slopes.
 
-    NumPy arrays run the float64 reference; GPU arrays run array operations and the varlen kernels
-    (cupyflash/_kvcache.py: correct and graph-capturable, not yet fast), the caches updated in place
-    either way.
+    NumPy arrays run the float64 reference; GPU arrays the KV-cache kernels (append and rotary,
+    split-KV attention with the query heads of a KV group packed together, the splits' merge:
+    cupyflash/_kvcache.py), graph-capturable; the caches are updated in place either way. The
+    lengths, indices and block table are checked on the host, which waits for them, unless under
+    validate.no_host_sync() or a graph capture (then the kernels clamp them into the caches).
     """
+    # Under no_host_sync a repeated signature (every array's layout, every other argument's value)
+    # goes straight to its plan: nothing validation checks can differ from the call that made it.
+    arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+              block_table, alibi_slopes)
+    scalars = (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+               None if hasattr(cache_seqlens, "shape") else cache_seqlens)
+    key = _kvcache.signature(arrays, scalars)
+    if validate.host_sync_off():
+        result = _kvcache.run_resolved(key, arrays, return_softmax_lse)
+        if result is not None:
+            return result
     given = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     call, cache = validate.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                          cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, given,
                                          rotary_interleaved, num_splits)
     return_softmax_lse = validate.check_flag("return_softmax_lse", return_softmax_lse)
     if call.caller.kind != "numpy":
-        return _kvcache.attention(call, cache, q, call.checked["alibi_slopes"], return_softmax_lse)
+        return _kvcache.attention(call, cache, arrays, return_softmax_lse, key)
     import numpy
     seqlens = cache.cache_seqlens if cache.seqlens_int is None else numpy.full(call.shape.batch, cache.seqlens_int)
     out, lse = reference.kvcache_attention(

@@ -1010,6 +1010,7 @@ def _decode_cupyflash(shape, q, k, v, generator):
     """cupyflash.torch's flash_attn_with_kvcache: the cache in cupyflash's layout, dense or paged."""
     import torch
     from .torch import flash_attn_with_kvcache
+    from .validate import no_host_sync
     k_cache, v_cache = (x.transpose(1, 2).contiguous() for x in (k, v))  # (batch, cache, nheads_k, headdim)
     table = None
     if shape.page:
@@ -1021,7 +1022,11 @@ def _decode_cupyflash(shape, q, k, v, generator):
             store[table.flatten().long()] = dense.reshape(shape.batch * pages, shape.page, *dense.shape[2:])
         k_cache, v_cache = paged
     seqlens = torch.full((shape.batch,), shape.cache, dtype=torch.int32, device=q.device)
-    return lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
+
+    def step():  # without the host's check of the lengths and the block table, as a serving loop runs
+        with no_host_sync():
+            return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
+    return step
 
 
 def _decode_sdpa(backend_name):

@@ -707,8 +707,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     """flash_attn.flash_attn_with_kvcache: attention of q over the caches after appending k and v
     to them in place (cupyflash.flash_attn_with_kvcache has the semantics). A custom op that
-    declares the caches it writes, so torch.compile keeps the writes; no gradient. CPU tensors
-    run the NumPy reference, CUDA tensors the core's GPU path (cupyflash/_kvcache.py)."""
+    declares the caches it writes, so torch.compile keeps the writes (eager CUDA calls skip it and run
+    the core directly); no gradient. CPU tensors run the NumPy reference, CUDA tensors the KV-cache
+    kernels (cupyflash/_kvcache.py)."""
     for name, value in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -716,6 +717,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                    cache_leftpad=cache_leftpad, block_table=block_table, alibi_slopes=alibi_slopes)
     for name, value in tensors.items():
         _check_tensor(name, value)
+    given = [t for t in (q, k_cache, v_cache, *tensors.values(), cache_seqlens) if isinstance(t, torch.Tensor)]
+    if q.is_cuda and _eager(*given):
+        # Eager: the core directly (the custom op's dispatch costs more than the kernels of a decode
+        # step); the caches' version counters move as the op's declared writes would move them.
+        result = api.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                             cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                                             window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                                             return_softmax_lse)
+        for cache in (k_cache, v_cache):
+            if not cache.is_inference():  # (inference tensors have no version counter)
+                torch.autograd.graph.increment_version(cache)
+        return result
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), validate.check_seqlens_int(cache_seqlens), dtype=torch.int32,
                                    device=q.device)

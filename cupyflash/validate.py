@@ -267,9 +267,14 @@ def no_host_sync():
         _host_sync.off = before
 
 
+def host_sync_off():
+    """Whether this thread is inside no_host_sync()."""
+    return getattr(_host_sync, "off", False)
+
+
 def reads_device_values(caller):
     """Whether a call may read device values on the host (not under no_host_sync or a graph capture)."""
-    return caller.kind == "numpy" or not (getattr(_host_sync, "off", False) or caller.capturing())
+    return caller.kind == "numpy" or not (host_sync_off() or caller.capturing())
 
 
 def check_varlen_values(varlen, arrays, caller):

@@ -355,59 +355,42 @@ def test_bad_paged_varlen_input_names_the_argument():
 
 
 # --------------------------------------------------------------------------------------------
-# The GPU path's composition (append, gather into packed arrays, the varlen call), run with NumPy
-# as its array module: its index arithmetic against the reference, without a GPU.
+# The GPU path's host arithmetic (cupyflash/_kvcache.py): the key splits of a decode launch.
 
-def _composed(case, **options):
-    from cupyflash import _kvcache, validate
-    args = {name: case.get(name) for name in ("k", "v", "rotary_cos", "rotary_sin", "cache_seqlens")}
-    for name in ("cache_batch_idx", "cache_leftpad", "block_table"):
-        args[name] = options.pop(name, case.get(name))
-    given = dict(window_size=options.pop("window_size", (-1, -1)), softcap=options.pop("softcap", 0.0),
-                 alibi_slopes=options.pop("alibi_slopes", None))
-    k_cache, v_cache = case["k_cache"].copy(), case["v_cache"].copy()
-    call, cache = validate.check_kvcache(case["q"], k_cache, v_cache, args["k"], args["v"], args["rotary_cos"],
-                                         args["rotary_sin"], args["cache_seqlens"], args["cache_batch_idx"],
-                                         args["cache_leftpad"], args["block_table"], None,
-                                         options.pop("causal", False), given, options.pop("rotary_interleaved", True),
-                                         0)
-    arrays = dict(args, q=case["q"], k_cache=k_cache, v_cache=v_cache, alibi_slopes=given["alibi_slopes"])
-    out, lse = _kvcache.compose(call, cache, arrays, np)
-    return out, lse, k_cache, v_cache
+def test_decode_splits_fill_the_gpu_and_keep_a_block_per_warp():
+    from cupyflash._kvcache import MAX_SPLITS, splits
+    assert splits(ctas=4 * 396, key_blocks=4096, warps=4, resident=396) == 1  # four whole waves
+    assert splits(ctas=400, key_blocks=4096, warps=4, resident=396) == 6  # 6.06 waves of 7: 87%; 5 splits: 84%
+    # 8 x 49 = 392 CTAs fill 99% of a wave; 8 x 42 = 336 (84.8%) is the fewest within 85% of that
+    assert splits(ctas=8, key_blocks=256, warps=4, resident=396) == 42
+    assert splits(ctas=8, key_blocks=8, warps=4, resident=396) == 2      # at most one block per warp and split
+    assert splits(ctas=1, key_blocks=10 ** 6, warps=4, resident=396) == 109  # 109 >= 0.85 * MAX_SPLITS
+    assert splits(ctas=1, key_blocks=10 ** 6, warps=4, resident=64) <= MAX_SPLITS
+    for ctas in (1, 3, 8, 64, 200, 300):
+        for key_blocks in (1, 5, 64, 4096):
+            count = splits(ctas, key_blocks, 4, 396)
+            assert 1 <= count <= max(1, -(-key_blocks // 4))
+            waves = ctas * count / 396
+            # within 85% of the best quantisation over the allowed counts
+            best = max(ctas * c / 396 / -(-ctas * c // 396) for c in range(1, max(1, min(MAX_SPLITS, -(-key_blocks // 4))) + 1))
+            assert waves / -(-ctas * count // 396) >= 0.85 * best
 
 
-@pytest.mark.parametrize("options", [dict(causal=True), dict(causal=True, rotary_interleaved=False),
-                                     dict(window_size=(9, 3), softcap=2.0), dict(causal=True, alibi_slopes="batch"),
-                                     dict(causal=True, cache_batch_idx=True, cache_leftpad=True), dict(paged=16)])
-@pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (5, 5), (2, 0)])
-def test_the_gpu_composition_with_numpy_gives_the_reference(options, seqlen_q, seqlen_new):
-    """float32 inputs: the composition rotates in float32, as the GPU does; out and lse within float32
-    rounding of the reference's, the appended caches equal to one float32 unit."""
-    case, rng = _case(seqlen_q=seqlen_q, seqlen_new=seqlen_new, rotary_dim=16 if seqlen_new else 0,
-                      dtype=np.float32, capacity=64)
-    options = dict(options)
-    if options.pop("paged", None):
-        pages, blocks = 4, 3 * 4 + 2
-        table = rng.permutation(blocks)[:12].reshape(3, 4).astype(np.int32)
-        for name in ("k_cache", "v_cache"):
-            store = rng.standard_normal((blocks, 16, 2, 40)).astype(np.float32)
-            store[table] = case[name].reshape(3, pages, 16, 2, 40)
-            case[name] = store
-        options.update(causal=True, block_table=table)
-    if options.get("alibi_slopes") == "batch":
-        options["alibi_slopes"] = rng.uniform(0.1, 0.6, (3, 4)).astype(np.float32)
-    if options.pop("cache_batch_idx", None):
-        spare = rng.standard_normal((1,) + case["k_cache"].shape[1:]).astype(np.float32)
-        case["k_cache"], case["v_cache"] = (np.concatenate([case[n], spare]) for n in ("k_cache", "v_cache"))
-        options["cache_batch_idx"] = np.array([3, 0, 1], np.int32)
-    if options.pop("cache_leftpad", None):
-        options["cache_leftpad"] = np.minimum(case["cache_seqlens"], 5).astype(np.int32)
-    want_k, want_v = case["k_cache"].copy(), case["v_cache"].copy()
-    reference_args = {n: v for n, v in case.items() if n not in ("k_cache", "v_cache")}
-    want_out, want_lse = cupyflash.flash_attn_with_kvcache(k_cache=want_k, v_cache=want_v, **reference_args,
-                                                           **options, return_softmax_lse=True)
-    out, lse, k_cache, v_cache = _composed(case, **options)
-    np.testing.assert_allclose(out, want_out, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(k_cache, want_k, rtol=2 ** -22, atol=2 ** -22)
-    np.testing.assert_array_equal(v_cache, want_v)
+def test_the_plan_signature_tells_calls_apart():
+    """A GPU call whose signature equals an earlier one's skips validation under no_host_sync, so the
+    signature must differ wherever validation or the plan could: layouts, dtypes, which arguments
+    are given, the scalars' values and types."""
+    torch = pytest.importorskip("torch")
+    from cupyflash._kvcache import signature
+
+    def key(q=None, k_cache=None, k=None, causal=True, window=(-1, -1), lengths=5):
+        q = torch.zeros(2, 1, 4, 32) if q is None else q
+        k_cache = torch.zeros(2, 64, 2, 32) if k_cache is None else k_cache
+        return signature((q, k_cache, k_cache, k, k) + (None,) * 7, (None, causal, window, 0.0, True, 0, lengths))
+    base = key()
+    assert base is not None and base == key()
+    variants = [key(causal=1), key(lengths=6), key(lengths=None), key(window=(3, 0)),
+                key(q=torch.zeros(2, 4, 1, 32).transpose(1, 2)), key(q=torch.zeros(2, 1, 4, 32, dtype=torch.float16)),
+                key(k_cache=torch.zeros(2, 65, 2, 32)), key(k=torch.zeros(2, 1, 2, 32))]
+    assert len({base, *variants}) == len(variants) + 1
+    assert key(window=[-1, -1]) is None and key(q=np.zeros((2, 1, 4, 32))) is None

@@ -5,6 +5,8 @@ place as the NumPy path appends them (to one unit of the dtype: the GPU rotates 
 and paged caches, cache_batch_idx, cache_leftpad, rotary both ways, decode to chunked prefill,
 and a CUDA-graph replay with new lengths written on the device."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ import cupyflash
 from cupyflash import reference
 from cupyflash._arrays import bfloat16_dtype
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_allocations")]  # outputs start as NaN
 
 UNIT = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
 
@@ -41,10 +43,14 @@ def _case(rng, dtype, batch=3, seqlen_q=1, nheads=8, nheads_k=2, headdim=64, cap
 def _yardstick(case, dtype, options):
     """(reference out, lse, caches after the append; naive low-precision out and lse), per sequence."""
     k_cache, v_cache = case["k_cache"].copy(), case["v_cache"].copy()
-    args = {n: v for n, v in case.items() if n not in ("k_cache", "v_cache")}
-    ref_out, ref_lse = cupyflash.flash_attn_with_kvcache(k_cache=k_cache, v_cache=v_cache, return_softmax_lse=True,
-                                                         **dict(args, q=case["q"].astype(np.float64)), **options)
     q = np.asarray(case["q"], np.float64)
+    # The reference's own function takes mixed dtypes: q in float64, the caches appended in theirs.
+    ref_out, ref_lse = reference.kvcache_attention(
+        q, k_cache, v_cache, case.get("k"), case.get("v"), case.get("rotary_cos"), case.get("rotary_sin"),
+        case["cache_seqlens"], options.get("cache_batch_idx"), options.get("cache_leftpad"), case.get("block_table"),
+        q.shape[-1] ** -0.5, options.get("causal", False), window_size=options.get("window_size", (-1, -1)),
+        softcap=options.get("softcap", 0.0), rotary_interleaved=options.get("rotary_interleaved", True),
+        alibi_slopes=options.get("alibi_slopes"))
     batch, seqlen_q = q.shape[:2]
     local = options.get("causal", False) or options.get("window_size", (-1, -1)) != (-1, -1)
     lengths = case["cache_seqlens"]
@@ -70,7 +76,8 @@ def _yardstick(case, dtype, options):
         o, l = reference.attention_forward_lowp(qb[None], kb, vb, dtype, None, options.get("causal", False),
                                                 return_lse=True, window_size=options.get("window_size", (-1, -1)),
                                                 softcap=options.get("softcap", 0.0),
-                                                alibi_slopes=None if slopes is None else np.asarray(slopes))
+                                                alibi_slopes=None if slopes is None else np.asarray(slopes)[b]
+                                                if np.ndim(slopes) == 2 else np.asarray(slopes))
         lowp_out[b], lowp_lse[b] = o[0], l[0]
     return ref_out, ref_lse, k_cache, v_cache, lowp_out, lowp_lse
 
@@ -85,6 +92,7 @@ def _run_and_check(case, dtype, framework, **options):
     ref_out, ref_lse, ref_k, ref_v, lowp_out, lowp_lse = _yardstick(case, dtype, options)
     if framework == "torch":
         torch = pytest.importorskip("torch")
+        torch.full((64 << 20,), float("nan"), device="cuda")  # freed at once: torch's cached blocks hold NaN
         to_device = lambda a: torch.from_dlpack(cupy.asarray(a))  # noqa: E731
         to_host = lambda t: cupy.asnumpy(cupy.from_dlpack(t))  # noqa: E731
     else:
@@ -133,6 +141,24 @@ def test_batch_index_leftpad_and_options():
     _run_and_check(case, "bfloat16", "cupy", **options)
 
 
+@pytest.mark.parametrize("headdim,nheads,nheads_k,seqlen_q,num_splits,capacity", [
+    (128, 32, 8, 1, 0, 4096),   # decode: GQA packed, the splits picked
+    (128, 32, 8, 4, 3, 1000),   # speculative rows, three splits asked for
+    (256, 8, 1, 16, 0, 700),    # MQA: 128 packed rows, eight row blocks
+    (40, 6, 6, 1, 0, 2048),     # MHA, a head dim padded to 64
+    (64, 16, 2, 13, 1, 300),    # one split
+    (96, 4, 2, 1, 200, 160),    # more splits asked for than key blocks
+])
+def test_splits_groups_and_head_dims(headdim, nheads, nheads_k, seqlen_q, num_splits, capacity):
+    rng = np.random.default_rng(headdim + seqlen_q)
+    case = _case(rng, "bfloat16", batch=3, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, headdim=headdim,
+                 capacity=capacity, seqlen_new=0, rotary_dim=0)
+    case["cache_seqlens"][0] = 0  # a sequence without keys: out 0, lse -inf
+    case["cache_seqlens"][1] = capacity
+    _run_and_check(case, "bfloat16", "cupy", num_splits=num_splits)
+    _run_and_check(case, "bfloat16", "cupy", num_splits=num_splits, causal=True, softcap=3.0)
+
+
 def test_a_captured_decode_step_replays_with_new_lengths():
     """A decode step captured in a CUDA graph (CuPy stream capture) appends and attends at the
     lengths found on the device at each replay; every replay equals the same call made eagerly."""
@@ -158,3 +184,91 @@ def test_a_captured_decode_step_replays_with_new_lengths():
             stream.synchronize()
             assert bool((out == want).all()), f"replay {step}"
             assert bool((arrays["k_cache"] == eager["k_cache"]).all()), f"replay {step}: k_cache"
+
+
+# --------------------------------------------------------------------------------------------
+# The frameworks' entry points on CUDA: the same kernels, so the core's CuPy results bit for bit.
+
+def _torch_case(torch, seed=21):
+    rng = np.random.default_rng(seed)
+    case = _case(rng, "bfloat16", batch=2, seqlen_q=2, seqlen_new=2, capacity=96, rotary_dim=16, headdim=64)
+    tensors = {n: torch.from_dlpack(__import__("cupy").asarray(v)) for n, v in case.items()}
+    return case, tensors
+
+
+def test_torch_dropin_eager_compiled_and_graph_replayed_match_the_core():
+    import cupy
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch as cft
+    case, tensors = _torch_case(torch)
+    arrays = {n: cupy.asarray(v) for n, v in case.items()}
+    options = dict(causal=True, softcap=4.0, rotary_interleaved=False)
+    want_out, want_lse = cupyflash.flash_attn_with_kvcache(**arrays, **options, return_softmax_lse=True)
+    out, lse = cft.flash_attn_with_kvcache(**tensors, **options, return_softmax_lse=True)
+    assert bool((cupy.from_dlpack(out) == want_out).all()) and bool((cupy.from_dlpack(lse) == want_lse).all())
+    for name in ("k_cache", "v_cache"):
+        assert bool((cupy.from_dlpack(tensors[name]) == arrays[name]).all()), name
+
+    def step(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin):
+        return cft.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                           **options) * 2
+    torch._dynamo.reset()
+    names = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "rotary_cos", "rotary_sin")
+    _, fresh = _torch_case(torch)
+    eager = {n: fresh[n].clone() for n in names}
+    compiled = {n: fresh[n].clone() for n in names}
+    want = step(**eager)
+    got = torch.compile(step, fullgraph=True)(**compiled)
+    assert torch.equal(got, want)
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(compiled[name], eager[name])
+
+    # torch.cuda.graph: a captured step replays with the lengths found on the device
+    _, fresh = _torch_case(torch)
+    graphed = {n: fresh[n].clone() for n in names}
+    reference_caches = {n: fresh[n].clone() for n in ("k_cache", "v_cache")}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(**graphed)  # warm-up outside the capture: plans and kernels
+    torch.cuda.current_stream().wait_stream(side)
+    for n in ("k_cache", "v_cache"):
+        graphed[n].copy_(fresh[n])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(**graphed)
+    for replay, lengths in enumerate(([3, 50], [40, 7], [0, 94])):
+        graphed["cache_seqlens"].copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        want = step(**{**graphed, "k_cache": reference_caches["k_cache"], "v_cache": reference_caches["v_cache"],
+                       "cache_seqlens": torch.tensor(lengths, dtype=torch.int32, device="cuda")})
+        torch.cuda.synchronize()
+        assert torch.equal(captured, want), f"replay {replay}"
+        assert torch.equal(graphed["k_cache"], reference_caches["k_cache"]), f"replay {replay}: k_cache"
+
+
+def test_jax_under_jit_with_donated_caches_matches_the_core():
+    import os
+    import cupy
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import cupyflash.jax as cfj
+    rng = np.random.default_rng(5)
+    case = _case(rng, "bfloat16", batch=3, seqlen_q=1, seqlen_new=1, capacity=300, rotary_dim=32, headdim=128,
+                 nheads=16, nheads_k=4, paged_page=16)
+    arrays = {n: cupy.asarray(v) for n, v in case.items()}
+    want_out, want_lse = cupyflash.flash_attn_with_kvcache(**arrays, causal=True, return_softmax_lse=True)
+
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def step(q, k_cache, v_cache, k, v, cache_seqlens, rotary_cos, rotary_sin, block_table):
+        return cfj.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                           block_table=block_table, causal=True, return_softmax_lse=True)
+    gpu = jax.devices("gpu")[0]
+    args = [jax.device_put(jnp.asarray(case[n]), gpu) for n in ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens",
+                                                                "rotary_cos", "rotary_sin", "block_table")]
+    out, lse, k_cache, v_cache = step(*args)
+    np.testing.assert_array_equal(np.asarray(out).astype(np.float32), cupy.asnumpy(want_out).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), cupy.asnumpy(want_lse))
+    np.testing.assert_array_equal(np.asarray(k_cache).astype(np.float32), cupy.asnumpy(arrays["k_cache"]).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(v_cache).astype(np.float32), cupy.asnumpy(arrays["v_cache"]).astype(np.float32))

@@ -117,4 +117,38 @@ struct FlashParams {
     int tail_parts;
     float* dkv_accum;               // fp32, zeroed: the split key blocks' dK and dV, summed by the pieces
     int* tail_pieces_done;          // zeroed: one count per split key block
+
+    // The KV cache (sm80/decode.cuh): k and v above are the caches, whose batch stride steps one
+    // cache row or, paged, one block of page_size rows. Lengths, rows and block ids read on the
+    // device are clamped into the caches, so unchecked values (CUDA graphs, JAX) stay inside them.
+    const void* k_new;              // (batch, seqlen_new, nheads_k, headdim), appended at cache_seqlens; or null
+    const void* v_new;
+    long long k_new_batch_stride;
+    long long k_new_row_stride;
+    long long k_new_head_stride;
+    long long v_new_batch_stride;
+    long long v_new_row_stride;
+    long long v_new_head_stride;
+    int seqlen_new;
+    int capacity;                   // positions per sequence (the cache's length, or pages x page_size)
+    int cache_rows;                 // the caches' dim 0: rows, or blocks when paged
+    const int* cache_seqlens;       // per batch entry; null: cache_seqlens_all for every entry
+    int cache_seqlens_all;
+    const int* cache_batch_idx;     // the cache row of each batch entry; null: row b
+    const int* cache_leftpad;       // the first position each sequence attends to; null: 0
+    const int* block_table;         // (batch, pages) when paged, else null
+    long long block_table_batch_stride;
+    int page_size;
+    const void* rotary_cos;         // (rotary_rows, rotary_dim / 2), q's 16-bit dtype or fp32; null: no rotary
+    const void* rotary_sin;
+    long long rotary_cos_row_stride;
+    long long rotary_sin_row_stride;
+    int rotary_rows;
+    int rotary_dim;
+    int rotary_interleaved;         // pairs (2j, 2j + 1), else (j, j + rotary_dim / 2)
+    int rotary_is_float32;
+    int rotary_q_per_row;           // q's row i turns at cache_seqlens + i (causal or local), else all at cache_seqlens
+    int num_splits;                 // key splits per (query block, kv head, batch entry)
+    float* out_partial;             // (num_splits, batch, nheads, seqlen_q, headdim): each split's normalised O
+    float* lse_partial;             // (num_splits, batch, nheads, seqlen_q)
 };

@@ -1,0 +1,339 @@
+// Attention over a KV cache (flash_attn_with_kvcache): decode steps, speculative rows, chunked prefill.
+//
+// Three kernels, launched in this order on one stream:
+//   flash_kvcache_append: the new keys (rotated) and values written into the caches at cache_seqlens.
+//   flash_decode: one CTA per (16 packed query rows, key split; kv head; batch entry). The packed rows
+//     are the query rows of every head of the KV group (row r: query r / group, head
+//     head_k * group + r % group), so K and V are read once per group. The CTA's warps take the
+//     split's key blocks in turn, each warp with its own two-buffer cp.async ring and online
+//     softmax: no CTA barrier inside the loop, and each warp keeps a block in flight while it
+//     computes the last. Keys are addressed per row through the cache row (cache_batch_idx) or the
+//     block table, from cache_leftpad on. At the end the warps merge by their row maxima; with one
+//     split the CTA writes out and lse, else its split's normalised O and lse.
+//   flash_decode_combine: with several splits, out and lse from the splits' partials, weighted by
+//     exp(lse_split - lse).
+// The split count is the host's (from shapes alone); lengths stay on the device, so a decode step
+// captures in a CUDA graph and replays as they change.
+#pragma once
+#include "../common/math.cuh"
+#include "../common/online_softmax.cuh"
+#include "../common/score.cuh"
+#include "tile.cuh"
+
+// Where sequence b's keys are: its cached length before the append, its first attended position,
+// and the cache row or block table row. Key j is cache position start + j.
+struct CacheSequence {
+    int length;    // cache_seqlens[b]
+    int start;     // cache_leftpad[b]
+    int seqlen_k;  // keys attended: positions start .. length + seqlen_new - 1
+    int row;       // dense: the cache row
+    const int* pages;  // paged: the block table row, else null
+
+    __device__ __forceinline__ CacheSequence(const FlashParams& p, int batch) {
+        length = min(max(p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_seqlens_all, 0),
+                     p.capacity - p.seqlen_new);
+        start = p.cache_leftpad != nullptr ? min(max(p.cache_leftpad[batch], 0), p.capacity) : 0;
+        seqlen_k = max(length + p.seqlen_new - start, 0);
+        row = p.cache_batch_idx != nullptr ? min(max(p.cache_batch_idx[batch], 0), p.cache_rows - 1) : batch;
+        pages = p.block_table != nullptr ? p.block_table + batch * p.block_table_batch_stride : nullptr;
+    }
+    // (cache row or block, row within it) of cache position pos (0 <= pos < capacity).
+    __device__ __forceinline__ int2 at(const FlashParams& p, int pos) const {
+        if (pages == nullptr) return make_int2(row, pos);
+        const int page = pos / p.page_size;
+        return make_int2(min(max(pages[page], 0), p.cache_rows - 1), pos - page * p.page_size);
+    }
+    __device__ __forceinline__ int diagonal(int query, int seqlen_q) const { return query + seqlen_k - seqlen_q; }
+};
+
+// The angle's (cos, sin) of position pos for rotary pair j, from fp32 or 16-bit tables.
+template <bool BF16>
+__device__ __forceinline__ float2 rotary_angle(const FlashParams& p, int pos, int j) {
+    pos = min(max(pos, 0), p.rotary_rows - 1);
+    const long long c = pos * p.rotary_cos_row_stride + j, s = pos * p.rotary_sin_row_stride + j;
+    if (p.rotary_is_float32)
+        return make_float2(static_cast<const float*>(p.rotary_cos)[c], static_cast<const float*>(p.rotary_sin)[s]);
+    return make_float2(to_float<BF16>(static_cast<const uint16*>(p.rotary_cos)[c]),
+                       to_float<BF16>(static_cast<const uint16*>(p.rotary_sin)[s]));
+}
+
+// Dim d's rotary partner and the sign of its term: x[d] turns into x[d] cos + sign x[partner] sin.
+__device__ __forceinline__ int rotary_partner(const FlashParams& p, int d, float& sign) {
+    if (p.rotary_interleaved) {
+        sign = d % 2 == 0 ? -1.f : 1.f;
+        return d ^ 1;
+    }
+    const int half = p.rotary_dim / 2;
+    sign = d < half ? -1.f : 1.f;
+    return d < half ? d + half : d - half;
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint16 to_16bit(float x) {
+    return static_cast<uint16>(pack_pair<BF16>(x, 0.f) & 0xffffu);
+}
+
+// One CTA per (new token, batch entry): K (rotated in fp32, then rounded) and V into the caches.
+template <bool BF16>
+__device__ __forceinline__ void flash_kvcache_append(const FlashParams& p) {
+    const int t = blockIdx.x, batch = blockIdx.y;
+    const CacheSequence seq(p, batch);
+    const int2 at = seq.at(p, seq.length + t);
+    const uint16* k_new = static_cast<const uint16*>(p.k_new) + batch * p.k_new_batch_stride + t * p.k_new_row_stride;
+    const uint16* v_new = static_cast<const uint16*>(p.v_new) + batch * p.v_new_batch_stride + t * p.v_new_row_stride;
+    uint16* k = static_cast<uint16*>(const_cast<void*>(p.k)) + at.x * p.k_batch_stride + at.y * p.k_row_stride;
+    uint16* v = static_cast<uint16*>(const_cast<void*>(p.v)) + at.x * p.v_batch_stride + at.y * p.v_row_stride;
+    for (int i = threadIdx.x; i < p.nheads_k * p.headdim; i += blockDim.x) {
+        const int head = i / p.headdim, d = i % p.headdim;
+        const uint16* k_head = k_new + head * p.k_new_head_stride;
+        uint16 key = k_head[d];
+        if (p.rotary_cos != nullptr && d < p.rotary_dim) {
+            float sign;
+            const int partner = rotary_partner(p, d, sign);
+            const float2 angle = rotary_angle<BF16>(p, seq.length + t, p.rotary_interleaved ? d / 2 : d % (p.rotary_dim / 2));
+            key = to_16bit<BF16>(to_float<BF16>(key) * angle.x + sign * to_float<BF16>(k_head[partner]) * angle.y);
+        }
+        k[head * p.k_head_stride + d] = key;
+        v[head * p.v_head_stride + d] = v_new[head * p.v_new_head_stride + d];
+    }
+}
+
+template <int HEADDIM, int WARP_N, int WARPS>
+struct DecodeTile {
+    static constexpr int kRows = 16;  // packed query rows per CTA: one m16 tile
+    static constexpr int kThreads = WARPS * 32;
+    static constexpr int kWarpElements = 2 * 2 * WARP_N * TileLayout<HEADDIM>::kStride;  // (K, V) x two buffers
+    static constexpr int kSmemBytes = TileLayout<HEADDIM>::template bytes<kRows>() + WARPS * 2 * kWarpElements;
+    // The warps' merge reuses their buffers: a 16 x HEADDIM fp32 O each, then per-row statistics.
+    static constexpr int kMergeBytes = WARPS * kRows * HEADDIM * 4 + 2 * WARPS * kRows * 4 + 2 * kRows * 4;
+    static_assert(kMergeBytes <= kSmemBytes - TileLayout<HEADDIM>::template bytes<kRows>(),
+                  "the merge fits in the warps' buffers");
+    static_assert(WARP_N % 16 == 0 && HEADDIM % 32 == 0, "tiles are built of 16-wide mma steps");
+};
+
+template <int HEADDIM, int WARP_N, int WARPS, bool BF16, bool LOCAL, bool OPTIONS>
+__device__ __forceinline__ void flash_decode(const FlashParams& p) {
+    typedef DecodeTile<HEADDIM, WARP_N, WARPS> T;
+    typedef TileLayout<HEADDIM> L;
+    constexpr int NT = WARP_N / 8, DT = HEADDIM / 8, kChunks = HEADDIM / 8;
+    extern __shared__ __align__(128) uint16 smem[];
+    uint16* s_q = smem;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    uint16* s_buffers = smem + T::kRows * L::kStride + warp * T::kWarpElements;
+
+    const int split = blockIdx.x % p.num_splits, m_block = blockIdx.x / p.num_splits;
+    const int head_k = blockIdx.y, batch = blockIdx.z;
+    const int group = p.nheads / p.nheads_k, rows = p.seqlen_q * group, row0 = m_block * T::kRows;
+    const CacheSequence seq(p, batch);
+
+    // Q: packed row r is query (row0 + r) / group of head head_k * group + (row0 + r) % group.
+    const uint16* q = static_cast<const uint16*>(p.q) + batch * p.q_batch_stride;
+    for (int c = threadIdx.x; c < T::kRows * kChunks; c += T::kThreads) {
+        const int r = c / kChunks, col = 8 * (c % kChunks), packed = row0 + r;
+        const bool valid = packed < rows && col < p.headdim;
+        const uint16* src = q + (packed / group) * p.q_row_stride + (head_k * group + packed % group) * p.q_head_stride + col;
+        cp_async_16(smem_address(s_q + L::offset(r, col)), valid ? src : q, valid);
+    }
+    cp_async_commit();
+
+    // The keys these rows see, in blocks of WARP_N, and this split's share: whole blocks, a
+    // multiple of WARPS so that the warps finish together.
+    int key_begin = 0, key_end = seq.seqlen_k;
+    if (LOCAL) {
+        const int q_first = row0 / group, q_last = (min(row0 + T::kRows, rows) - 1) / group;
+        key_begin = max(key_begin, seq.diagonal(q_first, p.seqlen_q) - p.window_left);
+        key_end = min(key_end, seq.diagonal(q_last, p.seqlen_q) + p.window_right + 1);
+    }
+    const int first_block = key_begin / WARP_N, blocks = key_end > key_begin ? ceil_div(key_end, WARP_N) - first_block : 0;
+    const int per_split = ceil_div(ceil_div(blocks, p.num_splits), WARPS) * WARPS;
+    const int split_first = first_block + min(split * per_split, blocks);
+    const int split_end = first_block + min((split + 1) * per_split, blocks);
+
+    const uint16* k_cache = static_cast<const uint16*>(p.k) + head_k * p.k_head_stride;
+    const uint16* v_cache = static_cast<const uint16*>(p.v) + head_k * p.v_head_stride;
+    auto load = [&](int n_block, int buffer) {
+        uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;
+        uint16* s_v = s_k + WARP_N * L::kStride;
+#pragma unroll
+        for (int step = 0; step < ceil_div(WARP_N * kChunks, 32); ++step) {
+            const int c = lane + 32 * step;
+            if ((WARP_N * kChunks) % 32 != 0 && c >= WARP_N * kChunks) break;
+            const int r = c / kChunks, col = 8 * (c % kChunks), key = n_block * WARP_N + r;
+            const bool valid = key < seq.seqlen_k && col < p.headdim;
+            const int2 at = valid ? seq.at(p, seq.start + key) : make_int2(0, 0);
+            cp_async_16(smem_address(s_k + L::offset(r, col)), k_cache + at.x * p.k_batch_stride + at.y * p.k_row_stride + col, valid);
+            cp_async_16(smem_address(s_v + L::offset(r, col)), v_cache + at.x * p.v_batch_stride + at.y * p.v_row_stride + col, valid);
+        }
+        cp_async_commit();
+    };
+    int n_block = split_first + warp;
+    if (n_block < split_end) load(n_block, 0);
+    else cp_async_commit();  // (an empty group: the waits below count the same)
+
+    cp_async_wait<1>();
+    __syncthreads();  // Q has landed
+    if (p.rotary_cos != nullptr) {  // q turned by its rows' positions, in place, one pair per thread
+        const int pairs = p.rotary_dim / 2;
+        for (int c = threadIdx.x; c < T::kRows * pairs; c += T::kThreads) {
+            const int r = c / pairs, j = c % pairs, packed = row0 + r;
+            if (packed >= rows) continue;
+            const int d0 = p.rotary_interleaved ? 2 * j : j, d1 = p.rotary_interleaved ? 2 * j + 1 : j + pairs;
+            const float2 angle = rotary_angle<BF16>(p, seq.length + (p.rotary_q_per_row ? packed / group : 0), j);
+            uint16* x0 = s_q + L::offset(r, d0);
+            uint16* x1 = s_q + L::offset(r, d1);
+            const float a = to_float<BF16>(*x0), b = to_float<BF16>(*x1);
+            *x0 = to_16bit<BF16>(a * angle.x - b * angle.y);
+            *x1 = to_16bit<BF16>(a * angle.y + b * angle.x);
+        }
+        __syncthreads();
+    }
+
+    // This thread's two fragment rows (g and g + 8): their query and, with options, ALiBi slope.
+    int query[2];
+    float slope[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int packed = row0 + fragment_row(0, 2 * half);
+        query[half] = packed / group;
+        slope[half] = 0.f;
+        if (OPTIONS && p.alibi_slopes != nullptr && packed < rows)
+            slope[half] = p.alibi_slopes[batch * p.alibi_batch_stride + head_k * group + packed % group] * p.inv_softmax_scale;
+    }
+
+    float acc_o[1][DT][4];
+    zero(acc_o);
+    float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
+    for (int buffer = 0; n_block < split_end; n_block += WARPS, buffer ^= 1) {
+        if (n_block + WARPS < split_end) load(n_block + WARPS, buffer ^ 1);
+        else cp_async_commit();
+        cp_async_wait<1>();
+        __syncwarp();  // block n_block has landed, for every lane
+        const uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;
+        const uint16* s_v = s_k + WARP_N * L::kStride;
+        float s[1][NT][4];
+        zero(s);
+        warp_gemm<BF16, 1, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, 0, s_k, 0);
+        const int key0 = n_block * WARP_N;
+        for_each_element<1, NT>([&](int, int nt, int e) {
+            const int key = key0 + fragment_col(nt, e), half = e / 2;
+            float x = s[0][nt][e];
+            if (OPTIONS) {
+                if (p.softcap_inner != 0.f) x = p.softcap_outer * fast_tanh(x * p.softcap_inner);
+                x = fmaf(-slope[half], small_int_to_float(abs(key - seq.diagonal(query[half], p.seqlen_q))), x);
+            }
+            bool visible = key < seq.seqlen_k;
+            if (LOCAL) {
+                const int diagonal = seq.diagonal(query[half], p.seqlen_q);
+                visible = visible && key <= diagonal + p.window_right && key >= diagonal - p.window_left;
+            }
+            s[0][nt][e] = visible ? x : -CUPYFLASH_INF;
+        });
+        softmax_step(s, acc_o, row_max, row_sum, p);
+        uint32 p_frag[WARP_N / 16][1][4];
+#pragma unroll
+        for (int kk = 0; kk < WARP_N / 16; ++kk) {
+            p_frag[kk][0][0] = pack_pair<BF16>(s[0][2 * kk][0], s[0][2 * kk][1]);
+            p_frag[kk][0][1] = pack_pair<BF16>(s[0][2 * kk][2], s[0][2 * kk][3]);
+            p_frag[kk][0][2] = pack_pair<BF16>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+            p_frag[kk][0][3] = pack_pair<BF16>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+        }
+        warp_gemm_a_in_registers<BF16, 1, DT, WARP_N, HEADDIM, false>(acc_o, p_frag, s_v, 0);
+        __syncwarp();  // every lane is done with this buffer before the next load refills it
+    }
+
+    // Merge the warps: O_w and sum_w scaled by 2^((max_w - max) scale_log2), the row's largest max.
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with its buffers, which now hold the merge
+    float* s_o = reinterpret_cast<float*>(smem + T::kRows * L::kStride);  // [WARPS][kRows][HEADDIM]
+    float* s_max = s_o + WARPS * T::kRows * HEADDIM;                       // [WARPS][kRows]
+    float* s_sum = s_max + WARPS * T::kRows;                               // [WARPS][kRows]
+    float* s_weight = s_sum + WARPS * T::kRows;                            // [kRows]: 1 / sum, then lse
+    float* s_lse = s_weight + T::kRows;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float sum = row_sum[0][half];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int r = fragment_row(0, 2 * half);
+        if (lane % 4 == 0) {
+            s_max[warp * T::kRows + r] = row_max[0][half];
+            s_sum[warp * T::kRows + r] = sum;
+        }
+    }
+    for_each_element<1, DT>([&](int, int dt, int e) {
+        s_o[(warp * T::kRows + fragment_row(0, e)) * HEADDIM + fragment_col(dt, e)] = acc_o[0][dt][e];
+    });
+    __syncthreads();
+    if (threadIdx.x < T::kRows) {  // per row: the warps' weights (into s_max), 1 / sum and lse
+        const int r = threadIdx.x;
+        float max = -CUPYFLASH_INF;
+        for (int w = 0; w < WARPS; ++w) max = fmaxf(max, s_max[w * T::kRows + r]);
+        const float offset = max == -CUPYFLASH_INF ? 0.f : max * p.scale_log2;
+        float sum = 0.f;
+        for (int w = 0; w < WARPS; ++w) {
+            const float weight = fast_exp2(s_max[w * T::kRows + r] * p.scale_log2 - offset);
+            s_max[w * T::kRows + r] = weight;
+            sum += weight * s_sum[w * T::kRows + r];
+        }
+        s_weight[r] = sum > 0.f ? 1.f / sum : 0.f;
+        s_lse[r] = sum > 0.f ? max * p.softmax_scale + logf(sum) : -CUPYFLASH_INF;
+    }
+    __syncthreads();
+    const long long rows_total = static_cast<long long>(p.batch) * p.nheads * p.seqlen_q;
+    for (int c = threadIdx.x; c < T::kRows * HEADDIM / 4; c += T::kThreads) {
+        const int r = c / (HEADDIM / 4), col = 4 * (c % (HEADDIM / 4)), packed = row0 + r;
+        if (packed >= rows || col >= p.headdim) continue;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int w = 0; w < WARPS; ++w) {
+            const float weight = s_max[w * T::kRows + r] * s_weight[r];
+            const float4 x = *reinterpret_cast<const float4*>(s_o + (w * T::kRows + r) * HEADDIM + col);
+            o.x += weight * x.x; o.y += weight * x.y; o.z += weight * x.z; o.w += weight * x.w;
+        }
+        const int query_row = packed / group, head = head_k * group + packed % group;
+        // (batch, head, query) of the statistics, and of the partials' rows
+        const long long stats_row = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + query_row;
+        if (p.num_splits == 1) {
+            uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + query_row * p.out_row_stride
+                          + head * p.out_head_stride + col;
+            *reinterpret_cast<uint2*>(out) = make_uint2(pack_pair<BF16>(o.x, o.y), pack_pair<BF16>(o.z, o.w));
+            if (col == 0) p.lse[stats_row] = s_lse[r];
+        } else {
+            *reinterpret_cast<float4*>(p.out_partial + (split * rows_total + stats_row) * p.headdim + col) = o;
+            if (col == 0) p.lse_partial[split * rows_total + stats_row] = s_lse[r];
+        }
+    }
+}
+
+// One warp per (batch, head, query) row: out and lse from the splits' partials. A split that saw
+// no key (lse -inf) weighs 0 and its partial is not read.
+template <bool BF16>
+__device__ __forceinline__ void flash_decode_combine(const FlashParams& p) {
+    const long long rows_total = static_cast<long long>(p.batch) * p.nheads * p.seqlen_q;
+    const long long row = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows_total) return;
+    float max = -CUPYFLASH_INF;
+    for (int s = lane; s < p.num_splits; s += 32) max = fmaxf(max, p.lse_partial[s * rows_total + row]);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, offset));
+    float sum = 0.f;
+    if (max != -CUPYFLASH_INF)
+        for (int s = lane; s < p.num_splits; s += 32) sum += __expf(p.lse_partial[s * rows_total + row] - max);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    const float lse = sum > 0.f ? max + logf(sum) : -CUPYFLASH_INF;
+    const int query = row % p.seqlen_q, head = (row / p.seqlen_q) % p.nheads, batch = row / (static_cast<long long>(p.seqlen_q) * p.nheads);
+    uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + query * p.out_row_stride + head * p.out_head_stride;
+    for (int col = 4 * lane; col < p.headdim; col += 128) {
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int s = 0; s < p.num_splits; ++s) {
+            const float lse_s = p.lse_partial[s * rows_total + row];
+            if (lse_s == -CUPYFLASH_INF) continue;
+            const float weight = __expf(lse_s - lse);
+            const float4 x = *reinterpret_cast<const float4*>(p.out_partial + (s * rows_total + row) * p.headdim + col);
+            o.x += weight * x.x; o.y += weight * x.y; o.z += weight * x.z; o.w += weight * x.w;
+        }
+        *reinterpret_cast<uint2*>(out + col) = make_uint2(pack_pair<BF16>(o.x, o.y), pack_pair<BF16>(o.z, o.w));
+    }
+    if (lane == 0) p.lse[row] = lse;
+}

@@ -74,7 +74,13 @@ def _tile_text(tile, table):
             f"{tile.smem_bytes(table) // 1024} KiB")
 
 
-_TILE_HEADERS = ["head dim", "fwd tile", "bwd tile", "bwd tile with options"]
+_TILE_HEADERS = ["head dim", "fwd tile", "bwd tile", "bwd tile with options", "decode tile"]
+
+
+def _table_tile(table, headdim):
+    """A tile table's tile for a caller's head dim (the table's next head dim up)."""
+    padded = _config.padded_headdim(headdim, tuple(table))
+    return _config.Tile(padded, *table[padded])
 
 
 def info():
@@ -92,8 +98,9 @@ def info():
         print(hint)
         families = [forced] if forced else list(_config.FAMILIES)
         for family in families:
-            rows = [[hd, *(_tile_text(_config.Tile(hd, *_config.TILES[_config.MMA_SYNC][family][table][hd]), table)
-                           for table in _config.TABLES)] for hd in _config.HEADDIMS]
+            tables = _config.TILES[_config.MMA_SYNC][family]
+            rows = [[hd, *(_tile_text(_table_tile(tables[table], hd), table) for table in _config.TABLES)]
+                    for hd in _config.HEADDIMS]
             print(f"\ntile table {family}{' (forced by CUPYFLASH_TILES)' if forced else ''}:")
             print(_table(_TILE_HEADERS, rows))
             wgmma = _config.TILES[_config.WGMMA].get(family, {}).get("fwd", {})

@@ -16,6 +16,7 @@ ROW_KERNEL_ROWS, ROW_KERNEL_THREADS = 64, 256  # the backward's row kernels (Row
 _HEADER = {"fwd": "sm80/fwd.cuh", "bwd": "sm80/bwd.cuh", "bwd_dot": "sm80/bwd.cuh", "bwd_convert_dq": "sm80/bwd.cuh",
            "decode": "sm80/decode.cuh", "decode_combine": "sm80/decode.cuh", "kvcache_append": "sm80/decode.cuh"}
 ROW_KERNELS = ("bwd_dot", "bwd_convert_dq", "decode_combine", "kvcache_append")  # no tile: ROW_KERNEL_THREADS each
+KVCACHE_PASSES = ("decode", "decode_combine", "kvcache_append")  # flash_attn_with_kvcache's (cuda_src/sm80/decode.cuh)
 _WGMMA_HEADER = {"fwd": "sm90/fwd.cuh"}
 
 
@@ -95,7 +96,7 @@ class Kernel:
                 f"\"row kernel blocks differ from cupyflash/_kernels.py\");\n")
         elif self.pass_ == "decode":
             t = self.tile
-            args = f"{t.headdim}, {t.block_n}, {t.warps}"
+            args = f"{t.headdim}, {t.block_n}, {t.warps}, {t.stages}"
             call = f"flash_decode<{args}, {bf16}, {_bool(self.local)}, {_bool(self.options)}>(p);"
             check = (f"static_assert(DecodeTile<{args}>::kSmemBytes == {self.smem_bytes} && DecodeTile<{args}>::kRows == "
                      f"{t.block_m}, \"the decode tile differs from cupyflash/_config.py\");\n")
@@ -152,7 +153,8 @@ def representative_jobs(jobs):
     flags and every flag at hd128; on the newest mma.sync arch (which builds every table),
     one variant per tile of its own family's tables, so every head dim and block shape of each pass,
     with the heaviest flags (local masking, column bounds, the options); every flag of one forward
-    tile; the other dtype once; the row kernels; and one variant per table for each older arch.
+    tile; the other dtype once; the row kernels; one variant per table for each older arch; and
+    the KV cache's kernels once each (every decode tile with its heaviest flags).
     (What a user of a CPU-only machine runs is the NumPy reference: no kernel would be theirs.)"""
     primary = max((arch for arch, k in jobs if not k.wgmma), key=int)
 
@@ -171,6 +173,9 @@ def representative_jobs(jobs):
     def keep(arch, k):
         if k.wgmma:  # every tile with the heaviest flags, and every flag at hd128
             return k.dtype == DTYPES[0] and ((k.local and k.options) or k.tile.headdim == 128)
+        if k.pass_ in KVCACHE_PASSES:  # the KV cache's kernels: every tile with the heaviest flags, one dtype
+            return (arch == primary and k.dtype == DTYPES[0] and (k.tile is None or (k.local and k.options))
+                    and (k.tile is None or native(arch, k)))
         if k.tile is None:
             return arch == primary
         if not native(arch, k):

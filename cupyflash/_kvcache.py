@@ -119,16 +119,16 @@ def _copy(array):
 
 def splits(ctas, key_blocks, warps, resident):
     """How many key ranges each of `ctas` CTAs' keys are split into, `resident` CTAs running at once:
-    the fewest whose waves are within 85% of the best quantisation (a decode's CTAs all read about
-    as many keys, so a part-filled last wave idles the rest of the GPU), each split keeping at
-    least one key block per warp."""
+    the fewest whose waves are within 95% of the best quantisation (a decode's CTAs all read about
+    as many keys, so a part-filled last wave idles the rest of the GPU; the merge costs little
+    beside the cache read), each split keeping at least one key block per warp."""
     most = max(1, min(MAX_SPLITS, -(-key_blocks // warps)))
     efficiency = {}
     for count in range(1, most + 1):
         waves = ctas * count / resident
         efficiency[count] = waves / math.ceil(waves)
     best = max(efficiency.values())
-    return next(count for count in range(1, most + 1) if efficiency[count] >= 0.85 * best)
+    return next(count for count in range(1, most + 1) if efficiency[count] >= 0.95 * best)
 
 
 def _new_plan(call, cache, arrays):

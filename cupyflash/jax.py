@@ -181,7 +181,9 @@ def _kvcache_handler(platform):
             return
         import cupy
         device, stream = _device(call), call.cuda_stream()
-        with cupy.cuda.Device(device), _arrays.external_stream(stream, device):
+        # (the values of the lengths and the block table stay on the device: reading them would wait
+        # for XLA's stream inside its own call)
+        with cupy.cuda.Device(device), _arrays.external_stream(stream, device), validate.no_host_sync():
             _run_kvcache(attrs, dict(zip(names, (a.cupy(device) for a in call.args))),
                          [r.cupy(device) for r in call.rets])
     return handler

@@ -29,6 +29,29 @@ CASES = [Case(113, 113, 72, "float16", True, batch=1),
          # more query tiles than an H200 has SMs: the wgmma forward's persistent CTAs take several
          Case(300, 200, 64, "bfloat16", True, batch=2, nheads=70, nheads_k=10)]
 
+def kvcache_cases():
+    """flash_attn_with_kvcache calls for the sanitizer (append and rotary, split decode, combine): paged
+    and dense, cache_batch_idx and cache_leftpad, a padded head dim; each against the NumPy path."""
+    import numpy
+    import cupyflash
+    from cupyflash._arrays import bfloat16_dtype
+    rng = numpy.random.default_rng(0)
+    draw = lambda *shape: rng.standard_normal(shape).astype(bfloat16_dtype())  # noqa: E731
+    paged = dict(q=draw(2, 3, 8, 72), k_cache=draw(9, 16, 2, 72), v_cache=draw(9, 16, 2, 72), k=draw(2, 3, 2, 72),
+                 v=draw(2, 3, 2, 72), rotary_cos=draw(70, 16), rotary_sin=draw(70, 16),
+                 cache_seqlens=numpy.array([0, 40], numpy.int32), block_table=numpy.array([[4, 0, 7, 2], [1, 8, 3, 5]],
+                                                                                         numpy.int32))
+    dense = dict(q=draw(3, 1, 4, 128), k_cache=draw(5, 300, 4, 128), v_cache=draw(5, 300, 4, 128),
+                 cache_seqlens=numpy.array([299, 5, 130], numpy.int32), cache_batch_idx=numpy.array([4, 0, 2], numpy.int32),
+                 cache_leftpad=numpy.array([3, 0, 130], numpy.int32))
+    for arrays, options in ((paged, dict(causal=True, num_splits=3)), (dense, dict(softcap=5.0, num_splits=2)),
+                            (dense, dict(causal=True))):
+        want = cupyflash.flash_attn_with_kvcache(**{n: a.copy() for n, a in arrays.items()}, **options)
+        got = cupyflash.flash_attn_with_kvcache(**{n: cupy.asarray(a) for n, a in arrays.items()}, **options)
+        error = float(numpy.abs(cupy.asnumpy(got).astype(numpy.float64) - want.astype(numpy.float64)).max())
+        yield f"kvcache {sorted(arrays)} {options}", error <= 0.05 * float(numpy.abs(want.astype(numpy.float64)).max())
+
+
 def plant_out_of_bounds_write():
     buffer = cupy.zeros(1000, dtype=cupy.float32)
     write_past_end = cupy.RawKernel('extern "C" __global__ void k(float* x, int n) { x[n + threadIdx.x] = 1.f; }', "k")
@@ -45,4 +68,7 @@ if __name__ == "__main__":
         result = _check.run_gpu_case(case, seed=i)
         print(f"{'ok  ' if result.ok else 'FAIL'} {case}: {result.describe()}", flush=True)
         failed += not result.ok
+    for name, ok in kvcache_cases():
+        print(f"{'ok  ' if ok else 'FAIL'} {name}", flush=True)
+        failed += not ok
     sys.exit(1 if failed else 0)

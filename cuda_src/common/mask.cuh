@@ -24,6 +24,9 @@ struct Sequence {
             seqlen_k = min(min(max(p.cu_seqlens_k[batch + 1], first_row_k), p.total_k) - first_row_k, p.seqlen_k);
         }
     }
+    // A sequence of these lengths whose kernel addresses its rows itself (the KV cache's decode).
+    __device__ __forceinline__ Sequence(int rows_q, int rows_k)
+        : seqlen_q(rows_q), seqlen_k(rows_k), first_row_q(0), first_row_k(0) {}
     __device__ __forceinline__ int diagonal(int row) const { return row + seqlen_k - seqlen_q; }
     // Index of (batch, head, row 0) in the row statistics (lse, lse_log2, D, dq_accum rows).
     __device__ __forceinline__ long long stats_row0(const FlashParams& p, int batch, int head) const {

@@ -5,9 +5,9 @@
 //   flash_decode: one CTA per (16 packed query rows, key split; kv head; batch entry). The packed rows
 //     are the query rows of every head of the KV group (row r: query r / group, head
 //     head_k * group + r % group), so K and V are read once per group. The CTA's warps take the
-//     split's key blocks in turn, each warp with its own two-buffer cp.async ring and online
-//     softmax: no CTA barrier inside the loop, and each warp keeps a block in flight while it
-//     computes the last. Keys are addressed per row through the cache row (cache_batch_idx) or the
+//     split's key blocks in turn, each warp with its own cp.async ring of STAGES buffers and its
+//     own online softmax: no CTA barrier inside the loop, and STAGES - 1 blocks in flight per warp
+//     while it computes one. Keys are addressed per row through the cache row (cache_batch_idx) or the
 //     block table, from cache_leftpad on. At the end the warps merge by their row maxima; with one
 //     split the CTA writes out and lse, else its split's normalised O and lse.
 //   flash_decode_combine: with several splits, out and lse from the splits' partials, weighted by
@@ -43,7 +43,6 @@ struct CacheSequence {
         const int page = pos / p.page_size;
         return make_int2(min(max(pages[page], 0), p.cache_rows - 1), pos - page * p.page_size);
     }
-    __device__ __forceinline__ int diagonal(int query, int seqlen_q) const { return query + seqlen_k - seqlen_q; }
 };
 
 // The angle's (cos, sin) of position pos for rotary pair j, from fp32 or 16-bit tables.
@@ -98,22 +97,23 @@ __device__ __forceinline__ void flash_kvcache_append(const FlashParams& p) {
     }
 }
 
-template <int HEADDIM, int WARP_N, int WARPS>
+template <int HEADDIM, int WARP_N, int WARPS, int STAGES>
 struct DecodeTile {
     static constexpr int kRows = 16;  // packed query rows per CTA: one m16 tile
     static constexpr int kThreads = WARPS * 32;
-    static constexpr int kWarpElements = 2 * 2 * WARP_N * TileLayout<HEADDIM>::kStride;  // (K, V) x two buffers
+    static constexpr int kWarpElements = STAGES * 2 * WARP_N * TileLayout<HEADDIM>::kStride;  // (K, V) x STAGES buffers
     static constexpr int kSmemBytes = TileLayout<HEADDIM>::template bytes<kRows>() + WARPS * 2 * kWarpElements;
     // The warps' merge reuses their buffers: a 16 x HEADDIM fp32 O each, then per-row statistics.
     static constexpr int kMergeBytes = WARPS * kRows * HEADDIM * 4 + 2 * WARPS * kRows * 4 + 2 * kRows * 4;
     static_assert(kMergeBytes <= kSmemBytes - TileLayout<HEADDIM>::template bytes<kRows>(),
                   "the merge fits in the warps' buffers");
     static_assert(WARP_N % 16 == 0 && HEADDIM % 32 == 0, "tiles are built of 16-wide mma steps");
+    static_assert(STAGES >= 2, "a warp computes one buffer while the next loads");
 };
 
-template <int HEADDIM, int WARP_N, int WARPS, bool BF16, bool LOCAL, bool OPTIONS>
+template <int HEADDIM, int WARP_N, int WARPS, int STAGES, bool BF16, bool LOCAL, bool OPTIONS>
 __device__ __forceinline__ void flash_decode(const FlashParams& p) {
-    typedef DecodeTile<HEADDIM, WARP_N, WARPS> T;
+    typedef DecodeTile<HEADDIM, WARP_N, WARPS, STAGES> T;
     typedef TileLayout<HEADDIM> L;
     constexpr int NT = WARP_N / 8, DT = HEADDIM / 8, kChunks = HEADDIM / 8;
     extern __shared__ __align__(128) uint16 smem[];
@@ -125,6 +125,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     const int head_k = blockIdx.y, batch = blockIdx.z;
     const int group = p.nheads / p.nheads_k, rows = p.seqlen_q * group, row0 = m_block * T::kRows;
     const CacheSequence seq(p, batch);
+    const Sequence keys(p.seqlen_q, seq.seqlen_k);  // what masks and score options see: keys 0 .. seqlen_k - 1
 
     // Q: packed row r is query (row0 + r) / group of head head_k * group + (row0 + r) % group.
     const uint16* q = static_cast<const uint16*>(p.q) + batch * p.q_batch_stride;
@@ -141,8 +142,8 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     int key_begin = 0, key_end = seq.seqlen_k;
     if (LOCAL) {
         const int q_first = row0 / group, q_last = (min(row0 + T::kRows, rows) - 1) / group;
-        key_begin = max(key_begin, seq.diagonal(q_first, p.seqlen_q) - p.window_left);
-        key_end = min(key_end, seq.diagonal(q_last, p.seqlen_q) + p.window_right + 1);
+        key_begin = max(key_begin, keys.diagonal(q_first) - p.window_left);
+        key_end = min(key_end, keys.diagonal(q_last) + p.window_right + 1);
     }
     const int first_block = key_begin / WARP_N, blocks = key_end > key_begin ? ceil_div(key_end, WARP_N) - first_block : 0;
     const int per_split = ceil_div(ceil_div(blocks, p.num_splits), WARPS) * WARPS;
@@ -166,11 +167,16 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         }
         cp_async_commit();
     };
+    // The warp's first STAGES - 1 blocks in flight (an empty group where there is none: the waits
+    // below count groups).
     int n_block = split_first + warp;
-    if (n_block < split_end) load(n_block, 0);
-    else cp_async_commit();  // (an empty group: the waits below count the same)
+#pragma unroll
+    for (int stage = 0; stage < STAGES - 1; ++stage) {
+        if (n_block + stage * WARPS < split_end) load(n_block + stage * WARPS, stage);
+        else cp_async_commit();
+    }
 
-    cp_async_wait<1>();
+    cp_async_wait<STAGES - 1>();
     __syncthreads();  // Q has landed
     if (p.rotary_cos != nullptr) {  // q turned by its rows' positions, in place, one pair per thread
         const int pairs = p.rotary_dim / 2;
@@ -188,25 +194,20 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         __syncthreads();
     }
 
-    // This thread's two fragment rows (g and g + 8): their query and, with options, ALiBi slope.
-    int query[2];
-    float slope[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int packed = row0 + fragment_row(0, 2 * half);
-        query[half] = packed / group;
-        slope[half] = 0.f;
-        if (OPTIONS && p.alibi_slopes != nullptr && packed < rows)
-            slope[half] = p.alibi_slopes[batch * p.alibi_batch_stride + head_k * group + packed % group] * p.inv_softmax_scale;
-    }
+    // This thread's two fragment rows (g and g + 8): their queries, and the score options of their heads.
+    const int packed[2] = {row0 + fragment_row(0, 0), row0 + fragment_row(0, 2)};
+    const int query[2] = {packed[0] / group, packed[1] / group};
+    const ScoreMods<BF16> mods[2] = {ScoreMods<BF16>(p, keys, batch, head_k * group + packed[0] % group),
+                                     ScoreMods<BF16>(p, keys, batch, head_k * group + packed[1] % group)};
 
     float acc_o[1][DT][4];
     zero(acc_o);
     float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
-    for (int buffer = 0; n_block < split_end; n_block += WARPS, buffer ^= 1) {
-        if (n_block + WARPS < split_end) load(n_block + WARPS, buffer ^ 1);
+    for (int buffer = 0; n_block < split_end; n_block += WARPS, buffer = buffer + 1 == STAGES ? 0 : buffer + 1) {
+        const int ahead = n_block + (STAGES - 1) * WARPS;  // into the buffer the last step computed
+        if (ahead < split_end) load(ahead, buffer == 0 ? STAGES - 1 : buffer - 1);
         else cp_async_commit();
-        cp_async_wait<1>();
+        cp_async_wait<STAGES - 1>();
         __syncwarp();  // block n_block has landed, for every lane
         const uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;
         const uint16* s_v = s_k + WARP_N * L::kStride;
@@ -216,17 +217,9 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         const int key0 = n_block * WARP_N;
         for_each_element<1, NT>([&](int, int nt, int e) {
             const int key = key0 + fragment_col(nt, e), half = e / 2;
-            float x = s[0][nt][e];
-            if (OPTIONS) {
-                if (p.softcap_inner != 0.f) x = p.softcap_outer * fast_tanh(x * p.softcap_inner);
-                x = fmaf(-slope[half], small_int_to_float(abs(key - seq.diagonal(query[half], p.seqlen_q))), x);
-            }
-            bool visible = key < seq.seqlen_k;
-            if (LOCAL) {
-                const int diagonal = seq.diagonal(query[half], p.seqlen_q);
-                visible = visible && key <= diagonal + p.window_right && key >= diagonal - p.window_left;
-            }
-            s[0][nt][e] = visible ? x : -CUPYFLASH_INF;
+            float x = s[0][nt][e], grad = 1.f;  // (the forward needs no gradient)
+            if (OPTIONS) x = mods[half].apply(x, query[half], key, grad);
+            s[0][nt][e] = is_visible<LOCAL>(p, keys, query[half], key) ? x : -CUPYFLASH_INF;
         });
         softmax_step(s, acc_o, row_max, row_sum, p);
         uint32 p_frag[WARP_N / 16][1][4];

@@ -1117,7 +1117,8 @@ def write_decode(cells, out_dir, environment):
     notes = {}
     lines = ["# Decode: TB/s of K and V read per step", "", environment, "",
              "bf16, not causal, the cache full (cache_seqlens = cache); peers read a dense copy of the same cache. "
-             f"Copy bandwidth: {COPY_TBPS} TB/s.", "",
+             "cupyflash.torch's calls run under no_host_sync (lengths and block table not read on the host, as "
+             f"in a serving loop). Copy bandwidth: {COPY_TBPS} TB/s.", "",
              "| batch | cache | heads | hdim | seqlen_q | layout | " + " | ".join(impls)
              + " | cupyflash / best peer | cupyflash / copy |", "|" + "---|" * (8 + len(impls))]
     for shape, row in by_shape.items():

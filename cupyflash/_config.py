@@ -3,7 +3,7 @@
 Two kernel families: the mma.sync kernels (cuda_src/sm80/, every pass, sm_80 and newer) and the
 wgmma kernels (cuda_src/sm90/, the forward, sm_90a: compute capability 9.0 exactly).
 TILES[kernel family] holds one table per GPU family (sm90, sm86, sm80), then per tile table
-('fwd', 'bwd', 'bwd_options', 'decode') and head dim. The kernels are templates over (head dim, block_m,
+('fwd', 'bwd', 'bwd_options', 'decode', 'decode_paged') and head dim. The kernels are templates over (head dim, block_m,
 block_n, warps, stages). A caller's head dim is rounded up to the next head dim of the table (the
 extra columns are zero-filled and never written). Setting CUPYFLASH_TILES=sm80|sm86|sm90 forces a
 GPU family's table on any GPU, and CUPYFLASH_FAMILY=mma_sync the mma.sync family where wgmma would
@@ -58,10 +58,15 @@ _SM90 = {
         256: (64, 32, 8, 1),    # the plain tile spills with the options
     },
     # The KV cache's decode kernel (cuda_src/sm80/decode.cuh): 16 packed query rows, block_n keys per
-    # warp step, each warp with two K/V buffers (not timed per tile yet). No hd224 tile: its padded
-    # rows spill on sm_90; hd256's serves it.
-    "decode": {hd: (16, 32 if hd <= 64 else 16, 4, 2) for hd in HEADDIMS if hd != 224},
+    # warp step, `stages` K/V buffers per warp; 'decode' reads dense caches, 'decode_paged' paged ones.
+    # hd128 timed (bench/notes/v20): 8 warps and 3 stages read dense caches 1-36% faster, paged ones
+    # up to 36% slower (a warp's next block is a random page). No hd224 tile: its padded rows spill
+    # on sm_90; hd256's serves it.
+    "decode": {hd: (16, 32 if hd <= 64 else 16, 4, 2) for hd in HEADDIMS if hd != 224} | {128: (16, 16, 8, 3)},
+    "decode_paged": {hd: (16, 32 if hd <= 64 else 16, 4, 2) for hd in HEADDIMS if hd != 224},
 }
+_SM86_DECODE = ({hd: (16, 32 if hd <= 64 else 16, 4, 2) for hd in HEADDIMS if hd <= 160}
+                | {hd: (16, 16, 2, 2) for hd in HEADDIMS if hd > 160 and hd != 224})
 TILES = {
     MMA_SYNC: {
         "sm90": _SM90,
@@ -73,8 +78,8 @@ TILES = {
                     160: (32, 32, 4, 1), 192: (64, 32, 8, 1), 224: (32, 32, 4, 1), 256: (32, 32, 4, 1)},
             "bwd_options": {32: (64, 64, 4, 2), 64: (64, 32, 4, 2), 96: (64, 32, 4, 2), 128: (64, 32, 4, 1),
                             160: (32, 32, 4, 1), 192: (64, 32, 8, 1), 224: (32, 32, 8, 1), 256: (32, 32, 8, 1)},
-            "decode": {hd: (16, 32 if hd <= 64 else 16, 4, 2) for hd in HEADDIMS if hd <= 160}
-                      | {hd: (16, 16, 2, 2) for hd in HEADDIMS if hd > 160 and hd != 224},
+            "decode": _SM86_DECODE,
+            "decode_paged": _SM86_DECODE,
         },
         # A100: sm90's tiles but where noted (not timed on an A100).
         "sm80": {
@@ -89,7 +94,8 @@ TILES = {
                     256: (64, 32, 8, 1)},   # sm90's needs 209 KiB
             "bwd_options": {**_SM90["bwd_options"],
                             224: (64, 32, 8, 1)},  # as the plain tile
-            "decode": _SM90["decode"],
+            "decode": _SM90["decode_paged"],  # sm90's dense hd128 tile needs 200 KiB
+            "decode_paged": _SM90["decode_paged"],
         },
     },
 }
@@ -105,11 +111,11 @@ TILES[WGMMA] = {"sm90": {"fwd": {
 }}}
 FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
-TABLES = ("fwd", "bwd", "bwd_options", "decode")  # tile tables per GPU family; see kernel_pass
+TABLES = ("fwd", "bwd", "bwd_options", "decode", "decode_paged")  # tile tables per GPU family; see kernel_pass
 
 
 def kernel_pass(table):
-    """The kernel pass a tile table serves: 'bwd_options' holds backward tiles."""
+    """The kernel pass a tile table serves: 'bwd_options' holds backward tiles, 'decode_paged' decode ones."""
     return table.split("_")[0]
 
 
@@ -131,7 +137,7 @@ class Tile:
             return (1024 + 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n)
                     + 8 * (2 + 4 * self.stages))
         row = row_bytes(self.headdim)
-        if pass_ == "decode":  # Q, then per warp (K, V) x stages
+        if kernel_pass(pass_) == "decode":  # Q, then per warp (K, V) x stages
             return (self.block_m + 2 * self.stages * self.block_n * self.warps) * row
         if kernel_pass(pass_) == "fwd":
             return (self.block_m + 2 * self.block_n * self.stages) * row

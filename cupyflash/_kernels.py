@@ -128,14 +128,15 @@ def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
                     _config.all_tiles(families, kernel_family), DTYPES, (False, True), (False, True))]
     kernels = [Kernel(pass_, dtype) for pass_ in ROW_KERNELS for dtype in DTYPES]
     flags_of_table = {"fwd": ((False, False), (True, False)), "bwd": ((False, False),),
-                      "bwd_options": ((True, False), (True, True)), "decode": ((False, False), (True, False))}
+                      "bwd_options": ((True, False), (True, True)), "decode": ((False, False), (True, False)),
+                      "decode_paged": ((False, False), (True, False))}
     for (table, tile), dtype, local, even_k in itertools.product(
             _config.all_tiles(families), DTYPES, (False, True), (False, True)):
-        if even_k and table == "decode":
+        if even_k and _config.kernel_pass(table) == "decode":
             continue
         for options, deterministic in flags_of_table[table]:  # (options, deterministic)
             kernels.append(Kernel(_config.kernel_pass(table), dtype, tile, local, even_k, options, deterministic))
-    return kernels
+    return list(dict.fromkeys(kernels))  # (a tile in two tables of one pass is one kernel)
 
 
 def compile_jobs():
@@ -158,12 +159,16 @@ def representative_jobs(jobs):
     (What a user of a CPU-only machine runs is the NumPy reference: no kernel would be theirs.)"""
     primary = max((arch for arch, k in jobs if not k.wgmma), key=int)
 
-    def table(k):
-        return "bwd_options" if k.pass_ == "bwd" and k.options else k.pass_
+    def tables(k):
+        if k.pass_ == "bwd":
+            return ("bwd_options",) if k.options else ("bwd",)
+        return tuple(t for t in _config.TABLES if _config.kernel_pass(t) == k.pass_)
 
     def native(arch, k):
         family = _config.TILES[_config.MMA_SYNC].get(f"sm{arch}")
-        return family is not None and k.tile == _config.Tile(k.tile.headdim, *family[table(k)][k.tile.headdim])
+        return family is not None and any(
+            k.tile.headdim in family[t] and k.tile == _config.Tile(k.tile.headdim, *family[t][k.tile.headdim])
+            for t in tables(k))
 
     def heaviest_flags(k):
         # (a backward with options: the deterministic one, whose code holds the other's)

@@ -134,7 +134,7 @@ def splits(ctas, key_blocks, warps, resident):
 def _new_plan(call, cache, arrays):
     shape, caller = call.shape, call.caller
     device_id = caller.device_id
-    tile = _schedule.tile("decode", shape.headdim, device_id)
+    tile = _schedule.tile("decode_paged" if cache.paged else "decode", shape.headdim, device_id)
     kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.needs("score"))
     group = shape.nheads // shape.nheads_k
     m_blocks = -(-shape.seqlen_q * group // ROWS_PER_CTA)

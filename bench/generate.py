@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from test_torch_model import Decoder, rotate  # noqa: E402
+from test_torch_model import Decoder  # noqa: E402
 
 import cupyflash.torch as cft  # noqa: E402
 
@@ -86,7 +86,10 @@ def generate_sdpa(model, prompt, steps):
     return torch.cat(out, 1), start.elapsed_time(end)
 
 
-def generate_cupyflash(model, prompt, steps, paged, graphed):
+def generate_cupyflash(model, prompt, steps, paged, graphed, forced=None):
+    """(tokens, ms of the decode steps); with `forced` (another generation's tokens) each step is fed
+    forced's previous token instead of its own, so that each of its tokens is a prediction from the
+    same context as forced's."""
     batch = prompt.shape[0]
     half = CONFIG["head_dim"] // 2
     tables = (model.cos[:, 0, :half].contiguous(), model.sin[:, 0, :half].contiguous())
@@ -113,11 +116,18 @@ def generate_cupyflash(model, prompt, steps, paged, graphed):
             v.copy_(v0)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(steps - 1):
+    for i in range(steps - 1):
+        if forced is not None:
+            fed = forced[:, i:i + 1]
+            if graphed:
+                static.copy_(fed)
+            else:
+                current = fed
         if graphed:
             graph.replay()
-            static.copy_(captured)
             out.append(captured.clone())
+            if forced is None:
+                static.copy_(captured)
         else:
             current = step()
             out.append(current)
@@ -139,25 +149,28 @@ def main():
              f"{torch.cuda.get_device_name()}; model {CONFIG}, bf16, random weights; prompt {PROMPT} tokens, "
              f"{args.tokens} generated; tokens/s = batch x decode steps / their time (CUDA events, after a "
              "warm-up generation). 'same tokens' compares with SDPA's generation.", "",
-             "| batch | path | tokens/s | ms per step | same tokens as SDPA |", "|---|---|---|---|---|"]
+             "The last column feeds each step SDPA's previous token (teacher forcing): the share of steps whose "
+             "prediction from the same context equals SDPA's.", "",
+             "| batch | path | tokens/s | ms per step | same tokens as SDPA | same next token, fed SDPA's |",
+             "|---|---|---|---|---|---|"]
     with torch.no_grad():
         for batch in args.batches:
             prompt = torch.randint(0, CONFIG["vocab"], (batch, PROMPT), device="cuda",
                                    generator=torch.Generator("cuda").manual_seed(batch))
-            runs = {"SDPA (dense torch cache)": lambda: generate_sdpa(model, prompt, args.tokens)}
+            generate_sdpa(model, prompt, args.tokens)  # warm-up: kernels, allocator
+            want, ms = generate_sdpa(model, prompt, args.tokens)
+            lines.append(f"| {batch} | SDPA (dense torch cache) | {batch * (args.tokens - 1) / (ms / 1e3):.0f} | "
+                         f"{ms / (args.tokens - 1):.3f} | 1 | 1 |")
             for paged in (False, True):
                 for graphed in (False, True):
                     name = f"cupyflash {'paged16' if paged else 'dense'}{', CUDA graph' if graphed else ''}"
-                    runs[name] = (lambda p=paged, g=graphed: generate_cupyflash(model, prompt, args.tokens, p, g))
-            want = None
-            for name, run in runs.items():
-                run()  # warm-up: plans, kernels, allocator
-                tokens, ms = run()
-                want = tokens if want is None else want
-                same = f"{(tokens == want).float().mean().item():.4f}"
-                rate = batch * (args.tokens - 1) / (ms / 1e3)
-                lines.append(f"| {batch} | {name} | {rate:.0f} | {ms / (args.tokens - 1):.3f} | {same} |")
-                print(lines[-1], flush=True)
+                    generate_cupyflash(model, prompt, args.tokens, paged, graphed)  # warm-up: plans, kernels
+                    tokens, ms = generate_cupyflash(model, prompt, args.tokens, paged, graphed)
+                    fed, _ = generate_cupyflash(model, prompt, args.tokens, paged, graphed, forced=want)
+                    same, same_fed = ((t == want).float().mean().item() for t in (tokens, fed))
+                    lines.append(f"| {batch} | {name} | {batch * (args.tokens - 1) / (ms / 1e3):.0f} | "
+                                 f"{ms / (args.tokens - 1):.3f} | {same:.4f} | {same_fed:.4f} |")
+                    print(lines[-1], flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "generate.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -98,8 +98,8 @@ class Kernel:
             t = self.tile
             args = f"{t.headdim}, {t.block_n}, {t.warps}, {t.stages}"
             call = f"flash_decode<{args}, {bf16}, {_bool(self.local)}, {_bool(self.options)}>(p);"
-            check = (f"static_assert(DecodeTile<{args}>::kSmemBytes == {self.smem_bytes} && DecodeTile<{args}>::kRows == "
-                     f"{t.block_m}, \"the decode tile differs from cupyflash/_config.py\");\n")
+            check = (f"static_assert(DecodeTile<{args}>::kSmemBytes == {self.smem_bytes} && "
+                     f"DecodeTile<{args}>::kRows == {t.block_m}, \"the decode tile differs from cupyflash/_config.py\");\n")
         else:
             t = self.tile
             args = f"{t.headdim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}"

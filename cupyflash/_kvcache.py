@@ -13,18 +13,15 @@ import math
 
 from . import _arrays, _config, _kernels, _params, _plan, _schedule, options
 
-ROWS_PER_CTA = 16  # packed query rows of a decode CTA (DecodeTile::kRows)
 MAX_SPLITS = 128
-# The inputs by FlashParams field: the caches are `k` and `v`, the new keys and values `k_new` and `v_new`.
-_CACHES = ("k", "v")
-_INDEX_ARRAYS = ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table")
-
-
-_resolved = {}  # signature (signature()) -> the Plan of its calls
-_MAX_RESOLVED = 1024
-# The plan's inputs, by FlashParams field, in flash_attn_with_kvcache's order of array arguments.
+# The plan's inputs by FlashParams field, in flash_attn_with_kvcache's order of array arguments: the
+# caches are `k` and `v`, the new keys and values `k_new` and `v_new`.
 FIELDS = ("q", "k", "v", "k_new", "v_new", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
           "cache_leftpad", "block_table", "alibi_slopes")
+_CACHES = ("k", "v")
+_INDEX_ARRAYS = ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table")
+_resolved = {}  # signature (signature()) -> the Plan of its calls
+_MAX_RESOLVED = 1024
 
 
 def signature(arrays, scalars):
@@ -77,7 +74,7 @@ def attention(call, cache, arrays, return_softmax_lse, key):
     if result is not None:
         return result
     arrays = [call.caller.launchable(a) if hasattr(a, "shape") else a for a in arrays]
-    inputs, copied = _launchable(_by_field(arrays))
+    inputs, copied = _launchable(call.caller, _by_field(arrays))
     plan = _new_plan(call, cache, inputs)
     if key is not None and not copied:
         if len(_resolved) >= _MAX_RESOLVED:
@@ -87,16 +84,15 @@ def attention(call, cache, arrays, return_softmax_lse, key):
     return (out, lse) if return_softmax_lse else out
 
 
-def _launchable(arrays):
+def _launchable(caller, arrays):
     """(the call's arrays as the kernels read them, whether any was copied). The caches are written
     in place, so they cannot be copied: their rows must be 16-byte aligned (cp.async). q is copied
     where its rows are not; index arrays and the block table where they are not contiguous."""
     result = {}
     for name, array in arrays.items():
         strides = _arrays.element_strides(array)
-        pointer = array.data_ptr() if hasattr(array, "data_ptr") else array.data.ptr
         if name in _CACHES or name == "q":
-            aligned = pointer % 16 == 0 and all(s * 2 % 16 == 0 for s in strides[:-1])
+            aligned = caller.data_pointer(array) % 16 == 0 and all(s * 2 % 16 == 0 for s in strides[:-1])
             if not aligned and name in _CACHES:
                 cache = "k_cache" if name == "k" else "v_cache"
                 raise ValueError(f"{cache} must start on a 16-byte boundary with every stride but the last a multiple "
@@ -137,7 +133,7 @@ def _new_plan(call, cache, arrays):
     tile = _schedule.tile("decode_paged" if cache.paged else "decode", shape.headdim, device_id)
     kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.needs("score"))
     group = shape.nheads // shape.nheads_k
-    m_blocks = -(-shape.seqlen_q * group // ROWS_PER_CTA)
+    m_blocks = -(-shape.seqlen_q * group // tile.block_m)  # blocks of packed (query, head) rows
     ctas = m_blocks * shape.nheads_k * shape.batch
     key_blocks = -(-cache.capacity // tile.block_n)
     count = cache.num_splits or splits(ctas, key_blocks, tile.warps, _schedule.resident_ctas(kernel, caller.device()))
@@ -146,21 +142,17 @@ def _new_plan(call, cache, arrays):
     q = arrays["q"]
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
                   seqlen_k=cache.capacity, headdim=shape.headdim, headdim_padded=tile.headdim,
-                  softmax_scale=call.scale, scale_log2=call.scale * math.log2(math.e), inv_softmax_scale=1.0 / call.scale,
+                  softmax_scale=call.scale, scale_log2=call.scale * math.log2(math.e),
+                  inv_softmax_scale=1.0 / call.scale,
                   window_left=0, window_right=0, seqlen_new=cache.seqlen_new, capacity=cache.capacity,
                   cache_rows=int(cache.k_cache.shape[0]), cache_seqlens_all=_full_length(cache),
                   page_size=int(cache.k_cache.shape[1]) if cache.paged else 0, num_splits=count,
                   rotary_interleaved=int(cache.rotary_interleaved), rotary_q_per_row=int(call.local))
-    contiguous_out = _plan._contiguous_strides(tuple(q.shape))
-    for name, strides in (("q", _arrays.element_strides(q)), ("out", contiguous_out),
-                          ("k", _arrays.element_strides(arrays["k"])), ("v", _arrays.element_strides(arrays["v"]))):
-        fields.update({f"{name}_batch_stride": strides[0], f"{name}_row_stride": strides[1],
-                       f"{name}_head_stride": strides[2]})
-    for name in ("k_new", "v_new"):
-        if name in arrays:
-            strides = _arrays.element_strides(arrays[name])
-            fields.update({f"{name}_batch_stride": strides[0], f"{name}_row_stride": strides[1],
-                           f"{name}_head_stride": strides[2]})
+    strides = {name: _arrays.element_strides(arrays[name]) for name in ("q", "k", "v", "k_new", "v_new")
+               if name in arrays}
+    strides["out"] = _plan._contiguous_strides(tuple(q.shape))
+    for name, (batch, row, head) in strides.items():
+        fields.update({f"{name}_batch_stride": batch, f"{name}_row_stride": row, f"{name}_head_stride": head})
     if "block_table" in arrays:
         fields["block_table_batch_stride"] = _arrays.element_strides(arrays["block_table"])[0]
     if "rotary_cos" in arrays:
@@ -169,9 +161,6 @@ def _new_plan(call, cache, arrays):
                       rotary_is_float32=int(_arrays.dtype_name(cos) == "float32"),
                       rotary_cos_row_stride=_arrays.element_strides(cos)[0],
                       rotary_sin_row_stride=_arrays.element_strides(sin)[0])
-        if _arrays.dtype_name(sin) != _arrays.dtype_name(cos):
-            raise TypeError(f"rotary_cos and rotary_sin must have one dtype, got {_arrays.dtype_name(cos)} and "
-                            f"{_arrays.dtype_name(sin)}")
     for name, value in call.checked.items():
         option = options.by_name(name)
         if option.fill is not None and option.is_on(value):
@@ -182,7 +171,8 @@ def _new_plan(call, cache, arrays):
     outputs = [_plan._Output("out", tuple(q.shape), call.dtype), _plan._Output("lse", stats, "float32")]
     launches = []
     if cache.seqlen_new:
-        launches.append(_plan._Launch(_kernels.Kernel("kvcache_append", call.dtype), (cache.seqlen_new, shape.batch, 1)))
+        append = _kernels.Kernel("kvcache_append", call.dtype)
+        launches.append(_plan._Launch(append, (cache.seqlen_new, shape.batch, 1)))
     launches.append(_plan._Launch(kernel, (m_blocks * count, shape.nheads_k, shape.batch)))
     if count > 1:
         rows = math.prod(stats)

@@ -457,6 +457,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         if tuple(rotary_cos.shape) != tuple(rotary_sin.shape):
             raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and "
                              f"{tuple(rotary_sin.shape)}")
+        if _arrays.dtype_name(rotary_cos) != _arrays.dtype_name(rotary_sin):
+            raise TypeError(f"rotary_cos and rotary_sin must have one dtype, got {_arrays.dtype_name(rotary_cos)} and "
+                            f"{_arrays.dtype_name(rotary_sin)}")
     rotary_interleaved = check_flag("rotary_interleaved", rotary_interleaved)
     num_splits = check_num_splits(num_splits)
 

@@ -269,6 +269,8 @@ def test_bad_input_names_the_argument():
     _bad(case, ValueError, "k and v must have shape", k=case["k"][:, :, :1], v=case["v"][:, :, :1])
     _bad(case, TypeError, "k has dtype", k=case["k"].astype(np.float32))
     _bad(case, ValueError, "rotary_cos and rotary_sin come together", rotary_sin=None)
+    _bad(case, TypeError, "rotary_cos and rotary_sin must have one dtype, got float64 and float32",
+         rotary_sin=case["rotary_sin"].astype(np.float32))
     _bad(case, ValueError, "rotary_cos and rotary_sin have 2 rows", rotary_cos=case["rotary_cos"][:2],
          rotary_sin=case["rotary_sin"][:2])
     _bad(case, ValueError, r"rotary_cos must be 2-D \(seqlen_ro, rotary_dim / 2\)",

@@ -89,7 +89,8 @@ __device__ __forceinline__ void flash_kvcache_append(const FlashParams& p) {
         if (p.rotary_cos != nullptr && d < p.rotary_dim) {
             float sign;
             const int partner = rotary_partner(p, d, sign);
-            const float2 angle = rotary_angle<BF16>(p, seq.length + t, p.rotary_interleaved ? d / 2 : d % (p.rotary_dim / 2));
+            const int pair = p.rotary_interleaved ? d / 2 : d % (p.rotary_dim / 2);
+            const float2 angle = rotary_angle<BF16>(p, seq.length + t, pair);
             key = to_16bit<BF16>(to_float<BF16>(key) * angle.x + sign * to_float<BF16>(k_head[partner]) * angle.y);
         }
         k[head * p.k_head_stride + d] = key;
@@ -132,7 +133,8 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     for (int c = threadIdx.x; c < T::kRows * kChunks; c += T::kThreads) {
         const int r = c / kChunks, col = 8 * (c % kChunks), packed = row0 + r;
         const bool valid = packed < rows && col < p.headdim;
-        const uint16* src = q + (packed / group) * p.q_row_stride + (head_k * group + packed % group) * p.q_head_stride + col;
+        const uint16* src = q + (packed / group) * p.q_row_stride + (head_k * group + packed % group) * p.q_head_stride
+                            + col;
         cp_async_16(smem_address(s_q + L::offset(r, col)), valid ? src : q, valid);
     }
     cp_async_commit();
@@ -145,7 +147,8 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         key_begin = max(key_begin, keys.diagonal(q_first) - p.window_left);
         key_end = min(key_end, keys.diagonal(q_last) + p.window_right + 1);
     }
-    const int first_block = key_begin / WARP_N, blocks = key_end > key_begin ? ceil_div(key_end, WARP_N) - first_block : 0;
+    const int first_block = key_begin / WARP_N;
+    const int blocks = key_end > key_begin ? ceil_div(key_end, WARP_N) - first_block : 0;
     const int per_split = ceil_div(ceil_div(blocks, p.num_splits), WARPS) * WARPS;
     const int split_first = first_block + min(split * per_split, blocks);
     const int split_end = first_block + min((split + 1) * per_split, blocks);
@@ -162,8 +165,10 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
             const int r = c / kChunks, col = 8 * (c % kChunks), key = n_block * WARP_N + r;
             const bool valid = key < seq.seqlen_k && col < p.headdim;
             const int2 at = valid ? seq.at(p, seq.start + key) : make_int2(0, 0);
-            cp_async_16(smem_address(s_k + L::offset(r, col)), k_cache + at.x * p.k_batch_stride + at.y * p.k_row_stride + col, valid);
-            cp_async_16(smem_address(s_v + L::offset(r, col)), v_cache + at.x * p.v_batch_stride + at.y * p.v_row_stride + col, valid);
+            cp_async_16(smem_address(s_k + L::offset(r, col)),
+                        k_cache + at.x * p.k_batch_stride + at.y * p.k_row_stride + col, valid);
+            cp_async_16(smem_address(s_v + L::offset(r, col)),
+                        v_cache + at.x * p.v_batch_stride + at.y * p.v_row_stride + col, valid);
         }
         cp_async_commit();
     };
@@ -315,8 +320,10 @@ __device__ __forceinline__ void flash_decode_combine(const FlashParams& p) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
     const float lse = sum > 0.f ? max + logf(sum) : -CUPYFLASH_INF;
-    const int query = row % p.seqlen_q, head = (row / p.seqlen_q) % p.nheads, batch = row / (static_cast<long long>(p.seqlen_q) * p.nheads);
-    uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + query * p.out_row_stride + head * p.out_head_stride;
+    const int query = row % p.seqlen_q, head = (row / p.seqlen_q) % p.nheads;
+    const int batch = row / (static_cast<long long>(p.seqlen_q) * p.nheads);
+    uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + query * p.out_row_stride
+                  + head * p.out_head_stride;
     for (int col = 4 * lane; col < p.headdim; col += 128) {
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
         for (int s = 0; s < p.num_splits; ++s) {

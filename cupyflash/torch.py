@@ -762,3 +762,6 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs)
+
+
+from .torch_ring import ring_flash_attn_func, shard_sequence, unshard_sequence  # noqa: E402,F401  (context parallelism)

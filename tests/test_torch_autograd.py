@@ -5,8 +5,8 @@ The PyTorch tests are split by concern, one file each: test_torch_ops (torch.lib
 opcheck, fake tensors, gradcheck), test_torch_autograd, test_torch_options (the drop-in's options),
 test_torch_varlen, test_torch_dropin (flash_attn's signatures, packed forms, argument checks),
 test_torch_compile (torch.compile), test_torch_cuda (CUDA only: options, streams, allocator),
-test_torch_kvcache (flash_attn_with_kvcache) and test_torch_model (Llama-style models trained end to
-end); their helpers are in torch_helpers.py.
+test_torch_kvcache (flash_attn_with_kvcache), test_torch_ring (ring attention over gloo) and
+test_torch_model (Llama-style models trained end to end); their helpers are in torch_helpers.py.
 On the CPU the ops run the NumPy float64 reference.
 """
 

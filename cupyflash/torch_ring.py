@@ -1,0 +1,216 @@
+"""Ring attention (context parallelism) over a torch.distributed process group: each rank holds a
+slice of the sequence's q, k and v; the K/V slices travel around the ring, and each rank's partial
+outputs merge by their log-sum-exp. Forward and backward give attention over the whole sequence.
+
+Layouts of the sequence over N ranks (shard_sequence and unshard_sequence convert):
+  "contiguous": rank r holds chunk r of N;
+  "zigzag": the sequence cut into 2N chunks, rank r holds chunks r and 2N - 1 - r, so that under a
+    causal mask every rank does the same work at every step (ring_steps).
+Each step runs this rank's q against the K/V slice it holds (flash_attn_func, or its backward with
+the final out and lse, which makes each piece's gradients exact) while the slice moves on to the
+next rank by non-blocking sends and receives; the backward sends each slice's dK/dV accumulator
+along with it, one step further, back to its owner. CUDA tensors run the kernels, CPU tensors the
+NumPy path (the tests run the ring over gloo on the CPU).
+"""
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from . import api, options, reference, validate
+from .torch import _from_core, _to_core
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One flash_attn_func call of a ring step: q rows [q0, q1) against k/v rows [k0, k1) of the
+    slices at hand (None: to the end), causal or not."""
+    q0: int
+    q1: object
+    k0: int
+    k1: object
+    causal: bool
+
+
+def ring_steps(rank, source, world, causal, layout, seqlen_local):
+    """The pieces of the step where `rank` holds the K/V slice of rank `source`: under a causal mask
+    chunks before a query chunk are seen whole, its own chunk with the diagonal, later ones not at all."""
+    if not causal:
+        return [Piece(0, None, 0, None, False)]
+    if source == rank:
+        return [Piece(0, None, 0, None, True)]  # (zigzag: the local order of positions is the global one)
+    if layout == "contiguous":
+        return [Piece(0, None, 0, None, False)] if source < rank else []
+    half = seqlen_local // 2
+    if source < rank:  # both query chunks see the source's first chunk, and neither its second
+        return [Piece(0, None, 0, half, False)]
+    return [Piece(half, None, 0, None, False)]  # only the second query chunk, which sees both
+
+
+def _chunks(x, world, layout, dim):
+    parts = 2 * world if layout == "zigzag" else world
+    if x.shape[dim] % parts:
+        raise ValueError(f"the sequence (dim {dim}, length {x.shape[dim]}) must split into {parts} equal chunks for "
+                         f"the {layout} layout over {world} ranks")
+    return x.chunk(parts, dim)
+
+
+def shard_sequence(x, group=None, layout="zigzag", dim=1):
+    """This rank's slice of a whole sequence `x` (the same on every rank) in `layout`."""
+    _check_layout(layout)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    chunks = _chunks(x, world, layout, dim)
+    if layout == "contiguous":
+        return chunks[rank].contiguous()
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim)
+
+
+def unshard_sequence(x, group=None, layout="zigzag", dim=1):
+    """The whole sequence from every rank's slice `x` in `layout` (an all-gather)."""
+    _check_layout(layout)
+    world = dist.get_world_size(group)
+    slices = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(slices, x.contiguous(), group=group)
+    if layout == "contiguous":
+        return torch.cat(slices, dim)
+    halves = [s.chunk(2, dim) for s in slices]
+    return torch.cat([halves[r][0] for r in range(world)] + [halves[r][1] for r in reversed(range(world))], dim)
+
+
+def _check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+
+
+def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, softcap=0.0, group=None, layout="zigzag",
+                         window_size=(-1, -1), alibi_slopes=None):
+    """flash_attn_func over a sequence sharded across the ranks of `group` (`layout`: see the module).
+    q (batch, seqlen_local, nheads, headdim), k and v (batch, seqlen_local, nheads_k, headdim) are
+    this rank's slices; returns this rank's slice of out. Differentiable in q, k and v. softcap
+    composes; window_size and alibi_slopes need key positions the kernels do not take yet."""
+    _check_layout(layout)
+    for name, value in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    for name, value, off in (("window_size", window_size, (-1, -1)), ("alibi_slopes", alibi_slopes, None)):
+        if (tuple(value) if name == "window_size" else value) != off:
+            raise NotImplementedError(f"ring_flash_attn_func does not take {name} yet (across ranks it needs the "
+                                      f"keys' global positions, which the kernels do not take): pass {name}={off}")
+    if q.shape[1] != k.shape[1] or k.shape != v.shape:
+        raise ValueError(f"q, k and v must hold the same slice of the sequence: got q {tuple(q.shape)}, k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"a zigzag slice holds two equal chunks: its length must be even, got {q.shape[1]}")
+    scale = validate.check_scale(softmax_scale, q.shape[-1])
+    causal = validate.check_flag("causal", causal)
+    softcap = options.by_name("softcap").check(softcap, None)
+    return _Ring.apply(q, k, v, scale, causal, softcap, group, layout)
+
+
+def _attend(q, k, v, scale, piece, softcap):
+    out, lse = api.flash_attn_func(_to_core(q), _to_core(k), _to_core(v), scale, piece.causal, return_lse=True,
+                                   softcap=softcap)
+    return _from_core(out), _from_core(lse)
+
+
+def _piece_backward(dout, q, k, v, out, lse, scale, causal, softcap):
+    """A piece's share of the gradients, in the accumulators' dtype, from the whole forward's out and
+    lse: the kernels' backward takes its probabilities and row terms from them; on the CPU the
+    reference does so when given them (the NumPy path's flash_attn_backward recomputes its own)."""
+    if q.is_cuda:
+        grads = api.flash_attn_backward(dout, q, k, v, out, lse.contiguous(), scale, causal, softcap=softcap)
+    else:
+        grads = reference.attention_backward(*(_to_core(t) for t in (dout, q, k, v)), scale, causal, softcap=softcap,
+                                             out=_to_core(out), lse=_to_core(lse))
+    return tuple(_from_core(g).to(_accumulator(q)) for g in grads)
+
+
+def _rotate(tensors, group):
+    """Sends `tensors` to the next rank and receives the previous rank's, without waiting: (the
+    received tensors, a function that waits for the transfers)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    to, frm = (rank + 1) % world, (rank - 1) % world
+    if group is not None:
+        to, frm = dist.get_global_rank(group, to), dist.get_global_rank(group, frm)
+    received = [torch.empty_like(t) for t in tensors]
+    requests = [dist.isend(t.contiguous(), to, group=group) for t in tensors]
+    requests += [dist.irecv(r, frm, group=group) for r in received]
+    return received, lambda: [request.wait() for request in requests]
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, softcap, group, layout):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        out = lse = None
+        kv = (k, v)
+        for step in range(world):
+            wait = None
+            if step + 1 < world:
+                received, wait = _rotate(kv, group)
+            for piece in ring_steps(rank, (rank - step) % world, world, causal, layout, q.shape[1]):
+                part, part_lse = _attend(q[:, piece.q0:piece.q1], kv[0][:, piece.k0:piece.k1],
+                                         kv[1][:, piece.k0:piece.k1], scale, piece, softcap)
+                out, lse = _merge(out, lse, part.to(_accumulator(q)), part_lse.to(_accumulator(q)), piece.q0)
+            if wait is not None:
+                wait()
+                kv = received
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.settings = scale, causal, softcap, group, layout
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, causal, softcap, group, layout = ctx.settings
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=_accumulator(q), device=q.device)
+        kv = (k, v)
+        dkv = (torch.zeros(k.shape, dtype=_accumulator(q), device=k.device),
+               torch.zeros(v.shape, dtype=_accumulator(q), device=v.device))
+        for step in range(world):
+            wait = None
+            if step + 1 < world:
+                received, wait = _rotate(kv, group)
+            for piece in ring_steps(rank, (rank - step) % world, world, causal, layout, q.shape[1]):
+                rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
+                dq_piece, dk_piece, dv_piece = _piece_backward(
+                    dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows], lse[:, :, rows],
+                    scale, piece.causal, softcap)
+                dq[:, rows] += dq_piece
+                dkv[0][:, keys] += dk_piece
+                dkv[1][:, keys] += dv_piece
+            # The accumulators go one step further than the slices: after the last step they
+            # reach the rank that owns them.
+            dkv, wait_dkv = _rotate(dkv, group)
+            if wait is not None:
+                wait()
+                kv = received
+            wait_dkv()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+
+
+def _accumulator(q):
+    """The dtype partial results merge and gradients add in: fp32, or q's if wider (the NumPy path's fp64)."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+def _merge(out, lse, part, part_lse, q0):
+    """out (batch, rows, nheads, headdim) and lse (batch, nheads, rows), in place, after adding a
+    piece's rows from q0 on, by log-sum-exp. The first step is always the rank's own slice, which
+    every row sees (its diagonal at least), so no lse is -inf."""
+    if out is None:
+        return part, part_lse
+    rows = slice(q0, q0 + part.shape[1])
+    old_lse = lse[:, :, rows]
+    new_lse = torch.logaddexp(old_lse, part_lse)
+    weight_old = torch.exp(old_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    weight_part = torch.exp(part_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    out[:, rows] = out[:, rows] * weight_old + part * weight_part
+    lse[:, :, rows] = new_lse
+    return out, lse

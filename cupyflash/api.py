@@ -312,12 +312,14 @@ def _reference(call, arrays, return_dbias):
         forward = reference.attention_forward_varlen if varlen else reference.attention_forward
         out, lse = forward(q, k, v, *cu, call.scale, call.causal, **kwargs)
         return out.astype(q.dtype), lse.astype(numpy.dtype(validate.lse_dtype(call.dtype)))
-    dout = arrays["dout"]
+    # The backward takes its probabilities from lse and its softmax row terms from out, as the kernels do.
+    stats = dict(dout=arrays["dout"], out=arrays["out"], lse=arrays["lse"])
     if varlen:
-        grads = reference.attention_backward_varlen(dout, q, k, v, *cu, call.scale, call.causal, **kwargs)
+        grads = reference.attention_backward_varlen(q=q, k=k, v=v, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1],
+                                                    softmax_scale=call.scale, causal=call.causal, **stats, **kwargs)
     else:
-        grads = reference.attention_backward(dout, q, k, v, call.scale, call.causal, return_dbias=return_dbias,
-                                             **kwargs)
+        grads = reference.attention_backward(q=q, k=k, v=v, softmax_scale=call.scale, causal=call.causal,
+                                             return_dbias=return_dbias, **stats, **kwargs)
     result = tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
     if return_dbias:
         bias = call.checked.get(options.DIFFERENTIABLE)

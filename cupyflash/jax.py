@@ -122,6 +122,18 @@ def forward_with_lse(q, k, v, softmax_scale=None, causal=False, **given):
     return _forward(q, k, v, operands, static)
 
 
+@_takes_options(varlen=False)
+def backward_with_stats(dout, q, k, v, out, lse, softmax_scale=None, causal=False, **given):
+    """(dq, dk, dv) of flash_attn from the forward's out and lse, not differentiable: the backward
+    takes its probabilities from lse and its softmax row terms from out, so that a call over part of
+    the keys gives that part's share of the whole softmax's gradients (ring attention)."""
+    static, operands = _prepare(q, k, v, softmax_scale, causal, given, "backward_with_stats")
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    return tuple(_custom_call(static.targets[1], results, [dout.astype(q.dtype), q, k, v, out, lse,
+                                                           *_operand_list(operands, static)],
+                              static.attributes("bwd")))
+
+
 @_takes_options(varlen=True)
 def varlen_forward_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                             causal=False, **given):
@@ -308,9 +320,30 @@ def _forward(q, k, v, operands, static):
 
 
 def _custom_call(target, results, operands, attrs):
-    """The custom call's results, its signature added to its attributes."""
+    """The custom call's results, its signature added to its attributes. Inside jax.shard_map they
+    vary over the manual axes any operand varies over (XLA runs the call on each device's own
+    values; typed as invariant, a result used as a residual would reach the backward as one
+    device's copy)."""
     attrs[_SIGNATURE] = numpy.int64(_signature(target, attrs, operands, results))
-    return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*operands, **attrs)
+    outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential")(*operands, **attrs)
+    axes = frozenset().union(*(varying_axes(x) for x in operands))
+    return type(outputs)(varying(x, axes) for x in outputs)
+
+
+def varying_axes(x):
+    """The manual mesh axes x varies over inside jax.shard_map (its type's `manual_axis_type`, or
+    `vma` in older JAX; none outside)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return manual.varying if manual is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def varying(x, axes):
+    """x typed as varying over `axes` too (the values unchanged)."""
+    axes = tuple(sorted(frozenset(axes) - varying_axes(x)))
+    if not axes:
+        return x
+    return jax.lax.pcast(x, axes, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, axes)
 
 
 _SIGNATURE = "_signature"  # first of the attributes, which XLA sorts by name: the CUDA handlers read it by one load
@@ -573,3 +606,6 @@ def _register():
 
 
 _register()  # once per process: the module is imported once
+
+
+from .jax_ring import ring_flash_attn, shard_sequence, unshard_sequence  # noqa: E402,F401  (context parallelism)

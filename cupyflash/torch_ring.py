@@ -2,87 +2,46 @@
 slice of the sequence's q, k and v; the K/V slices travel around the ring, and each rank's partial
 outputs merge by their log-sum-exp. Forward and backward give attention over the whole sequence.
 
-Layouts of the sequence over N ranks (shard_sequence and unshard_sequence convert):
-  "contiguous": rank r holds chunk r of N;
-  "zigzag": the sequence cut into 2N chunks, rank r holds chunks r and 2N - 1 - r, so that under a
-    causal mask every rank does the same work at every step (ring_steps).
-Each step runs this rank's q against the K/V slice it holds (flash_attn_func, or its backward with
+The sequence's layouts over the ranks ("zigzag", "contiguous") and each step's pieces are
+cupyflash/_ring.py's; shard_sequence and unshard_sequence convert a whole sequence. Each step runs this rank's q against the K/V slice it holds (flash_attn_func, or its backward with
 the final out and lse, which makes each piece's gradients exact) while the slice moves on to the
 next rank by non-blocking sends and receives; the backward sends each slice's dK/dV accumulator
 along with it, one step further, back to its owner. CUDA tensors run the kernels, CPU tensors the
 NumPy path (the tests run the ring over gloo on the CPU).
 """
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
 from . import api, options, reference, validate
+from ._ring import check_layout, chunk_order, ring_steps
 from .torch import _from_core, _to_core
 
-LAYOUTS = ("contiguous", "zigzag")
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """One flash_attn_func call of a ring step: q rows [q0, q1) against k/v rows [k0, k1) of the
-    slices at hand (None: to the end), causal or not."""
-    q0: int
-    q1: object
-    k0: int
-    k1: object
-    causal: bool
-
-
-def ring_steps(rank, source, world, causal, layout, seqlen_local):
-    """The pieces of the step where `rank` holds the K/V slice of rank `source`: under a causal mask
-    chunks before a query chunk are seen whole, its own chunk with the diagonal, later ones not at all."""
-    if not causal:
-        return [Piece(0, None, 0, None, False)]
-    if source == rank:
-        return [Piece(0, None, 0, None, True)]  # (zigzag: the local order of positions is the global one)
-    if layout == "contiguous":
-        return [Piece(0, None, 0, None, False)] if source < rank else []
-    half = seqlen_local // 2
-    if source < rank:  # both query chunks see the source's first chunk, and neither its second
-        return [Piece(0, None, 0, half, False)]
-    return [Piece(half, None, 0, None, False)]  # only the second query chunk, which sees both
-
-
 def _chunks(x, world, layout, dim):
-    parts = 2 * world if layout == "zigzag" else world
-    if x.shape[dim] % parts:
-        raise ValueError(f"the sequence (dim {dim}, length {x.shape[dim]}) must split into {parts} equal chunks for "
-                         f"the {layout} layout over {world} ranks")
-    return x.chunk(parts, dim)
+    """(x's chunks along dim, the order the ranks hold them in: _ring.chunk_order)."""
+    order = chunk_order(world, layout)
+    if x.shape[dim] % len(order):
+        raise ValueError(f"the sequence (dim {dim}, length {x.shape[dim]}) must split into {len(order)} equal chunks "
+                         f"for the {layout} layout over {world} ranks")
+    return x.chunk(len(order), dim), order
 
 
 def shard_sequence(x, group=None, layout="zigzag", dim=1):
     """This rank's slice of a whole sequence `x` (the same on every rank) in `layout`."""
-    _check_layout(layout)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    chunks = _chunks(x, world, layout, dim)
-    if layout == "contiguous":
-        return chunks[rank].contiguous()
-    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim)
+    chunks, order = _chunks(x, world, layout, dim)
+    per_rank = len(order) // world
+    return torch.cat([chunks[c] for c in order[rank * per_rank:(rank + 1) * per_rank]], dim)
 
 
 def unshard_sequence(x, group=None, layout="zigzag", dim=1):
     """The whole sequence from every rank's slice `x` in `layout` (an all-gather)."""
-    _check_layout(layout)
     world = dist.get_world_size(group)
+    order = chunk_order(world, layout)
     slices = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(slices, x.contiguous(), group=group)
-    if layout == "contiguous":
-        return torch.cat(slices, dim)
-    halves = [s.chunk(2, dim) for s in slices]
-    return torch.cat([halves[r][0] for r in range(world)] + [halves[r][1] for r in reversed(range(world))], dim)
-
-
-def _check_layout(layout):
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    held = [chunk for s in slices for chunk in s.chunk(len(order) // world, dim)]
+    return torch.cat([held[order.index(c)] for c in range(len(order))], dim)
 
 
 def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, softcap=0.0, group=None, layout="zigzag",
@@ -91,7 +50,7 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, softcap=0.0,
     q (batch, seqlen_local, nheads, headdim), k and v (batch, seqlen_local, nheads_k, headdim) are
     this rank's slices; returns this rank's slice of out. Differentiable in q, k and v. softcap
     composes; window_size and alibi_slopes need key positions the kernels do not take yet."""
-    _check_layout(layout)
+    check_layout(layout)
     for name, value in (("q", q), ("k", k), ("v", v)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")

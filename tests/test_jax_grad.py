@@ -4,7 +4,8 @@ reference), grad of a jitted loss, vmap, and the trace-time checks of shapes and
 
 The JAX tests are split by concern, one file each: test_jax_ffi (the typed FFI: ctypes structures,
 custom calls, attributes, handler errors), test_jax_grad, test_jax_options (the options and the
-dropout seed), test_jax_varlen, test_jax_kvcache (flash_attn_with_kvcache), test_jax_gpu (marked
+dropout seed), test_jax_varlen, test_jax_kvcache (flash_attn_with_kvcache), test_jax_ring (ring
+attention under shard_map), test_jax_gpu (marked
 `gpu`: the CUDA kernels on XLA's stream under cupyflash/_check.py's rule) and test_jax_model (a small
 transformer trained under jit); their helpers are in jax_helpers.py.
 """

@@ -48,11 +48,17 @@ def test_cpu_float64_matches_sdpa(shape, scale):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_cpu_low_precision_is_the_reference_rounded(dtype):
     """CPU tensors of other dtypes (bfloat16 goes through float32 to NumPy) give the float64 result
-    rounded once to the dtype: within one unit in the last place of each element."""
+    rounded once to the dtype: within one unit in the last place of each element. The backward's
+    inputs include the forward's out (in the dtype) and lse (float32), from which it takes its
+    probabilities and row terms as the kernels do: its float64 result is that of those inputs."""
     shape = (2, 17, 23, 4, 2, 16, True)
     q, k, v, dout = _inputs(shape, dtype, "cpu", seed=2)
     got = _run(lambda q, k, v: cft.flash_attn_func(q, k, v, causal=True), q, k, v, dout)
-    ref = _run(lambda q, k, v: sdpa_reference(q, k, v, causal=True), *(x.double() for x in (q, k, v, dout)))
+    q64, k64, v64, dout64 = (x.double().numpy() for x in (q, k, v, dout))
+    out, lse = reference.attention_forward(q64, k64, v64, causal=True)
+    grads = reference.attention_backward(dout64, q64, k64, v64, causal=True, out=got[0].double().numpy(),
+                                         lse=lse.astype(numpy.float32))
+    ref = [torch.from_numpy(x) for x in (out, *grads)]
     ulp = torch.finfo(dtype).eps
     for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
         assert x.dtype == dtype, name

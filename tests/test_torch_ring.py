@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import cupyflash.torch as cft  # noqa: E402
-from cupyflash.torch_ring import ring_steps  # noqa: E402
+from cupyflash._ring import ring_steps  # noqa: E402
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -92,15 +92,17 @@ def attention_forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=
 
 def attention_backward_varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, *,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                              seed=None):
-    """Gradient of attention_forward_varlen in float64. Returns (dq, dk, dv), packed like q, k, v."""
+                              seed=None, out=None, lse=None):
+    """Gradient of attention_forward_varlen in float64. Returns (dq, dk, dv), packed like q, k, v.
+    out and lse (nheads, total_q), where given, are the forward's, taken as attention_backward takes them."""
     q, k, v, dout, scale, sequences = _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale,
                                                     causal, window_size, softcap, alibi_slopes, dropout_p,
                                                     seed, dout)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     for seq in sequences:
+        stats = (None, None) if lse is None else (np.asarray(out)[None, seq.rows_q], np.asarray(lse)[None, :, seq.rows_q])
         grads = _backward(*seq.batch_of_one((dout, q), (k, v)), scale, causal, window_size, softcap,
-                          seq.alibi_slopes, None, False, seq.dropout)
+                          seq.alibi_slopes, None, False, seq.dropout, *stats)
         dq[seq.rows_q], dk[seq.rows_k], dv[seq.rows_k] = (g[0] for g in grads)
     return dq, dk, dv
 

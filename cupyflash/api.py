@@ -131,7 +131,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # goes straight to its plan: nothing validation checks can differ from the call that made it.
     arrays = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
               block_table, alibi_slopes)
-    scalars = (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+    scalars = (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, return_softmax_lse,
                None if hasattr(cache_seqlens, "shape") else cache_seqlens)
     key = _kvcache.signature(arrays, scalars)
     if validate.host_sync_off():

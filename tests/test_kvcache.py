@@ -388,7 +388,8 @@ def test_the_plan_signature_tells_calls_apart():
     def key(q=None, k_cache=None, k=None, causal=True, window=(-1, -1), lengths=5):
         q = torch.zeros(2, 1, 4, 32) if q is None else q
         k_cache = torch.zeros(2, 64, 2, 32) if k_cache is None else k_cache
-        return signature((q, k_cache, k_cache, k, k) + (None,) * 7, (None, causal, window, 0.0, True, 0, lengths))
+        scalars = (None, causal, window, 0.0, True, 0, False, lengths)
+        return signature((q, k_cache, k_cache, k, k) + (None,) * 7, scalars)
     base = key()
     assert base is not None and base == key()
     variants = [key(causal=1), key(lengths=6), key(lengths=None), key(window=(3, 0)),

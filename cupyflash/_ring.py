@@ -7,6 +7,8 @@ rank computes at each step of the ring, for the sequence layouts over N ranks:
 
 import dataclasses
 
+from . import options, validate
+
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -48,3 +50,15 @@ def chunk_order(world, layout):
     if layout == "contiguous":
         return list(range(world))
     return [c for r in range(world) for c in (r, 2 * world - 1 - r)]
+
+
+def check_arguments(q, k, v, softmax_scale, causal, softcap, layout):
+    """(scale, causal, softcap) of a ring call, after the checks both frameworks share."""
+    check_layout(layout)
+    if q.shape[1] != k.shape[1] or k.shape != v.shape:
+        raise ValueError(f"q, k and v must hold the same slice of the sequence: got q {tuple(q.shape)}, k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"a zigzag slice holds two equal chunks: its length must be even, got {q.shape[1]}")
+    return (validate.check_scale(softmax_scale, q.shape[-1]), validate.check_flag("causal", causal),
+            options.by_name("softcap").check(softcap, None))

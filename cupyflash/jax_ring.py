@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _ring, options, validate
+from . import _ring
 from .jax import backward_with_stats, forward_with_lse, varying, varying_axes
 
 
@@ -42,15 +42,8 @@ def ring_flash_attn(q, k, v, axis_name, softmax_scale=None, causal=False, softca
     q (batch, seqlen_local, nheads, headdim), k and v (batch, seqlen_local, nheads_k, headdim) are
     this device's slices (`layout`, see shard_sequence); returns its slice of out. GQA and softcap
     compose; window_size and ALiBi are not taken (the kernels have no global key positions yet)."""
-    _ring.check_layout(layout)
-    if q.shape[1] != k.shape[1] or k.shape != v.shape:
-        raise ValueError(f"q, k and v must hold the same slice of the sequence: got q {tuple(q.shape)}, k "
-                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"a zigzag slice holds two equal chunks: its length must be even, got {q.shape[1]}")
-    settings = _Settings(axis_name, validate.check_scale(softmax_scale, q.shape[-1]),
-                         validate.check_flag("causal", causal), options.by_name("softcap").check(softcap, None), layout)
-    return _ring_attention(q, k, v, settings)
+    scale, causal, softcap = _ring.check_arguments(q, k, v, softmax_scale, causal, softcap, layout)
+    return _ring_attention(q, k, v, _Settings(axis_name, scale, causal, softcap, layout))
 
 
 @jax.tree_util.register_static

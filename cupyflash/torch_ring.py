@@ -3,9 +3,10 @@ slice of the sequence's q, k and v; the K/V slices travel around the ring, and e
 outputs merge by their log-sum-exp. Forward and backward give attention over the whole sequence.
 
 The sequence's layouts over the ranks ("zigzag", "contiguous") and each step's pieces are
-cupyflash/_ring.py's; shard_sequence and unshard_sequence convert a whole sequence. Each step runs this rank's q against the K/V slice it holds (flash_attn_func, or its backward with
-the final out and lse, which makes each piece's gradients exact) while the slice moves on to the
-next rank by non-blocking sends and receives; the backward sends each slice's dK/dV accumulator
+cupyflash/_ring.py's; shard_sequence and unshard_sequence convert a whole sequence. Each step runs
+this rank's q against the K/V slice it holds (flash_attn_func, or its backward with the final out
+and lse, which makes each piece's gradients exact) while the slice moves on to the next rank by
+non-blocking sends and receives; the backward sends each slice's dK/dV accumulator
 along with it, one step further, back to its owner. CUDA tensors run the kernels, CPU tensors the
 NumPy path (the tests run the ring over gloo on the CPU).
 """
@@ -13,9 +14,10 @@ NumPy path (the tests run the ring over gloo on the CPU).
 import torch
 import torch.distributed as dist
 
-from . import api, options, reference, validate
-from ._ring import check_layout, chunk_order, ring_steps
+from . import api
+from ._ring import check_arguments, chunk_order, ring_steps
 from .torch import _from_core, _to_core
+
 
 def _chunks(x, world, layout, dim):
     """(x's chunks along dim, the order the ranks hold them in: _ring.chunk_order)."""
@@ -50,7 +52,6 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, softcap=0.0,
     q (batch, seqlen_local, nheads, headdim), k and v (batch, seqlen_local, nheads_k, headdim) are
     this rank's slices; returns this rank's slice of out. Differentiable in q, k and v. softcap
     composes; window_size and alibi_slopes need key positions the kernels do not take yet."""
-    check_layout(layout)
     for name, value in (("q", q), ("k", k), ("v", v)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -58,14 +59,7 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, softcap=0.0,
         if (tuple(value) if name == "window_size" else value) != off:
             raise NotImplementedError(f"ring_flash_attn_func does not take {name} yet (across ranks it needs the "
                                       f"keys' global positions, which the kernels do not take): pass {name}={off}")
-    if q.shape[1] != k.shape[1] or k.shape != v.shape:
-        raise ValueError(f"q, k and v must hold the same slice of the sequence: got q {tuple(q.shape)}, k "
-                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"a zigzag slice holds two equal chunks: its length must be even, got {q.shape[1]}")
-    scale = validate.check_scale(softmax_scale, q.shape[-1])
-    causal = validate.check_flag("causal", causal)
-    softcap = options.by_name("softcap").check(softcap, None)
+    scale, causal, softcap = check_arguments(q, k, v, softmax_scale, causal, softcap, layout)
     return _Ring.apply(q, k, v, scale, causal, softcap, group, layout)
 
 
@@ -76,14 +70,10 @@ def _attend(q, k, v, scale, piece, softcap):
 
 
 def _piece_backward(dout, q, k, v, out, lse, scale, causal, softcap):
-    """A piece's share of the gradients, in the accumulators' dtype, from the whole forward's out and
-    lse: the kernels' backward takes its probabilities and row terms from them; on the CPU the
-    reference does so when given them (the NumPy path's flash_attn_backward recomputes its own)."""
-    if q.is_cuda:
-        grads = api.flash_attn_backward(dout, q, k, v, out, lse.contiguous(), scale, causal, softcap=softcap)
-    else:
-        grads = reference.attention_backward(*(_to_core(t) for t in (dout, q, k, v)), scale, causal, softcap=softcap,
-                                             out=_to_core(out), lse=_to_core(lse))
+    """A piece's share of the gradients, in the accumulators' dtype: flash_attn_backward takes its
+    probabilities from the whole forward's lse and its row terms from its out."""
+    grads = api.flash_attn_backward(*(_to_core(t) for t in (dout, q, k, v, out, lse.contiguous())), scale, causal,
+                                    softcap=softcap)
     return tuple(_from_core(g).to(_accumulator(q)) for g in grads)
 
 

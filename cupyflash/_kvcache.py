@@ -11,7 +11,7 @@ captures in a CUDA graph and replays as the lengths change on the device.
 
 import math
 
-from . import _arrays, _config, _kernels, _params, _plan, _schedule, options
+from . import _arrays, _config, _kernels, _plan, _schedule
 
 MAX_SPLITS = 128
 # The plan's inputs by FlashParams field, in flash_attn_with_kvcache's order of array arguments: the
@@ -139,34 +139,8 @@ def _new_plan(call, cache, arrays):
     count = cache.num_splits or splits(ctas, key_blocks, tile.warps, _schedule.resident_ctas(kernel, caller.device()))
     count = max(1, min(count, MAX_SPLITS, key_blocks))
 
+    params = params_of(call, cache, arrays, tile, count)
     q = arrays["q"]
-    fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
-                  seqlen_k=cache.capacity, headdim=shape.headdim, headdim_padded=tile.headdim,
-                  softmax_scale=call.scale, scale_log2=call.scale * math.log2(math.e),
-                  inv_softmax_scale=1.0 / call.scale,
-                  window_left=0, window_right=0, seqlen_new=cache.seqlen_new, capacity=cache.capacity,
-                  cache_rows=int(cache.k_cache.shape[0]), cache_seqlens_all=_full_length(cache),
-                  page_size=int(cache.k_cache.shape[1]) if cache.paged else 0, num_splits=count,
-                  rotary_interleaved=int(cache.rotary_interleaved), rotary_q_per_row=int(call.local))
-    strides = {name: _arrays.element_strides(arrays[name]) for name in ("q", "k", "v", "k_new", "v_new")
-               if name in arrays}
-    strides["out"] = _plan._contiguous_strides(tuple(q.shape))
-    for name, (batch, row, head) in strides.items():
-        fields.update({f"{name}_batch_stride": batch, f"{name}_row_stride": row, f"{name}_head_stride": head})
-    if "block_table" in arrays:
-        fields["block_table_batch_stride"] = _arrays.element_strides(arrays["block_table"])[0]
-    if "rotary_cos" in arrays:
-        cos, sin = arrays["rotary_cos"], arrays["rotary_sin"]
-        fields.update(rotary_rows=int(cos.shape[0]), rotary_dim=2 * int(cos.shape[1]),
-                      rotary_is_float32=int(_arrays.dtype_name(cos) == "float32"),
-                      rotary_cos_row_stride=_arrays.element_strides(cos)[0],
-                      rotary_sin_row_stride=_arrays.element_strides(sin)[0])
-    for name, value in call.checked.items():
-        option = options.by_name(name)
-        if option.fill is not None and option.is_on(value):
-            option.fill(fields, value, call, arrays)
-    params = _params.make_params(**fields)
-
     stats = (shape.batch, shape.nheads, shape.seqlen_q)
     outputs = [_plan._Output("out", tuple(q.shape), call.dtype), _plan._Output("lse", stats, "float32")]
     launches = []
@@ -181,6 +155,30 @@ def _new_plan(call, cache, arrays):
         warps = _kernels.ROW_KERNEL_THREADS // 32
         launches.append(_plan._Launch(_kernels.Kernel("decode_combine", call.dtype), (-(-rows // warps), 1, 1)))
     return _plan.Plan(caller, params, arrays, outputs, launches, lambda o: (o["out"], o["lse"]))
+
+
+def params_of(call, cache, arrays, tile, count):
+    """The decode plan's parameter block: the fields of every plan (_plan._param_block: sizes, scale,
+    strides, the options'), then the cache's; `arrays` by FlashParams field, `count` splits."""
+    strides = {name: _arrays.element_strides(arrays[name]) for name in ("q", "k", "v", "k_new", "v_new")
+               if name in arrays}
+    strides["out"] = _plan._contiguous_strides(tuple(arrays["q"].shape))
+    params = _plan._param_block(call, tile, {name: _plan._tensor_strides(s, False) for name, s in strides.items()},
+                                arrays, block_major=False)
+    fields = dict(seqlen_new=cache.seqlen_new, capacity=cache.capacity, cache_rows=int(cache.k_cache.shape[0]),
+                  cache_seqlens_all=_full_length(cache), page_size=int(cache.k_cache.shape[1]) if cache.paged else 0,
+                  num_splits=count, rotary_interleaved=int(cache.rotary_interleaved), rotary_q_per_row=int(call.local))
+    if "block_table" in arrays:
+        fields["block_table_batch_stride"] = _arrays.element_strides(arrays["block_table"])[0]
+    if "rotary_cos" in arrays:
+        cos, sin = arrays["rotary_cos"], arrays["rotary_sin"]
+        fields.update(rotary_rows=int(cos.shape[0]), rotary_dim=2 * int(cos.shape[1]),
+                      rotary_is_float32=int(_arrays.dtype_name(cos) == "float32"),
+                      rotary_cos_row_stride=_arrays.element_strides(cos)[0],
+                      rotary_sin_row_stride=_arrays.element_strides(sin)[0])
+    for name, value in fields.items():
+        params[name] = value
+    return params
 
 
 def _full_length(cache):

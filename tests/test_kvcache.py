@@ -397,3 +397,40 @@ def test_the_plan_signature_tells_calls_apart():
                 key(k_cache=torch.zeros(2, 65, 2, 32)), key(k=torch.zeros(2, 1, 2, 32))]
     assert len({base, *variants}) == len(variants) + 1
     assert key(window=[-1, -1]) is None and key(q=np.zeros((2, 1, 4, 32))) is None
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_decode_parameter_block_has_every_layout_and_option(paged):
+    """The decode plan's parameter block (built on the CPU from NumPy arrays of the call's layouts):
+    each tensor's (batch, row, head) strides, out contiguous, the cache's and rotary's fields, and the
+    options' fields as every plan fills them."""
+    from cupyflash import _config, _kvcache, validate
+    case, rng = _case(batch=2, seqlen_q=2, capacity=64, rotary_dim=8)
+    q = np.ascontiguousarray(case["q"].transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # heads outermost
+    table = None
+    if paged:
+        table = rng.permutation(9)[:8].reshape(2, 4).astype(np.int32)
+        for name in ("k_cache", "v_cache"):
+            case[name] = rng.standard_normal((9, 16, 2, 40))
+    alibi = rng.uniform(0.1, 0.5, (2, 4)).astype(np.float32)
+    call, cache = validate.check_kvcache(q, case["k_cache"], case["v_cache"], case["k"], case["v"], case["rotary_cos"],
+                                         case["rotary_sin"], case["cache_seqlens"], None, None, table, None, True,
+                                         dict(window_size=(9, -1), softcap=2.0, alibi_slopes=alibi), False, 0)
+    arrays = dict(q=q, k=case["k_cache"], v=case["v_cache"], k_new=case["k"], v_new=case["v"],
+                  rotary_cos=case["rotary_cos"], rotary_sin=case["rotary_sin"], cache_seqlens=case["cache_seqlens"],
+                  alibi_slopes=alibi, **({} if table is None else dict(block_table=table)))
+    params = _kvcache.params_of(call, cache, arrays, _config.Tile(64, 16, 16, 4, 2), 3)[0]
+    for name, array in (("q", q), ("k", case["k_cache"]), ("v", case["v_cache"]), ("k_new", case["k"]),
+                        ("v_new", case["v"]), ("out", case["q"])):  # out: contiguous in q's shape
+        batch, row, head = (s // array.itemsize for s in array.strides[:3])
+        assert (params[f"{name}_batch_stride"], params[f"{name}_row_stride"], params[f"{name}_head_stride"]) == \
+            (batch, row, head), name
+    assert (params["batch"], params["nheads"], params["nheads_k"], params["seqlen_q"], params["headdim"],
+            params["headdim_padded"]) == (2, 4, 2, 2, 40, 64)
+    assert (params["capacity"], params["seqlen_k"], params["seqlen_new"], params["num_splits"]) == (64, 64, 2, 3)
+    assert params["cache_rows"] == (9 if paged else 2) and params["page_size"] == (16 if paged else 0)
+    assert params["block_table_batch_stride"] == (4 if paged else 0)
+    assert (params["rotary_rows"], params["rotary_dim"], params["rotary_cos_row_stride"], params["rotary_interleaved"],
+            params["rotary_q_per_row"], params["rotary_is_float32"]) == (66, 8, 4, 0, 1, 0)
+    assert (params["window_left"], params["window_right"]) == (9, 0)  # causal folded into the window
+    assert params["softcap_inner"] == np.float32(40 ** -0.5 / 2.0) and params["alibi_batch_stride"] == 4

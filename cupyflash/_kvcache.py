@@ -18,8 +18,6 @@ MAX_SPLITS = 128
 # caches are `k` and `v`, the new keys and values `k_new` and `v_new`.
 FIELDS = ("q", "k", "v", "k_new", "v_new", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
           "cache_leftpad", "block_table", "alibi_slopes")
-_CACHES = ("k", "v")
-_INDEX_ARRAYS = ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table")
 _resolved = {}  # signature (signature()) -> the Plan of its calls
 _MAX_RESOLVED = 1024
 
@@ -85,32 +83,15 @@ def attention(call, cache, arrays, return_softmax_lse, key):
 
 
 def _launchable(caller, arrays):
-    """(the call's arrays as the kernels read them, whether any was copied). The caches are written
-    in place, so they cannot be copied: their rows must be 16-byte aligned (cp.async). q is copied
-    where its rows are not; index arrays and the block table where they are not contiguous."""
-    result = {}
-    for name, array in arrays.items():
-        strides = _arrays.element_strides(array)
-        if name in _CACHES or name == "q":
-            aligned = caller.data_pointer(array) % 16 == 0 and all(s * 2 % 16 == 0 for s in strides[:-1])
-            if not aligned and name in _CACHES:
-                cache = "k_cache" if name == "k" else "v_cache"
-                raise ValueError(f"{cache} must start on a 16-byte boundary with every stride but the last a multiple "
-                                 f"of 8 elements (the kernels read 16-byte rows, and the cache is written in place); "
-                                 f"got strides {strides}")
-        elif name in _INDEX_ARRAYS:
-            aligned = strides[-1] == 1 and (len(strides) == 1 or strides[0] >= array.shape[1])
-        else:
-            aligned = True
-        result[name] = array if aligned else _copy(array)
-    return result, any(result[name] is not array for name, array in arrays.items())
-
-
-def _copy(array):
-    if hasattr(array, "clone"):
-        import torch
-        return array.clone(memory_format=torch.contiguous_format)
-    return array.copy()
+    """(the call's arrays as the kernels read them, whether any was copied): _plan._launchable's, but
+    the caches, written in place, cannot be copied: their rows must be 16-byte aligned (cp.async)."""
+    for name, cache in (("k", "k_cache"), ("v", "v_cache")):
+        strides = _arrays.element_strides(arrays[name])
+        if caller.data_pointer(arrays[name]) % 16 or any(s * 2 % 16 for s in strides[:-1]):
+            raise ValueError(f"{cache} must start on a 16-byte boundary with every stride but the last a multiple "
+                             f"of 8 elements (the kernels read 16-byte rows, and the cache is written in place); "
+                             f"got strides {strides}")
+    return _plan._launchable(caller, arrays)
 
 
 def splits(ctas, key_blocks, warps, resident):

@@ -434,3 +434,22 @@ def test_the_decode_parameter_block_has_every_layout_and_option(paged):
             params["rotary_q_per_row"], params["rotary_is_float32"]) == (66, 8, 4, 0, 1, 0)
     assert (params["window_left"], params["window_right"]) == (9, 0)  # causal folded into the window
     assert params["softcap_inner"] == np.float32(40 ** -0.5 / 2.0) and params["alibi_batch_stride"] == 4
+
+
+def test_the_caches_are_never_copied_but_misaligned_q_is():
+    """The plan's inputs: a cache whose rows the kernels cannot read by 16-byte copies is refused
+    (naming it: a copy would lose the in-place append); a misaligned q is copied."""
+    torch = pytest.importorskip("torch")
+    from cupyflash import _arrays, _kvcache
+    caller = _arrays.Caller("torch", 0)
+    cache = torch.zeros(2, 32, 2, 16, dtype=torch.bfloat16)
+    q = torch.zeros(2 * 4 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 1, 4, 16)  # 2 bytes past an aligned start
+    arrays = dict(q=q, k=cache, v=cache.clone(), cache_seqlens=torch.zeros(2, dtype=torch.int32))
+    inputs, copied = _kvcache._launchable(caller, arrays)
+    assert copied and inputs["q"] is not q and torch.equal(inputs["q"], q) and inputs["q"].data_ptr() % 16 == 0
+    assert inputs["k"] is cache and inputs["cache_seqlens"] is arrays["cache_seqlens"]
+    odd = torch.zeros(2, 33, 2, 20, dtype=torch.bfloat16)[:, :, :, :16]  # rows 40 bytes apart
+    with pytest.raises(ValueError, match="k_cache must start on a 16-byte boundary"):
+        _kvcache._launchable(caller, dict(arrays, k=odd))
+    _, copied = _kvcache._launchable(caller, dict(arrays, q=torch.zeros(2, 1, 4, 16, dtype=torch.bfloat16)))
+    assert not copied

@@ -3,8 +3,8 @@
 Two kernel families: the mma.sync kernels (cuda_src/sm80/, every pass, sm_80 and newer) and the
 wgmma kernels (cuda_src/sm90/, the forward, sm_90a: compute capability 9.0 exactly).
 TILES[kernel family] holds one table per GPU family (sm90, sm86, sm80), then per tile table
-('fwd', 'bwd', 'bwd_options', 'decode', 'decode_paged') and head dim. The kernels are templates over (head dim, block_m,
-block_n, warps, stages). A caller's head dim is rounded up to the next head dim of the table (the
+('fwd', 'bwd', 'bwd_options', 'decode', 'decode_paged') and head dim. The kernels are templates
+over (head dim, block_m, block_n, warps, stages). A caller's head dim is rounded up to the next head dim of the table (the
 extra columns are zero-filled and never written). Setting CUPYFLASH_TILES=sm80|sm86|sm90 forces a
 GPU family's table on any GPU, and CUPYFLASH_FAMILY=mma_sync the mma.sync family where wgmma would
 serve, so every table and family is tested on whatever card the tests run on.
@@ -26,6 +26,7 @@ KERNEL_FAMILIES = (MMA_SYNC, WGMMA)
 # and it must fit the GPU family's opt-in limit (FAMILY_SMEM_LIMIT). 'bwd_options' is the backward
 # of the OPTIONS kernels (cuda_src/common/score.cuh; also every deterministic backward), whose
 # options need registers. Timings: bench/tiles.py on an H200, bf16, seqlen 1k-16k.
+_DECODE = {hd: (16, 32 if hd <= 64 else 16, 4, 2) for hd in HEADDIMS if hd != 224}  # 4 warps, 2 stages (below)
 _SM90 = {
     "fwd": {
         32: (128, 64, 4, 1),    # as hd64 (not timed)
@@ -62,11 +63,11 @@ _SM90 = {
     # hd128 timed (bench/notes/v20): 8 warps and 3 stages read dense caches 1-36% faster, paged ones
     # up to 36% slower (a warp's next block is a random page). No hd224 tile: its padded rows spill
     # on sm_90; hd256's serves it.
-    "decode": {hd: (16, 32 if hd <= 64 else 16, 4, 2) for hd in HEADDIMS if hd != 224} | {128: (16, 16, 8, 3)},
-    "decode_paged": {hd: (16, 32 if hd <= 64 else 16, 4, 2) for hd in HEADDIMS if hd != 224},
+    "decode": _DECODE | {128: (16, 16, 8, 3)},
+    "decode_paged": _DECODE,
 }
-_SM86_DECODE = ({hd: (16, 32 if hd <= 64 else 16, 4, 2) for hd in HEADDIMS if hd <= 160}
-                | {hd: (16, 16, 2, 2) for hd in HEADDIMS if hd > 160 and hd != 224})
+# sm86's decode tiles: the 4-warp ones up to hd160, 2 warps above (99 KiB).
+_SM86_DECODE = {hd: tile if hd <= 160 else (16, 16, 2, 2) for hd, tile in _DECODE.items()}
 TILES = {
     MMA_SYNC: {
         "sm90": _SM90,

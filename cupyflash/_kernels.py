@@ -179,8 +179,8 @@ def representative_jobs(jobs):
         if k.wgmma:  # every tile with the heaviest flags, and every flag at hd128
             return k.dtype == DTYPES[0] and ((k.local and k.options) or k.tile.headdim == 128)
         if k.pass_ in KVCACHE_PASSES:  # the KV cache's kernels: every tile with the heaviest flags, one dtype
-            return (arch == primary and k.dtype == DTYPES[0] and (k.tile is None or (k.local and k.options))
-                    and (k.tile is None or native(arch, k)))
+            return arch == primary and k.dtype == DTYPES[0] and (k.tile is None or (k.local and k.options
+                                                                                  and native(arch, k)))
         if k.tile is None:
             return arch == primary
         if not native(arch, k):

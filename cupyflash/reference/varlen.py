@@ -100,7 +100,9 @@ def attention_backward_varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax
                                                     seed, dout)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     for seq in sequences:
-        stats = (None, None) if lse is None else (np.asarray(out)[None, seq.rows_q], np.asarray(lse)[None, :, seq.rows_q])
+        stats = (None, None)
+        if lse is not None:
+            stats = np.asarray(out)[None, seq.rows_q], np.asarray(lse)[None, :, seq.rows_q]
         grads = _backward(*seq.batch_of_one((dout, q), (k, v)), scale, causal, window_size, softcap,
                           seq.alibi_slopes, None, False, seq.dropout, *stats)
         dq[seq.rows_q], dk[seq.rows_k], dv[seq.rows_k] = (g[0] for g in grads)

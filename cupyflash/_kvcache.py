@@ -18,15 +18,14 @@ MAX_SPLITS = 128
 # caches are `k` and `v`, the new keys and values `k_new` and `v_new`.
 FIELDS = ("q", "k", "v", "k_new", "v_new", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
           "cache_leftpad", "block_table", "alibi_slopes")
-_resolved = {}  # signature (signature()) -> the Plan of its calls
-_MAX_RESOLVED = 1024
 
 
 def signature(arrays, scalars):
-    """The plan's key of a call: the layout of each array argument (flash_attn_with_kvcache's, in
-    FIELDS' order, None where not given) and the type and value of each scalar argument (an int
-    cache_seqlens among them); None where something cannot be part of a key (NumPy arrays, lists)."""
-    key = [_config.forced_choices()]
+    """The key of a call's plan in _plan's cache: the layout of each array argument
+    (flash_attn_with_kvcache's, in FIELDS' order, None where not given) and the type and value of
+    each scalar argument (an int cache_seqlens among them); None where something cannot be part of
+    a key (NumPy arrays, lists)."""
+    key = ["kvcache", _config.forced_choices()]
     for value in scalars:
         try:
             hash(value)
@@ -55,7 +54,7 @@ def _by_field(arrays):
 def run_resolved(key, arrays, return_softmax_lse):
     """The call's result through the plan of its signature, or None where there is none yet (or an
     input is not aligned as the plan's were)."""
-    plan = _resolved.get(key) if key is not None else None
+    plan = _plan.cached(key)
     if plan is None:
         return None
     results = plan.run(_by_field(arrays), None, dropped=() if return_softmax_lse else ("lse",))
@@ -74,10 +73,8 @@ def attention(call, cache, arrays, return_softmax_lse, key):
     arrays = [call.caller.launchable(a) if hasattr(a, "shape") else a for a in arrays]
     inputs, copied = _launchable(call.caller, _by_field(arrays))
     plan = _new_plan(call, cache, inputs)
-    if key is not None and not copied:
-        if len(_resolved) >= _MAX_RESOLVED:
-            _resolved.clear()
-        _resolved[key] = plan
+    if not copied:
+        _plan.store(key, plan)
     out, lse = plan.run(inputs, None, dropped=() if return_softmax_lse else ("lse",))
     return (out, lse) if return_softmax_lse else out
 

@@ -66,6 +66,8 @@ def _fwd_bwd(attention, q, k, v):
 def _torch_context_parallel(tokens, world, device, dtype, reps):
     """PyTorch's context parallel SDPA over the same sequence (seconds), or the reason it does not run."""
     try:
+        if device != "cuda":  # (trying leaves its mesh's threads to abort the process at exit)
+            raise NotImplementedError("PyTorch's context parallel SDPA has no CPU kernel")
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
         import torch.nn.functional as F

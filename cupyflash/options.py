@@ -201,17 +201,30 @@ def check_dropout_p(value, call=None):
     return p
 
 
-def dropout_keep_threshold(dropout_p):
-    """The keep rule's bound: an element is kept iff its 32-bit Philox word is below it.
+DROPOUT_BITS = 16  # random bits per element (cuda_src/common/score.cuh: kDropoutBits)
 
-    min(int((1 - dropout_p) * 2**32), 2**32 - 1), (1 - dropout_p) in float64 and int() truncating.
-    (2**32 does not fit a word, so dropout_p = 0 means "no dropout" rather than this rule.)"""
-    return min(int((1.0 - dropout_p) * 2 ** 32), 2 ** 32 - 1)
+
+def dropout_keep_threshold(dropout_p):
+    """The keep count k: an element is kept iff its DROPOUT_BITS random bits, an integer, are below k.
+
+    The kept fraction k / 2**DROPOUT_BITS is 1 - dropout_p rounded to the nearest multiple of
+    2**-DROPOUT_BITS (halves up; at least one step, so something is kept), and the kept elements
+    are scaled by its inverse (dropout_rescale), so the expectation holds exactly. (dropout_p = 0
+    means no dropout at all rather than this rule.)"""
+    steps = 2 ** DROPOUT_BITS
+    return max(1, math.floor((1.0 - dropout_p) * steps + 0.5))
+
+
+def dropout_rescale(dropout_p):
+    """The factor of the kept probabilities: 1 / the kept fraction (1 / (1 - dropout_p), rounded as
+    dropout_keep_threshold rounds it)."""
+    return 2 ** DROPOUT_BITS / dropout_keep_threshold(dropout_p)
 
 
 def _fill_dropout(fields, dropout_p, call, inputs):
-    fields["dropout_keep_below"] = dropout_keep_threshold(dropout_p)
-    fields["dropout_scale"] = 1.0 / (1.0 - dropout_p)
+    # The kernels compare the element's bits placed on top of a 32-bit word against this bound.
+    fields["dropout_keep_max"] = (dropout_keep_threshold(dropout_p) << (32 - DROPOUT_BITS)) - 1
+    fields["dropout_scale"] = dropout_rescale(dropout_p)
 
 
 def _check_seed(seed, call):

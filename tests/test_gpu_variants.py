@@ -83,7 +83,7 @@ def test_packed_forms_take_views():
 
 def _dropout_probe(dropout_p, seed, batch=2, nheads=3, seqlen=64, headdim=64):
     """The keep masks the forward and the backward used, read off their outputs: with q = 0 every
-    probability is 1 / seqlen_k, so with v = the identity out[i, j] = M[i, j] / (1 - p) / seqlen_k,
+    probability is 1 / seqlen_k, so with v = the identity out[i, j] = M[i, j] * rescale / seqlen_k,
     and with dout = the identity dv[j, i] = the same."""
     import cupy
     from cupyflash import flash_attn_backward, flash_attn_func
@@ -95,7 +95,7 @@ def _dropout_probe(dropout_p, seed, batch=2, nheads=3, seqlen=64, headdim=64):
     _, _, dv = flash_attn_backward(cupy.ascontiguousarray(eye), q, k, v, out, lse, dropout_p=dropout_p, seed=seed)
     forward = cupy.asnumpy(out.transpose(0, 2, 1, 3) > 0)         # (batch, heads, i, j)
     backward = cupy.asnumpy(dv.transpose(0, 2, 3, 1) > 0)         # dv[b, j, h, i] -> (b, h, i, j)
-    expected_value = 1 / (1 - dropout_p) / seqlen
+    expected_value = reference.dropout_rescale(dropout_p) / seqlen
     kept = cupy.asnumpy(out.transpose(0, 2, 1, 3))[forward]
     assert numpy.allclose(kept, expected_value, rtol=2e-3)
     return forward, backward

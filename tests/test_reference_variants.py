@@ -27,11 +27,19 @@ def philox_by_hand(counter, key):
     return c0, c1, c2, c3
 
 
+def keep_count_by_hand(dropout_p):
+    """Of 2**16 values of an element's 16 random bits, how many keep it: 1 - dropout_p to the nearest step."""
+    return max(1, math.floor((1 - dropout_p) * 2**16 + 0.5))
+
+
 def kept_by_hand(seed, dropout_p, b, h, i, j, nheads):
-    """Whether dropout keeps score element (b, h, i, j), from the written spec alone."""
-    words = philox_by_hand((j & ~1, i & ~8, b * nheads + h, 0), (seed & WORD, seed >> 32))
-    threshold = min(int((1 - dropout_p) * 2**32), 2**32 - 1)
-    return words[2 * ((i >> 3) & 1) + (j & 1)] < threshold
+    """Whether dropout keeps score element (b, h, i, j), from the written spec alone, in the
+    kernels' form: the element's 16 bits shifted to the top of the word, against keep * 2**16 - 1."""
+    words = philox_by_hand((j & ~9, i & ~8, b * nheads + h, 0), (seed & WORD, seed >> 32))
+    keep = keep_count_by_hand(dropout_p)
+    word = words[2 * ((i >> 3) & 1) + (j & 1)]
+    tile = (j >> 3) & 1  # which of the call's two 8-column tiles: the word's low or high half
+    return (word << (16 - 16 * tile)) & WORD <= (keep << 16) - 1
 
 
 # --- Philox ------------------------------------------------------------------------------------
@@ -79,13 +87,16 @@ def test_philox_rejects_words_outside_32_bits():
 # --- the keep mask -----------------------------------------------------------------------------
 
 def test_keep_threshold():
-    assert ref.dropout_keep_threshold(0.5) == 2**31
-    assert ref.dropout_keep_threshold(0.0) == 2**32 - 1  # 2**32 does not fit a word
-    assert ref.dropout_keep_threshold(0.1) == int(0.9 * 2**32) == 3865470566
-    assert ref.dropout_keep_threshold(0.9) == 429496729  # (1 - 0.9) * 2**32 = 429496729.6, truncated
-    assert ref.dropout_keep_threshold(1 / 3) == 2863311530  # 2863311530.67, truncated
-    assert ref.dropout_keep_threshold(np.float32(0.25)) == 3 * 2**30
-    assert ref.dropout_keep_threshold(1 - 2**-40) == 2**32 // 2**40  # == 0: nothing kept
+    assert ref.dropout_keep_threshold(0.5) == 2**15
+    assert ref.dropout_keep_threshold(0.0) == 2**16  # every element kept (dropout_p = 0 means none)
+    assert ref.dropout_keep_threshold(0.1) == 58982  # 0.9 * 2**16 = 58982.4, to the nearest
+    assert ref.dropout_keep_threshold(0.9) == 6554  # 6553.6, to the nearest
+    assert ref.dropout_keep_threshold(1 / 3) == 43691  # 43690.67
+    assert ref.dropout_keep_threshold(np.float32(0.25)) == 3 * 2**14
+    assert ref.dropout_keep_threshold(1 - 2**-18) == 1  # rounds to 0: one step is kept
+    assert ref.dropout_keep_threshold(2**-17) == 2**16  # 65535.5 rounds up: all kept
+    assert ref.dropout_rescale(0.1) == 2**16 / 58982
+    assert ref.dropout_rescale(0.5) == 2.0
 
 
 def test_mask_follows_the_word_mapping_element_by_element():
@@ -96,25 +107,28 @@ def test_mask_follows_the_word_mapping_element_by_element():
         assert mask[index] == kept_by_hand(seed, dropout_p, *index, nheads), index
 
 
-def test_one_philox_call_gives_one_mma_fragment():
-    # Rows i, i + 8 (i with bit 3 clear) and columns j, j + 1 (j even) take words 0..3 of one call.
+def test_one_philox_call_gives_two_mma_fragments():
+    # Rows i, i + 8 (i with bit 3 clear) and columns j, j + 1 (j even, bit 3 clear) take the low
+    # halves of words 0..3 of one call, and the same rows at columns j + 8, j + 9 the high halves.
     seed, nheads, threshold = 99 + (5 << 32), 2, ref.dropout_keep_threshold(0.5)
-    mask = ref.dropout_keep_mask(seed, 0.5, 2, nheads, 40, 12)
-    for b, h, i, j in [(0, 0, 0, 0), (1, 1, 3, 6), (1, 0, 16, 10), (0, 1, 23, 4)]:
+    mask = ref.dropout_keep_mask(seed, 0.5, 2, nheads, 40, 30)
+    for b, h, i, j in [(0, 0, 0, 0), (1, 1, 3, 6), (1, 0, 16, 18), (0, 1, 23, 4)]:
         words = philox_by_hand((j, i, b * nheads + h, 0), (99, 5))
-        fragment = [mask[b, h, i, j], mask[b, h, i, j + 1], mask[b, h, i + 8, j], mask[b, h, i + 8, j + 1]]
-        assert fragment == [w < threshold for w in words]
+        for tile in (0, 1):
+            c = j + 8 * tile
+            fragment = [mask[b, h, i, c], mask[b, h, i, c + 1], mask[b, h, i + 8, c], mask[b, h, i + 8, c + 1]]
+            assert fragment == [(w >> 16 * tile) & 0xFFFF < threshold for w in words]
 
 
 @pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
 def test_kept_fraction_is_binomial(dropout_p):
     mask = ref.dropout_keep_mask(2024, dropout_p, 2, 4, 64, 128)
-    n, keep = mask.size, ref.dropout_keep_threshold(dropout_p) / 2**32
+    n, keep = mask.size, ref.dropout_keep_threshold(dropout_p) / 2**16
     # Under independent Bernoulli(keep) draws, the count lies within 5 sigma with probability
     # 1 - 6e-7; the expected fraction is the threshold's, not exactly 1 - dropout_p.
     assert abs(mask.sum() - n * keep) <= 5 * math.sqrt(n * keep * (1 - keep))
     # Each word position of the fragment (and each head) is kept at the same rate.
-    for part in (mask[..., ::2], mask[..., 1::2], mask[:, :, 8:16], mask[:, 3]):
+    for part in (mask[..., ::2], mask[..., 1::2], mask[:, :, 8:16], mask[..., 8:16], mask[:, 3]):
         m = part.size
         assert abs(part.sum() - m * keep) <= 5 * math.sqrt(m * keep * (1 - keep))
 
@@ -193,7 +207,7 @@ def test_dropout_output_is_kept_probabilities_rescaled_and_lse_unchanged():
     mask = ref.dropout_keep_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k).transpose(0, 2, 1, 3)
     for causal in (False, True):
         p, lse = ref.attention_forward(q, k, v, causal=causal)
-        expected = np.where(mask, p / (1 - dropout_p), 0)
+        expected = np.where(mask, p * 2**16 / keep_count_by_hand(dropout_p), 0)
         for forward in (ref.attention_forward, ref.attention_forward_tiled):
             out, lse_d = forward(q, k, v, causal=causal, dropout_p=dropout_p, seed=seed)
             np.testing.assert_allclose(out, expected, rtol=1e-14, atol=1e-15)
@@ -206,7 +220,7 @@ def test_dropout_output_is_kept_probabilities_rescaled_and_lse_unchanged():
 
 def test_lowp_dropout_rounds_each_step():
     # k = identity makes dq the (scaled) dS itself, so each documented rounding can be replayed:
-    # P*M/(1-p) rounded before the product, dP*M/(1-p) rounded, as autograd would compute them.
+    # P*M*rescale rounded before the product, dP*M*rescale rounded, as autograd would compute them.
     dtype, seed, dropout_p, n, nheads, scale = "float16", 5, 0.3, 8, 2, 0.5
     q, _, v, dout = random_inputs(14, 1, n, n, nheads, nheads, n)
     k = np.broadcast_to(np.eye(n)[None, :, None, :], (1, n, nheads, n)).copy()
@@ -214,7 +228,7 @@ def test_lowp_dropout_rounds_each_step():
     round16 = lambda x: ref.round_to(x, dtype)  # noqa: E731
     heads_first = lambda x: np.ascontiguousarray(round16(x).transpose(0, 2, 1, 3))  # noqa: E731
     keep = ref.dropout_keep_mask(seed, dropout_p, 1, nheads, n, n)
-    rescale = np.float32(1 / (1 - dropout_p))
+    rescale = np.float32(2**16 / keep_count_by_hand(dropout_p))
     options = {"softmax_scale": scale, "causal": True}
     # The rounded softmax, seen through v = identity without dropout.
     p = heads_first(ref.attention_forward_lowp(q, k, eye_v, dtype, **options))

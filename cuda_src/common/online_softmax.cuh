@@ -46,19 +46,13 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const Mo
 }
 
 // Dropout on a warp's probabilities (tile at row0, col0): dropped elements become 0. The caller
-// scales the kept ones by 1 / (1 - dropout_p).
+// scales the kept ones by p.dropout_scale.
 template <int MT, int NT>
 __device__ __forceinline__ void apply_dropout(float (&s)[MT][NT][4], const FlashParams& p, int batch, int head,
                                               int row0, int col0) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const uint32 keep = dropout_keep_bits(p, batch, head, row0 + fragment_row(mt, 0), col0 + fragment_col(nt, 0));
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (!(keep >> e & 1)) s[mt][nt][e] = 0.f;
-        }
+    for_each_dropout_decision<MT, NT>(p, true, batch, head, row0, col0, [&](int mt, int nt, int e, bool kept) {
+        if (!kept) s[mt][nt][e] = 0.f;
+    });
 }
 
 // The online softmax of one key block in base 2: s becomes p = 2^(s * scale_log2 - max * scale_log2),

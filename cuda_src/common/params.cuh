@@ -105,8 +105,8 @@ struct FlashParams {
     long long dbias_row_stride;
     long long dropout_seed;         // Philox key (cupyflash/reference/philox.py has the same generator)
     const void* dropout_seed_device; // when set, the key is read from here (8 bytes), so a graph replay sees a new one
-    long long dropout_keep_below;   // an element is kept iff its 32-bit random word is below this
-    float dropout_scale;            // 1 / (1 - dropout_p); 0 disables dropout
+    long long dropout_keep_max;     // the keep rule's bound (common/score.cuh, for_each_dropout_decision)
+    float dropout_scale;            // 1 / the kept fraction; 0 disables dropout
     int* dq_semaphore;              // DETERMINISTIC backward: one zeroed counter per (batch, head, query block)
     int dq_semaphore_blocks;        // query blocks per (batch, head)
 

@@ -8,6 +8,7 @@
 // forward and the backward both call apply (the forward drops grad, which costs it nothing), so a
 // new modifier is one FlashParams field, one functor here and its place in ScoreMods::for_each.
 #pragma once
+#include "fragment.cuh"
 #include "mask.cuh"
 #include "params.cuh"
 #include "ptx.cuh"
@@ -128,14 +129,43 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned long long seed)
     return c;
 }
 
-// The dropout keep bits of one m16n8 accumulator tile's four elements of this thread: element e
-// sits at (row + 8 * (e / 2), col + e % 2), with row % 16 < 8 and col even. One Philox call per
-// tile element group, counter (col, row, batch * nheads + head, 0); word e decides element e.
-__device__ __forceinline__ uint32 dropout_keep_bits(const FlashParams& p, int batch, int head, int row, int col) {
+// Dropout draws kDropoutBits random bits per element, so one Philox call decides 128 / kDropoutBits
+// elements: a thread's four in each of kDropoutTiles neighbouring m16n8 accumulator tiles. The
+// counter is (the group's first column, row, batch * nheads + head, 0), with row % 16 < 8 and the
+// column's bits 0 and 3 up to the group's clear; element e of the group's tile g is kept iff bits
+// [kDropoutBits * g, kDropoutBits * (g + 1)) of word e are below the keep count k, that is iff the
+// word shifted left to put them on top is at most p.dropout_keep_max = k * 2^(32 - kDropoutBits) - 1.
+// cupyflash/reference/philox.py draws the same bits (its DROPOUT_BITS is this constant).
+constexpr int kDropoutBits = 16;
+constexpr int kDropoutTiles = 128 / kDropoutBits / 4;
+
+// f(mt, nt, e, kept) for each element of a warp's fragment tile at (row0, col0); col0 is a
+// multiple of 8 * NT, as every warp's column offset is. Where dropout is off every element is
+// kept: words of zeros pass every bound.
+template <int MT, int NT, typename F>
+__device__ __forceinline__ void for_each_dropout_decision(const FlashParams& p, bool on, int batch, int head, int row0,
+                                                          int col0, F f) {
+    // A warp spanning fewer tiles than a group draws the group's words for each of its tiles.
+    constexpr int kStep = NT % kDropoutTiles == 0 ? kDropoutTiles : 1;
     const unsigned long long key = p.dropout_seed_device == nullptr
         ? static_cast<unsigned long long>(p.dropout_seed)
         : __ldg(static_cast<const unsigned long long*>(p.dropout_seed_device));
-    const uint4 r = philox4x32_10(make_uint4(col, row, batch * p.nheads + head, 0), key);
-    const uint32 below = static_cast<uint32>(p.dropout_keep_below);  // at most 2^32 - 1
-    return (r.x < below) | (r.y < below) << 1 | (r.z < below) << 2 | (r.w < below) << 3;
+    const uint32 keep_max = static_cast<uint32>(p.dropout_keep_max);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt0 = 0; nt0 < NT; nt0 += kStep) {
+            const int col = col0 + fragment_col(nt0, 0);
+            const uint4 r = on ? philox4x32_10(make_uint4(col & ~(8 * (kDropoutTiles - 1)), row0 + fragment_row(mt, 0),
+                                                          batch * p.nheads + head, 0), key)
+                               : make_uint4(0, 0, 0, 0);
+            const uint32 words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+            for (int step = 0; step < kStep; ++step) {
+                const int tile = kStep == kDropoutTiles ? step : (col >> 3) % kDropoutTiles;
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    f(mt, nt0 + step, e, words[e] << (32 - kDropoutBits * (tile + 1)) <= keep_max);
+            }
+        }
 }

@@ -57,29 +57,21 @@ __device__ __forceinline__ void options_probabilities(float (&s)[MT][NT][4], flo
     const ScoreMods<BF16> mods(p, seq, batch, head);
     float* dbias = p.dbias_accum == nullptr ? nullptr
                    : p.dbias_accum + batch * p.dbias_batch_stride + head * p.dbias_head_stride;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const uint32 keep = p.dropout_scale != 0.f
-                                ? dropout_keep_bits(p, batch, head, row0 + fragment_row(mt, 0), col0 + fragment_col(nt, 0))
-                                : 0xfu;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = fragment_row(mt, e), row = row0 + r, col = col0 + fragment_col(nt, e);
-                const bool in_bounds = row < seq.seqlen_q && col < seq.seqlen_k;
-                float grad = 1.f;
-                const float x = mods.apply(s[mt][nt][e], row, col, grad);
-                float prob = fast_exp2(fmaf(x, p.scale_log2, -lse[r]));
-                if (masked && !is_visible<LOCAL>(p, seq, row, col)) prob = 0.f;
-                // Dropout: dV sees the kept P times 1 / (1 - p), and the gradient reaching P is dP times the same.
-                const float drop = p.dropout_scale == 0.f ? 1.f : (keep >> e & 1 ? p.dropout_scale : 0.f);
-                const float ds = prob * (dp[mt][nt][e] * drop - dot[r]);
-                if (dbias != nullptr && in_bounds) atomicAdd(dbias + row * p.dbias_row_stride + col, ds);
-                s[mt][nt][e] = prob * drop;
-                dp[mt][nt][e] = ds * grad;
-            }
-        }
+    const bool dropout = p.dropout_scale != 0.f;
+    for_each_dropout_decision<MT, NT>(p, dropout, batch, head, row0, col0, [&](int mt, int nt, int e, bool kept) {
+        const int r = fragment_row(mt, e), row = row0 + r, col = col0 + fragment_col(nt, e);
+        const bool in_bounds = row < seq.seqlen_q && col < seq.seqlen_k;
+        float grad = 1.f;
+        const float x = mods.apply(s[mt][nt][e], row, col, grad);
+        float prob = fast_exp2(fmaf(x, p.scale_log2, -lse[r]));
+        if (masked && !is_visible<LOCAL>(p, seq, row, col)) prob = 0.f;
+        // Dropout: dV sees the kept P times p.dropout_scale, and the gradient reaching P is dP times the same.
+        const float drop = !dropout ? 1.f : (kept ? p.dropout_scale : 0.f);
+        const float ds = prob * (dp[mt][nt][e] * drop - dot[r]);
+        if (dbias != nullptr && in_bounds) atomicAdd(dbias + row * p.dbias_row_stride + col, ds);
+        s[mt][nt][e] = prob * drop;
+        dp[mt][nt][e] = ds * grad;
+    });
 }
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool LOCAL, bool EVEN_K,

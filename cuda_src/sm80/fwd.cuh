@@ -142,7 +142,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         softmax_step(s, acc_o, row_max, row_sum, p);
 
         // Dropout acts on the probabilities after the softmax: the sums above keep every element,
-        // P V only the kept ones (scaled by 1 / (1 - dropout_p) at the end).
+        // P V only the kept ones (scaled by p.dropout_scale at the end).
         if constexpr (OPTIONS) {
             if (p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
         }

@@ -18,7 +18,8 @@ Options (flash_attn's names and meaning; every default means "off"):
     alibi_slopes  (nheads,) or (batch, nheads): head h adds -slope[h] * |i + seqlen_k - seqlen_q - j|
     attn_bias     additive bias broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k)
     dropout_p     > 0 drops probabilities after the softmax and rescales the kept ones by
-                  1 / (1 - dropout_p); the mask comes from a counter-based Philox RNG keyed by
+                  1 / (1 - dropout_p), both with 1 - dropout_p rounded to a multiple of 2**-16
+                  (dropout_rescale); the mask comes from a counter-based Philox RNG keyed by
     seed          (see dropout_keep_mask), so the CUDA kernels can reproduce it bit for bit
 All masking is aligned to the bottom-right corner (flash_attn >= 2.1).
 
@@ -50,12 +51,12 @@ from .philox import dropout_keep_mask, philox4x32_10
 from .tiled import attention_backward_tiled, attention_forward_tiled
 from .varlen import (attention_backward_varlen, attention_backward_varlen_lowp, attention_forward_varlen,
                      attention_forward_varlen_lowp)
-from ..options import dropout_keep_threshold, window_bounds
+from ..options import dropout_keep_threshold, dropout_rescale, window_bounds
 from . import tiled  # tiled.tile_hook: a test hook
 
 __all__ = ["attention_forward", "attention_backward", "attention_forward_tiled", "attention_backward_tiled",
            "attention_forward_lowp", "attention_backward_lowp", "attention_forward_varlen",
            "attention_backward_varlen", "attention_forward_varlen_lowp", "attention_backward_varlen_lowp",
            "visible", "key_block_range", "query_block_range", "scaled_scores", "score_bias", "round_to",
-           "philox4x32_10", "dropout_keep_mask", "dropout_keep_threshold", "window_bounds", "LOG2E", "LN2",
-           "kvcache_attention", "rotate"]
+           "philox4x32_10", "dropout_keep_mask", "dropout_keep_threshold", "dropout_rescale", "window_bounds",
+           "LOG2E", "LN2", "kvcache_attention", "rotate"]

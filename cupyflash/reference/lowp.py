@@ -59,7 +59,7 @@ def attention_forward_lowp(q, k, v, dtype, softmax_scale=None, causal=False, ret
     Inputs are rounded to dtype; every matrix product and elementwise op (scale, softcap's
     divide / tanh / multiply, bias add) runs in float32 and its result is rounded to dtype; the
     bias (ALiBi plus attn_bias) is itself rounded to dtype first; softmax runs in float32.
-    Dropout multiplies the rounded probabilities by M / (1 - dropout_p) in float32 and rounds.
+    Dropout multiplies the rounded probabilities by M * dropout_rescale(dropout_p) in float32 and rounds.
     Returns out as float32 values representable in dtype (and, with return_lse, the log-sum-exp
     of the rounded scores). Empty rows give 0 (a framework would give NaN).
     """

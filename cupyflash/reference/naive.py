@@ -10,7 +10,7 @@ def attention_forward(q, k, v, softmax_scale=None, causal=False, *, window_size=
                       alibi_slopes=None, attn_bias=None, dropout_p=0.0, seed=None):
     """Naive attention in float64. Returns (out, lse).
 
-    With dropout, out = (P * M / (1 - dropout_p)) @ V for P the softmax and M the keep mask;
+    With dropout, out = (P * M * dropout_rescale(dropout_p)) @ V for P the softmax and M the keep mask;
     lse stays the log-sum-exp of the scores.
     """
     return _forward(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, attn_bias,
@@ -35,7 +35,7 @@ def attention_backward(dout, q, k, v, softmax_scale=None, causal=False, *, windo
 
     dk and dv are summed over the query heads that share each kv head. With return_dbias, also
     returns dbias, the gradient of attn_bias in its own shape (None if attn_bias is None).
-    Dropout (same dropout_p and seed as the forward) scales dV's P and dP by M / (1 - dropout_p).
+    Dropout (same dropout_p and seed as the forward) scales dV's P and dP by M * dropout_rescale(dropout_p).
     With the forward's out and lse given, the probabilities are exp(scores - lse) and the softmax's
     row term rowsum(dout * out), as the kernels take them: a call over part of the keys (ring
     attention's pieces) then gives that part's share of the whole softmax's gradients.

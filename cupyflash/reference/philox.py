@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..options import check_dropout_p, check_seed, dropout_keep_threshold
+from ..options import DROPOUT_BITS, check_dropout_p, check_seed, dropout_keep_threshold, dropout_rescale
 
 _WORD = np.uint64(0xFFFFFFFF)
 _SHIFT = np.uint64(32)
@@ -50,6 +50,9 @@ def philox4x32_10(counter, key):
     return np.stack(np.broadcast_arrays(c0, c1, c2, c3)).astype(np.uint32)
 
 
+_TILES = 128 // DROPOUT_BITS // 4  # accumulator tiles whose elements one Philox call decides
+
+
 def _philox_keep(seed, threshold, batch_index, nheads, i, j):
     """Keep mask (len(batch_index), nheads, len(i), len(j)) of the score elements at those coordinates.
 
@@ -58,23 +61,29 @@ def _philox_keep(seed, threshold, batch_index, nheads, i, j):
     batch_index, i, j = (np.asarray(x, dtype=np.int64) for x in (batch_index, i, j))
     batch_head = (batch_index[:, None] * nheads + np.arange(nheads)[None, :])[:, :, None, None]
     i, j = i[:, None], j[None, :]
-    # One Philox call covers the 4 elements (i, j), (i, j+1), (i+8, j), (i+8, j+1) that one
-    # thread holds in the mma.m16n8k16 accumulator fragment (i with bit 3 clear, j even), so the
-    # counter drops j's bit 0 and i's bit 3, and those two bits pick the word.
-    words = philox4x32_10((j & ~1, i & ~8, batch_head, 0), (seed & 0xFFFFFFFF, seed >> 32))
+    # One Philox call covers the elements (i, j), (i, j+1), (i+8, j), (i+8, j+1) that one thread
+    # holds in each of _TILES neighbouring mma.m16n8k16 accumulator tiles (i with bit 3 clear, j
+    # even, 8 columns a tile), so the counter drops j's bit 0, i's bit 3 and j's bits naming the
+    # tile; those pick the word (i's bit 3, j's bit 0) and the bits in it (the tile).
+    tile_bits = 8 * (_TILES - 1)
+    words = philox4x32_10((j & ~(1 | tile_bits), i & ~8, batch_head, 0), (seed & 0xFFFFFFFF, seed >> 32))
     word_index = 2 * ((i >> 3) & 1) + (j & 1)
-    return np.choose(word_index, words) < threshold
+    tile = (j & tile_bits) >> 3
+    bits = (np.choose(word_index, words).astype(np.int64) >> (DROPOUT_BITS * tile)) & (2 ** DROPOUT_BITS - 1)
+    return bits < threshold
 
 
 def dropout_keep_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k):
     """Bool array (batch, nheads, seqlen_q, seqlen_k): which attention probabilities dropout keeps.
 
-    Element (b, h, i, j) takes word 2 * ((i >> 3) & 1) + (j & 1) of
-    philox4x32_10((j & ~1, i & ~8, b * nheads + h, 0), (seed & 0xffffffff, seed >> 32))
-    and is kept iff that word < dropout_keep_threshold(dropout_p). The mask of an element does
-    not depend on seqlen_q or seqlen_k. (For varlen, b is the sequence index and i, j are
-    positions inside the sequence.) This applies the rule even at dropout_p = 0, where the
-    attention functions apply no dropout at all.
+    With T = 128 // (4 * DROPOUT_BITS) (2: accumulator tiles per Philox call) and
+    t = (j // 8) % T, element (b, h, i, j) takes bits [DROPOUT_BITS * t, DROPOUT_BITS * (t + 1))
+    of word 2 * ((i >> 3) & 1) + (j & 1) of
+    philox4x32_10((j & ~(1 | 8 * (T - 1)), i & ~8, b * nheads + h, 0), (seed & 0xffffffff, seed >> 32))
+    and is kept iff they are below dropout_keep_threshold(dropout_p); the kept ones are scaled by
+    dropout_rescale(dropout_p). The mask of an element does not depend on seqlen_q or seqlen_k.
+    (For varlen, b is the sequence index and i, j are positions inside the sequence.) This applies
+    the rule even at dropout_p = 0, where the attention functions apply no dropout at all.
     """
     threshold = dropout_keep_threshold(check_dropout_p(dropout_p))
     seed = check_seed(seed, dropout_p)
@@ -88,7 +97,7 @@ class _Dropout(NamedTuple):
     """The validated dropout settings of one call (None stands for no dropout)."""
     seed: int
     threshold: int
-    rescale: float  # 1 / (1 - dropout_p): the kept probabilities are scaled up by it
+    rescale: float  # dropout_rescale(dropout_p): the kept probabilities are scaled up by it
     first_batch: int  # Philox batch index of the call's batch 0 (varlen: the sequence's index)
 
     def keep(self, batch, nheads, seqlen_q, seqlen_k, rows=slice(None), cols=slice(None)):
@@ -102,9 +111,9 @@ def _check_dropout(dropout_p, seed):
     p = check_dropout_p(dropout_p)
     if p == 0:
         return None
-    return _Dropout(check_seed(seed, dropout_p), dropout_keep_threshold(p), 1.0 / (1.0 - p), 0)
+    return _Dropout(check_seed(seed, dropout_p), dropout_keep_threshold(p), dropout_rescale(p), 0)
 
 
 def _dropped(x, keep, rescale):
-    """x * keep / (1 - dropout_p) in x's dtype: dropout, or its backward, applied to x."""
+    """x * keep * rescale in x's dtype: dropout, or its backward, applied to x."""
     return np.where(keep, x * np.asarray(rescale, dtype=x.dtype), np.zeros((), dtype=x.dtype))

@@ -57,7 +57,7 @@ def attention_forward_tiled(q, k, v, softmax_scale=None, causal=False, block_m=6
             # The softmax denominator sums every probability, dropped or not.
             row_sum = row_sum * correction + p.sum(axis=-1)
             if dropout is not None:
-                # Only the kept probabilities reach V; the 1 / (1 - dropout_p) waits for the end.
+                # Only the kept probabilities reach V; the rescale waits for the end.
                 p = np.where(dropout.keep(batch, nheads, seqlen_q, seqlen_k, rows, cols), p, 0.0)
             acc = acc * correction[..., None] + p @ vh[:, :, cols]
             row_max = new_max

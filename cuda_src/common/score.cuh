@@ -118,10 +118,14 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned long long seed)
     uint32 k0 = static_cast<uint32>(seed), k1 = static_cast<uint32>(seed >> 32);
 #pragma unroll
     for (int round = 0; round < 10; ++round) {
-        // One 32x32 -> 64-bit multiply (IMAD.WIDE) gives both halves of each product.
-        const unsigned long long m0 = 0xD2511F53ull * c.x, m1 = 0xCD9E8D57ull * c.z;
-        const uint32 hi0 = static_cast<uint32>(m0 >> 32), lo0 = static_cast<uint32>(m0);
-        const uint32 hi1 = static_cast<uint32>(m1 >> 32), lo1 = static_cast<uint32>(m1);
+        // Each product's halves by one 32 x 32 -> 64-bit multiply (IMAD.WIDE.U32) in PTX: written
+        // in C++, the front end merged the halves' XORs into 64-bit operations, which ptxas then
+        // multiplied as 64-bit integers (three IMADs each).
+        uint32 lo0, hi0, lo1, hi1;
+        asm("{\n\t.reg .b64 m;\n\tmul.wide.u32 m, %2, 0xD2511F53;\n\tmov.b64 {%0, %1}, m;\n\t}\n"
+            : "=r"(lo0), "=r"(hi0) : "r"(c.x));
+        asm("{\n\t.reg .b64 m;\n\tmul.wide.u32 m, %2, 0xCD9E8D57;\n\tmov.b64 {%0, %1}, m;\n\t}\n"
+            : "=r"(lo1), "=r"(hi1) : "r"(c.z));
         c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
         k0 += 0x9E3779B9u;
         k1 += 0xBB67AE85u;

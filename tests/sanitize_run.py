@@ -24,6 +24,9 @@ CASES = [Case(113, 113, 72, "float16", True, batch=1),
          Case(70, 90, 96, "float16", True, batch=2, nheads=2, nheads_k=1, softcap=2.0, alibi_slopes=True, attn_bias="full",
               dropout_p=0.2),
          Case(70, 90, 64, "bfloat16", True, batch=1, nheads=2, attn_bias="keys", deterministic=True),
+         # a 16-bit bias ('heads') read as words: on H200, before Q K^T (wgmma, hd128), after it (mma.sync, hd96)
+         Case(70, 90, 128, "bfloat16", True, batch=1, nheads=2, attn_bias="heads"),
+         Case(70, 90, 96, "float16", False, batch=1, nheads=2, attn_bias="heads"),
          Case.packed((0, 37, 5), (9, 0, 70), 128, "float16", True, nheads=2, nheads_k=1, window_size=(11, -1),
                      dropout_p=0.1, deterministic=True),
          # more query tiles than an H200 has SMs: the wgmma forward's persistent CTAs take several

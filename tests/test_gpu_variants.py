@@ -61,6 +61,34 @@ def test_options_forward_backward(case):
     _assert_ok(case)
 
 
+@pytest.mark.parametrize("layout", ["padded rows", "odd offset", "odd row stride"])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_16bit_bias_views(layout, headdim):
+    """The forward reads a 16-bit bias two columns a word where its rows start on 4-byte boundaries
+    (padded rows: the last column, 151, alone) and column by column elsewhere (an odd element
+    offset; an odd row stride): all against the reference."""
+    import cupy
+    from cupyflash import flash_attn_backward, flash_attn_func
+    case = Case(113, 151, headdim, "bfloat16", True, nheads=4, nheads_k=2, attn_bias="heads")
+    inputs = _check.random_inputs(case, _seed(case))
+    arrays = _check.to_cupy_inputs(case, inputs)
+    bias = arrays["attn_bias"]  # (nheads, seqlen_q, 151)
+    rows, width = bias.shape[:-1], bias.shape[-1]
+    if layout == "odd row stride":
+        view = bias
+    else:
+        offset = 1 if layout == "odd offset" else 0
+        buffer = cupy.full(offset + bias.size // width * (width + 1), cupy.nan, bias.dtype)
+        view = buffer[offset:].reshape(*rows, width + 1)[..., :width]
+        view[...] = bias
+    q, k, v, dout = (arrays[name] for name in ("q", "k", "v", "dout"))
+    out, lse = flash_attn_func(q, k, v, causal=True, attn_bias=view, return_lse=True)
+    grads = flash_attn_backward(dout, q, k, v, out, lse, causal=True, attn_bias=view, return_dbias=True)
+    as64 = lambda x: cupy.asnumpy(x).astype(numpy.float64)  # noqa: E731
+    result = _check.compare(case, inputs, as64(out), as64(lse), [as64(g) for g in grads])
+    assert result.ok, f"{layout}: {result.describe()}"
+
+
 def test_packed_forms_take_views():
     """qkvpacked / kvpacked (and their varlen forms) agree with the separate call on the same views."""
     import cupy

@@ -59,7 +59,8 @@ struct Alibi {
 };
 
 // attn_bias: s + bias[row][col] / scale; d/ds = 1. The bias is fp32 or the inputs' 16-bit type;
-// rows and columns past the sequence are never read.
+// rows and columns past the sequence are never read. A 16-bit bias whose rows start on 4-byte
+// boundaries can be read as words, ahead of the scores (BiasWords), where the forward does so.
 template <bool BF16>
 struct Bias {
     const FlashParams& p;
@@ -74,6 +75,11 @@ struct Bias {
         }
     }
     __device__ __forceinline__ bool on() const { return matrix != nullptr; }
+    // (A method, not a member set above: kernels that never read words then hold nothing for it.)
+    __device__ __forceinline__ bool in_words() const {
+        return on() && !p.bias_is_float32
+               && ((reinterpret_cast<unsigned long long>(matrix) | 2 * p.bias_row_stride) & 3) == 0;
+    }
     __device__ __forceinline__ float apply(float s, int row, int col, float&) const {
         if (row < seq.seqlen_q && col < seq.seqlen_k) {
             const long long at = row * p.bias_row_stride + col;
@@ -84,6 +90,59 @@ struct Bias {
         return s;
     }
 };
+
+// Whether a forward that reads words adds a modifier from them (only a bias in_words) rather
+// than through apply.
+template <typename Mod>
+__device__ __forceinline__ bool in_words(const Mod&) { return false; }
+template <bool BF16>
+__device__ __forceinline__ bool in_words(const Bias<BF16>& bias) { return bias.in_words(); }
+
+// A bias in_words for a warp's fragment tile at (row0, col0), one word per two neighbouring
+// columns: load() issues the loads (in the forward, before the key block's Q K^T where registers
+// allow, so their latency passes under the product), add() joins them to the scores. Rows past
+// the sequence read its last row (their results are never stored); columns past it read nothing.
+template <int MT, int NT>
+struct BiasWords {
+    uint32 words[MT][2][NT];  // [row half][tile]: columns 8 nt + 2 t and the next, low half first
+
+    template <bool BF16>
+    __device__ __forceinline__ void load(const Bias<BF16>& bias, int row0, int col0) {
+        const bool whole = col0 + 8 * NT <= bias.seq.seqlen_k;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = min(row0 + fragment_row(mt, 2 * half), bias.seq.seqlen_q - 1);
+                const uint16* at = static_cast<const uint16*>(bias.matrix) + row * bias.p.bias_row_stride + col0;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const int col = fragment_col(nt, 0);
+                    const int left = bias.seq.seqlen_k - col0 - col;  // columns from this one to the end
+                    words[mt][half][nt] = whole || left >= 2 ? __ldg(reinterpret_cast<const uint32*>(at + col))
+                                          : left == 1        ? static_cast<uint32>(__ldg(at + col))
+                                                             : 0u;
+                }
+            }
+    }
+
+    template <bool BF16>
+    __device__ __forceinline__ void add(float (&s)[MT][NT][4], const Bias<BF16>& bias) const {
+        for_each_element<MT, NT>([&](int mt, int nt, int e) {
+            const uint32 word = words[mt][e / 2][nt];
+            const float b = to_float<BF16>(static_cast<uint16>(e % 2 ? word >> 16 : word));
+            s[mt][nt][e] = fmaf(b, bias.p.inv_softmax_scale, s[mt][nt][e]);
+        });
+    }
+};
+
+// A bias in_words, loaded and added at once.
+template <int MT, int NT, bool BF16>
+__device__ __forceinline__ void add_bias_words(float (&s)[MT][NT][4], const Bias<BF16>& bias, int row0, int col0) {
+    BiasWords<MT, NT> words;
+    words.load(bias, row0, col0);
+    words.add(s, bias);
+}
 
 // Every modifier of a (batch, head), in the order they apply.
 template <bool BF16>

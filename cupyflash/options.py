@@ -312,7 +312,8 @@ OPTIONS = (
            _check_bias, _fill_bias, kernels="score", varlen=False, example=_example_bias, forms=("full", "heads", "keys"),
            gradient=True),
     Option("dropout_p", "real", 0.0,
-           "probability of dropping an attention probability, in [0, 1); needs `seed`",
+           "probability of dropping an attention probability, in [0, 1), applied as a multiple of 2**-16 "
+           "(dropout_keep_threshold); needs `seed`",
            check_dropout_p, _fill_dropout, kernels="dropout", needs=("seed",), example=lambda rng, sizes, form: 0.17),
     Option("seed", "seed", None,
            "an int in [0, 2**64), or an array on q's device holding its 8 bytes (uint32 (2,): low word, high "

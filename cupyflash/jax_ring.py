@@ -4,8 +4,8 @@ partial outputs merge by their log-sum-exp. Differentiable: the backward moves e
 accumulator around with it, one step further, back to its owner.
 
 The layouts and each step's pieces are cupyflash/_ring.py's. A device's rank is known only when the
-program runs, so the steps whose pieces depend on it (causal, after the first) choose between the two
-possible piece lists with jax.lax.cond. shard_sequence reorders a whole sequence so that splitting it
+program runs, so a step whose pieces depend on it (causal or windowed) chooses between the distinct
+piece lists of the ranks with jax.lax.switch. shard_sequence reorders a whole sequence so that splitting it
 into equal blocks along the mesh axis gives each device its slice; unshard_sequence undoes it.
 """
 
@@ -37,13 +37,16 @@ def unshard_sequence(x, world, layout="zigzag", dim=1):
     return jnp.concatenate([held[order.index(c)] for c in range(len(order))], axis=dim)
 
 
-def ring_flash_attn(q, k, v, axis_name, softmax_scale=None, causal=False, softcap=0.0, layout="zigzag"):
+def ring_flash_attn(q, k, v, axis_name, softmax_scale=None, causal=False, softcap=0.0, layout="zigzag",
+                    window_size=(-1, -1)):
     """flash_attn over a sequence sharded along mesh axis `axis_name`, called inside jax.shard_map:
     q (batch, seqlen_local, nheads, headdim), k and v (batch, seqlen_local, nheads_k, headdim) are
-    this device's slices (`layout`, see shard_sequence); returns its slice of out. GQA and softcap
-    compose; window_size and ALiBi are not taken (the kernels have no global key positions yet)."""
-    scale, causal, softcap = _ring.check_arguments(q, k, v, softmax_scale, causal, softcap, layout)
-    return _ring_attention(q, k, v, _Settings(axis_name, scale, causal, softcap, layout))
+    this device's slices (`layout`, see shard_sequence); returns its slice of out. GQA, softcap and
+    window_size (over the whole sequence's positions) compose; ALiBi is not taken (the kernels have
+    no global key positions yet)."""
+    scale, causal, softcap, window = _ring.check_arguments(q, k, v, softmax_scale, causal, softcap, layout,
+                                                           window_size)
+    return _ring_attention(q, k, v, _Settings(axis_name, scale, causal, softcap, layout, window))
 
 
 @jax.tree_util.register_static
@@ -54,6 +57,7 @@ class _Settings:
     causal: bool
     softcap: float
     layout: str
+    window_size: tuple
 
 
 def _accumulator(q):
@@ -62,17 +66,19 @@ def _accumulator(q):
 
 def _each_step(settings, seqlen, compute, rotate, state):
     """For every step of the ring: state = compute(pieces, state), then rotate(step, state). Where
-    the pieces depend on the rank (causal, after the first step) compute runs under jax.lax.cond
-    between the two lists; the transfers stay outside it, the same on every device."""
+    the pieces depend on the rank, compute runs under jax.lax.switch between the ranks' distinct
+    piece lists (two under a causal mask alone); the transfers stay outside it, the same on every
+    device."""
     world, rank = jax.lax.axis_size(settings.axis), jax.lax.axis_index(settings.axis)
     for step in range(world):
-        def pieces(rank_, source):
-            return _ring.ring_steps(rank_, source, world, settings.causal, settings.layout, seqlen)
-        if step == 0 or not settings.causal:
-            state = compute(pieces(0, 0), state)
-        else:  # the source (rank - step) mod world comes before this rank iff rank >= step
-            state = jax.lax.cond(rank >= step, functools.partial(compute, pieces(1, 0)),
-                                 functools.partial(compute, pieces(0, 1)), state)
+        lists = [tuple(_ring.ring_steps(r, (r - step) % world, world, settings.causal, settings.layout, seqlen,
+                                        settings.window_size)) for r in range(world)]
+        distinct = list(dict.fromkeys(lists))
+        if len(distinct) == 1:
+            state = compute(distinct[0], state)
+        else:
+            branch = jnp.asarray([distinct.index(pieces) for pieces in lists])[rank]
+            state = jax.lax.switch(branch, [functools.partial(compute, pieces) for pieces in distinct], state)
         state = rotate(step, state)
     return state
 
@@ -91,7 +97,7 @@ def _forward(q, k, v, settings):
         for piece in pieces:
             rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
             part, part_lse = forward_with_lse(q[:, rows], k_[:, keys], v_[:, keys], settings.scale, piece.causal,
-                                              softcap=settings.softcap)
+                                              softcap=settings.softcap, window_size=piece.window_size)
             out, lse = _merge(out, lse, part.astype(acc), part_lse.astype(acc), piece.q0)
         return out, lse, k_, v_
 
@@ -136,7 +142,8 @@ def _ring_bwd(settings, residuals, dout):
         for piece in pieces:
             rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
             grads = backward_with_stats(dout[:, rows], q[:, rows], k_[:, keys], v_[:, keys], out[:, rows],
-                                        lse[:, :, rows], settings.scale, piece.causal, softcap=settings.softcap)
+                                        lse[:, :, rows], settings.scale, piece.causal, softcap=settings.softcap,
+                                        window_size=piece.window_size)
             dq = dq.at[:, rows].add(grads[0].astype(acc))
             dk = dk.at[:, keys].add(grads[1].astype(acc))
             dv = dv.at[:, keys].add(grads[2].astype(acc))

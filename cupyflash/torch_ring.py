@@ -50,31 +50,39 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, softcap=0.0,
                          window_size=(-1, -1), alibi_slopes=None):
     """flash_attn_func over a sequence sharded across the ranks of `group` (`layout`: see the module).
     q (batch, seqlen_local, nheads, headdim), k and v (batch, seqlen_local, nheads_k, headdim) are
-    this rank's slices; returns this rank's slice of out. Differentiable in q, k and v. softcap
-    composes; window_size and alibi_slopes need key positions the kernels do not take yet."""
+    this rank's slices; returns this rank's slice of out. Differentiable in q, k and v. softcap and
+    window_size (over the whole sequence's positions; steps whose keys lie outside every row's window
+    compute nothing) compose; alibi_slopes needs the keys' global positions, which the kernels do
+    not take yet."""
     for name, value in (("q", q), ("k", k), ("v", v)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    for name, value, off in (("window_size", window_size, (-1, -1)), ("alibi_slopes", alibi_slopes, None)):
-        if (tuple(value) if name == "window_size" else value) != off:
-            raise NotImplementedError(f"ring_flash_attn_func does not take {name} yet (across ranks it needs the "
-                                      f"keys' global positions, which the kernels do not take): pass {name}={off}")
-    scale, causal, softcap = check_arguments(q, k, v, softmax_scale, causal, softcap, layout)
-    return _Ring.apply(q, k, v, scale, causal, softcap, group, layout)
+    if alibi_slopes is not None:
+        raise NotImplementedError("ring_flash_attn_func does not take alibi_slopes yet (across ranks it needs the "
+                                  "keys' global positions, which the kernels do not take): pass alibi_slopes=None")
+    settings = check_arguments(q, k, v, softmax_scale, causal, softcap, layout, window_size)
+    return _Ring.apply(q, k, v, settings, group, layout)
 
 
-def _attend(q, k, v, scale, piece, softcap):
+def _attend(q, k, v, piece, settings):
+    scale, _, softcap, _ = settings
     out, lse = api.flash_attn_func(_to_core(q), _to_core(k), _to_core(v), scale, piece.causal, return_lse=True,
-                                   softcap=softcap)
+                                   softcap=softcap, window_size=piece.window_size)
     return _from_core(out), _from_core(lse)
 
 
-def _piece_backward(dout, q, k, v, out, lse, scale, causal, softcap):
+def _piece_backward(dout, q, k, v, out, lse, piece, settings):
     """A piece's share of the gradients, in the accumulators' dtype: flash_attn_backward takes its
     probabilities from the whole forward's lse and its row terms from its out."""
-    grads = api.flash_attn_backward(*(_to_core(t) for t in (dout, q, k, v, out, lse.contiguous())), scale, causal,
-                                    softcap=softcap)
+    scale, _, softcap, _ = settings
+    grads = api.flash_attn_backward(*(_to_core(t) for t in (dout, q, k, v, out, lse.contiguous())), scale,
+                                    piece.causal, softcap=softcap, window_size=piece.window_size)
     return tuple(_from_core(g).to(_accumulator(q)) for g in grads)
+
+
+def _pieces(rank, step, world, settings, layout, seqlen_local):
+    _, causal, _, window_size = settings
+    return ring_steps(rank, (rank - step) % world, world, causal, layout, seqlen_local, window_size)
 
 
 def _rotate(tensors, group):
@@ -92,30 +100,32 @@ def _rotate(tensors, group):
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, softcap, group, layout):
+    def forward(ctx, q, k, v, settings, group, layout):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        out = lse = None
+        batch, seqlen, nheads, _ = q.shape
+        out = torch.zeros(q.shape, dtype=_accumulator(q), device=q.device)
+        lse = torch.full((batch, nheads, seqlen), -torch.inf, dtype=_accumulator(q), device=q.device)
         kv = (k, v)
         for step in range(world):
             wait = None
             if step + 1 < world:
                 received, wait = _rotate(kv, group)
-            for piece in ring_steps(rank, (rank - step) % world, world, causal, layout, q.shape[1]):
+            for piece in _pieces(rank, step, world, settings, layout, seqlen):
                 part, part_lse = _attend(q[:, piece.q0:piece.q1], kv[0][:, piece.k0:piece.k1],
-                                         kv[1][:, piece.k0:piece.k1], scale, piece, softcap)
-                out, lse = _merge(out, lse, part.to(_accumulator(q)), part_lse.to(_accumulator(q)), piece.q0)
+                                         kv[1][:, piece.k0:piece.k1], piece, settings)
+                _merge(out, lse, part.to(_accumulator(q)), part_lse.to(_accumulator(q)), piece.q0)
             if wait is not None:
                 wait()
                 kv = received
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = scale, causal, softcap, group, layout
+        ctx.settings = settings, group, layout
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, causal, softcap, group, layout = ctx.settings
+        settings, group, layout = ctx.settings
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=_accumulator(q), device=q.device)
@@ -126,11 +136,11 @@ class _Ring(torch.autograd.Function):
             wait = None
             if step + 1 < world:
                 received, wait = _rotate(kv, group)
-            for piece in ring_steps(rank, (rank - step) % world, world, causal, layout, q.shape[1]):
+            for piece in _pieces(rank, step, world, settings, layout, q.shape[1]):
                 rows, keys = slice(piece.q0, piece.q1), slice(piece.k0, piece.k1)
                 dq_piece, dk_piece, dv_piece = _piece_backward(
                     dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows], lse[:, :, rows],
-                    scale, piece.causal, softcap)
+                    piece, settings)
                 dq[:, rows] += dq_piece
                 dkv[0][:, keys] += dk_piece
                 dkv[1][:, keys] += dv_piece
@@ -141,7 +151,7 @@ class _Ring(torch.autograd.Function):
                 wait()
                 kv = received
             wait_dkv()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def _accumulator(q):
@@ -150,16 +160,12 @@ def _accumulator(q):
 
 
 def _merge(out, lse, part, part_lse, q0):
-    """out (batch, rows, nheads, headdim) and lse (batch, nheads, rows), in place, after adding a
-    piece's rows from q0 on, by log-sum-exp. The first step is always the rank's own slice, which
-    every row sees (its diagonal at least), so no lse is -inf."""
-    if out is None:
-        return part, part_lse
+    """Adds a piece's rows (from q0 on) to out (batch, rows, nheads, headdim) and lse (batch, nheads,
+    rows) in place, by log-sum-exp; rows still without a key keep out 0 and lse -inf."""
     rows = slice(q0, q0 + part.shape[1])
     old_lse = lse[:, :, rows]
     new_lse = torch.logaddexp(old_lse, part_lse)
-    weight_old = torch.exp(old_lse - new_lse).transpose(1, 2).unsqueeze(-1)
-    weight_part = torch.exp(part_lse - new_lse).transpose(1, 2).unsqueeze(-1)
-    out[:, rows] = out[:, rows] * weight_old + part * weight_part
+    base = torch.where(torch.isneginf(new_lse), 0.0, new_lse)
+    weight = lambda x: torch.exp(x - base).transpose(1, 2).unsqueeze(-1)  # noqa: E731
+    out[:, rows] = out[:, rows] * weight(old_lse) + part * weight(part_lse)
     lse[:, :, rows] = new_lse
-    return out, lse

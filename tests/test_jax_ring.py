@@ -1,6 +1,6 @@
 """cupyflash.jax.ring_flash_attn under jax.shard_map over 2 and 4 CPU devices: out and the gradients
 equal cupyflash.jax.flash_attn over the whole sequence (float64, the NumPy path), zigzag and
-contiguous layouts, causal or not, GQA and softcap. Each case runs in a subprocess: XLA's number of
+contiguous layouts, causal or not, GQA, softcap and windows. Each case runs in a subprocess: XLA's number of
 host devices is fixed when JAX starts.
 (The test_jax_*.py files are split by concern; test_jax_grad.py lists them.)
 """
@@ -22,13 +22,13 @@ jax.config.update("jax_enable_x64", True)
 from jax.sharding import PartitionSpec as P
 import cupyflash.jax as cfj
 
-world, layout, causal, nheads_k, softcap, seqlen = json.loads(sys.argv[1])
+world, layout, causal, nheads_k, softcap, seqlen, window_size = json.loads(sys.argv[1])
 mesh = jax.sharding.Mesh(np.array(jax.devices()[:world]), ("seq",))
 rng = np.random.default_rng(7)
 q = rng.standard_normal((2, seqlen, 4, 24))
 k, v = (rng.standard_normal((2, seqlen, nheads_k, 24)) for _ in range(2))
 weight = rng.standard_normal(q.shape)
-options = dict(causal=causal, softcap=softcap)
+options = dict(causal=causal, softcap=softcap, window_size=tuple(window_size))
 
 def ring_loss(q, k, v):
     ring = jax.shard_map(lambda a, b, c: cfj.ring_flash_attn(a, b, c, "seq", layout=layout, **options), mesh=mesh,
@@ -49,16 +49,19 @@ print(json.dumps([float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.
 """
 
 
-@pytest.mark.parametrize("world, layout, causal, nheads_k, softcap, seqlen", [
-    (2, "zigzag", True, 2, 0.0, 48),
-    (2, "contiguous", False, 4, 3.0, 40),
-    (4, "zigzag", True, 1, 2.5, 64),
-    (4, "contiguous", True, 2, 0.0, 36),
+@pytest.mark.parametrize("world, layout, causal, nheads_k, softcap, seqlen, window_size", [
+    (2, "zigzag", True, 2, 0.0, 48, (-1, -1)),
+    (2, "contiguous", False, 4, 3.0, 40, (-1, -1)),
+    (4, "zigzag", True, 1, 2.5, 64, (-1, -1)),
+    (4, "contiguous", True, 2, 0.0, 36, (-1, -1)),
+    (4, "zigzag", True, 2, 0.0, 64, (9, -1)),
+    (2, "contiguous", False, 1, 1.5, 40, (6, 13)),
 ])
-def test_the_ring_under_shard_map_gives_whole_sequence_attention(world, layout, causal, nheads_k, softcap, seqlen):
+def test_the_ring_under_shard_map_gives_whole_sequence_attention(world, layout, causal, nheads_k, softcap, seqlen,
+                                                                 window_size):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(sys.path))
-    case = json.dumps([world, layout, causal, nheads_k, softcap, seqlen])
+    case = json.dumps([world, layout, causal, nheads_k, softcap, seqlen, window_size])
     run = subprocess.run([sys.executable, "-c", _SCRIPT, case], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     errors = json.loads(run.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 """cupyflash.torch.ring_flash_attn_func (context parallelism) on the CPU: the ring's schedule against the
-causal mask it stands for, and 2 and 4 gloo processes whose sharded forward and gradients, gathered,
-equal single-process attention over the whole sequence (float64, the NumPy path), causal zigzag and
-contiguous layouts, GQA and softcap; the bad-input errors.
+mask it stands for (causal, windows), and 2 and 4 gloo processes whose sharded forward and gradients,
+gathered, equal single-process attention over the whole sequence (float64, the NumPy path), causal
+zigzag and contiguous layouts, GQA, softcap and windows; the bad-input errors.
 (The test_torch_*.py files are split by concern; test_torch_autograd.py lists them.)
 """
 
@@ -12,15 +12,17 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import cupyflash.torch as cft  # noqa: E402
-from cupyflash._ring import ring_steps  # noqa: E402
+from cupyflash import reference  # noqa: E402
+from cupyflash._ring import ring_steps, window_piece  # noqa: E402
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_the_ring_steps_cover_the_mask_once(world, layout, causal):
+@pytest.mark.parametrize("causal, window_size", [(False, (-1, -1)), (True, (-1, -1)), (True, (5, -1)),
+                                                 (False, (4, 7)), (False, (-1, 2)), (False, (0, 0))])
+def test_the_ring_steps_cover_the_mask_once(world, layout, causal, window_size):
     """Every (query, key) pair the mask shows is computed by exactly one piece of one step, and no
-    other; zigzag steps under a causal mask all cost the same."""
+    other; zigzag steps under a causal mask alone all cost the same."""
     local = 12 if layout == "zigzag" else 6
     total = world * local
     chunk = local // 2
@@ -36,19 +38,37 @@ def test_the_ring_steps_cover_the_mask_once(world, layout, causal):
         for step in range(world):
             source = (rank - step) % world
             cost = 0
-            for piece in ring_steps(rank, source, world, causal, layout, local):
+            for piece in ring_steps(rank, source, world, causal, layout, local, window_size):
                 rows = positions(rank)[piece.q0:piece.q1]
                 keys = positions(source)[piece.k0:piece.k1]
-                visible = np.ones((len(rows), len(keys)), bool)
-                if piece.causal:  # bottom-right aligned in the local order
-                    visible = np.tril(visible, len(keys) - len(rows))
+                # bottom-right aligned on the piece, in the local order
+                visible = reference.visible(len(rows), len(keys), piece.causal, window_size=piece.window_size)
                 seen[np.ix_(rows, keys)] += visible
                 cost += visible.sum()
             costs.append(cost)
-        if causal and layout == "zigzag":
+        if causal and layout == "zigzag" and window_size == (-1, -1):
             assert max(costs) - min(costs) <= chunk, costs  # the diagonal step's half-chunk surplus at most
-    want = np.tril(np.ones((total, total), int)) if causal else np.ones((total, total), int)
+    want = reference.visible(total, total, causal, window_size=window_size).astype(int)
     np.testing.assert_array_equal(seen, want)
+
+
+def test_a_window_piece_is_the_window_on_the_rows_and_keys_it_keeps():
+    """window_piece against the global window, element by element, over many ranges and windows:
+    what it trims sees nothing, and flash_attn_func's window on what it keeps is the global one."""
+    rng = np.random.default_rng(3)
+    for _ in range(3000):
+        qa, ka = rng.integers(0, 40, 2)
+        qb, kb = qa + rng.integers(1, 20), ka + rng.integers(1, 20)
+        left, right = rng.choice([-1, 0, 1, 3, 7, 15, 30]), rng.choice([-1, 0, 1, 4, 9, 25])
+        p, j = np.arange(qa, qb)[:, None], np.arange(ka, kb)[None, :]
+        want = ((left < 0) | (j >= p - left)) & ((right < 0) | (j <= p + right))
+        got = np.zeros_like(want)
+        piece = window_piece(qa, qb, ka, kb, left, right)
+        if piece is not None:
+            a, b, c, d, window = piece
+            assert qa <= a < b <= qb and ka <= c < d <= kb and min(window) >= -1, piece
+            got[a - qa:b - qa, c - ka:d - ka] = reference.visible(b - a, d - c, False, window_size=window)
+        np.testing.assert_array_equal(got, want, err_msg=f"{(qa, qb, ka, kb, left, right)} -> {piece}")
 
 
 def _worker(rank, world, path, case):
@@ -60,7 +80,8 @@ def _worker(rank, world, path, case):
         q, k, v = draw(batch, seqlen, nheads, headdim), draw(batch, seqlen, nheads_k, headdim), \
             draw(batch, seqlen, nheads_k, headdim)
         weight = draw(batch, seqlen, nheads, headdim)
-        layout, options = case["layout"], dict(causal=case["causal"], softcap=case["softcap"])
+        layout = case["layout"]
+        options = dict(causal=case["causal"], softcap=case["softcap"], window_size=case.get("window_size", (-1, -1)))
         local = [cft.shard_sequence(x, layout=layout).requires_grad_() for x in (q, k, v)]
         out = cft.ring_flash_attn_func(*local, layout=layout, **options)
         (out * cft.shard_sequence(weight, layout=layout)).sum().backward()
@@ -80,7 +101,11 @@ def _worker(rank, world, path, case):
     (2, dict(seqlen=40, layout="contiguous", causal=False, nheads_k=4, softcap=3.0)),
     (4, dict(seqlen=64, layout="zigzag", causal=True, nheads_k=1, softcap=2.5)),
     (4, dict(seqlen=36, layout="contiguous", causal=True, nheads_k=2, softcap=0.0)),
-], ids=["2-zigzag-causal-gqa", "2-contiguous-softcap", "4-zigzag-causal-mqa-softcap", "4-contiguous-causal"])
+    (2, dict(seqlen=48, layout="zigzag", causal=True, nheads_k=2, softcap=0.0, window_size=(9, -1))),
+    (4, dict(seqlen=64, layout="zigzag", causal=False, nheads_k=4, softcap=1.5, window_size=(5, 11))),
+    (4, dict(seqlen=36, layout="contiguous", causal=False, nheads_k=1, softcap=0.0, window_size=(-1, 3))),
+], ids=["2-zigzag-causal-gqa", "2-contiguous-softcap", "4-zigzag-causal-mqa-softcap", "4-contiguous-causal",
+        "2-zigzag-causal-window", "4-zigzag-window-softcap", "4-contiguous-right-window-mqa"])
 def test_the_ring_over_gloo_gives_single_process_attention_and_gradients(world, case, tmp_path):
     torch.multiprocessing.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), case), nprocs=world)
 
@@ -89,8 +114,8 @@ def test_bad_arguments_name_themselves():
     q = torch.zeros(1, 8, 2, 16)
     with pytest.raises(ValueError, match="layout must be one of"):
         cft.ring_flash_attn_func(q, q, q, layout="striped")
-    with pytest.raises(NotImplementedError, match="does not take window_size yet"):
-        cft.ring_flash_attn_func(q, q, q, window_size=(4, 0))
+    with pytest.raises(ValueError, match="window_size entries must be >= -1"):
+        cft.ring_flash_attn_func(q, q, q, window_size=(4, -2))
     with pytest.raises(NotImplementedError, match="does not take alibi_slopes yet"):
         cft.ring_flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
     with pytest.raises(ValueError, match="must hold the same slice"):

@@ -249,7 +249,7 @@ def bench(args):
         print(benchmark.write_decode(cells, args.out, benchmark.host_environment()))
         return status
     if args.options_only:
-        print(benchmark.write_options(benchmark.run_options(), args.out))
+        print(benchmark.write_options(benchmark.run_options(words=args.option_rows), args.out))
         return status
     if not args.memory_only:
         rows = benchmark.run_speed(args.headdims, args.seqlens, args.dtypes, impls=impls, passes=args.passes)
@@ -302,6 +302,9 @@ def _parser():
     bench_parser.add_argument("--options-only", action="store_true",
                               help="only the attention options' table (each option beside the plain kernel and a peer) "
                                    "(default: off)")
+    bench_parser.add_argument("--option-rows", nargs="+", metavar="WORD",
+                              help="with --options-only: only the rows whose option names one of these words "
+                                   "(e.g. dropout attn_bias), beside the plain row (default: every row)")
     bench_parser.add_argument("--host", action="store_true",
                               help="only the host-time table: microseconds per call of each way of calling "
                                    "cupyflash beside SDPA flash and JAX cuDNN, written to host.md and host.csv "

@@ -408,8 +408,15 @@ def _peer_option(q, k, v, dout, spec):
     return {pass_: calls.timed[pass_] for pass_ in ("fwd", "bwd")}
 
 
-def run_options(seqlens=(4096, 16384), headdim=128, report=print):
-    """[(option, seqlen, pass, cupyflash ms, peer name, peer ms)] at bf16, 16 heads, 16384 tokens."""
+def selected_options(names, words=None):
+    """The option rows to time: those whose name contains one of `words` (all when None), and the
+    plain row, which every ratio divides by."""
+    return [name for name in names if words is None or name == "plain" or any(w in name for w in words)]
+
+
+def run_options(seqlens=(4096, 16384), headdim=128, report=print, words=None):
+    """[(option, seqlen, pass, cupyflash ms, peer name, peer ms)] at bf16, 16 heads, 16384 tokens, of
+    the rows selected_options(words) keeps."""
     import torch
     results = []
     nheads = 16
@@ -417,7 +424,9 @@ def run_options(seqlens=(4096, 16384), headdim=128, report=print):
         batch = TOKENS // seqlen
         q, k, v, dout = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)
                          for _ in range(4))
-        for option, (fwd_kwargs, bwd_kwargs, peer, spec) in _option_calls(seqlen, headdim, nheads, batch).items():
+        calls = _option_calls(seqlen, headdim, nheads, batch)
+        for option in selected_options(calls, words):
+            fwd_kwargs, bwd_kwargs, peer, spec = calls[option]
             timers = {}
             try:
                 for pass_, fn in _cupyflash_option(q, k, v, dout, fwd_kwargs, bwd_kwargs).items():

@@ -82,3 +82,11 @@ def test_the_ab_script_reads_cells_and_picks_the_kernels_the_h200_runs():
         ("90a", hd, local) for hd in (64, 128, 256) for local in (False, True)}
     bwd = ab.compile_jobs("bwd", "float16")
     assert bwd and all(k.pass_ != "fwd" and k.dtype == "float16" and not k.options for _, k in bwd)
+
+
+def test_option_rows_are_selected_by_words_and_keep_the_plain_row():
+    names = ["plain", "causal", "softcap 30", "attn_bias (b, h, s, s) bf16", "dropout 0.1"]
+    assert benchmark.selected_options(names) == names
+    assert benchmark.selected_options(names, ["attn_bias", "dropout"]) == [
+        "plain", "attn_bias (b, h, s, s) bf16", "dropout 0.1"]
+    assert benchmark.selected_options(names, ["nothing"]) == ["plain"]

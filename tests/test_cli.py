@@ -63,7 +63,7 @@ def test_bench_help_documents_every_option_and_its_default():
     assert code == 0
     options = [a for a in __main__._parser()._subparsers._group_actions[0].choices["bench"]._actions
                if a.option_strings and a.dest != "help"]
-    assert len(options) == 17
+    assert len(options) == 18
     help_text = " ".join(out.split())
     for option in options:
         assert option.option_strings[0] in help_text

@@ -6,6 +6,7 @@ rank computes at each step of the ring, for the sequence layouts over N ranks:
 """
 
 import dataclasses
+from typing import NamedTuple
 
 from . import options, validate
 
@@ -104,8 +105,16 @@ def chunk_order(world, layout):
     return [c for r in range(world) for c in (r, 2 * world - 1 - r)]
 
 
+class Settings(NamedTuple):
+    """A ring call's checked attention options."""
+    scale: float
+    causal: bool
+    softcap: float
+    window_size: tuple
+
+
 def check_arguments(q, k, v, softmax_scale, causal, softcap, layout, window_size=(-1, -1)):
-    """(scale, causal, softcap, window_size) of a ring call, after the checks both frameworks share."""
+    """The Settings of a ring call, after the checks both frameworks share."""
     check_layout(layout)
     options.window_bounds(causal, window_size)  # raises on a bad window
     if q.shape[1] != k.shape[1] or k.shape != v.shape:
@@ -113,5 +122,5 @@ def check_arguments(q, k, v, softmax_scale, causal, softcap, layout, window_size
                          f"{tuple(k.shape)}, v {tuple(v.shape)}")
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"a zigzag slice holds two equal chunks: its length must be even, got {q.shape[1]}")
-    return (validate.check_scale(softmax_scale, q.shape[-1]), validate.check_flag("causal", causal),
-            options.by_name("softcap").check(softcap, None), tuple(int(side) for side in window_size))
+    return Settings(validate.check_scale(softmax_scale, q.shape[-1]), validate.check_flag("causal", causal),
+                    options.by_name("softcap").check(softcap, None), tuple(int(side) for side in window_size))

@@ -44,19 +44,18 @@ def ring_flash_attn(q, k, v, axis_name, softmax_scale=None, causal=False, softca
     this device's slices (`layout`, see shard_sequence); returns its slice of out. GQA, softcap and
     window_size (over the whole sequence's positions) compose; ALiBi is not taken (the kernels have
     no global key positions yet)."""
-    scale, causal, softcap, window = _ring.check_arguments(q, k, v, softmax_scale, causal, softcap, layout,
-                                                           window_size)
-    return _ring_attention(q, k, v, _Settings(axis_name, scale, causal, softcap, layout, window))
+    checked = _ring.check_arguments(q, k, v, softmax_scale, causal, softcap, layout, window_size)
+    return _ring_attention(q, k, v, _Settings(axis_name, layout, *checked))
 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class _Settings:
+class _Settings:  # the mesh axis, the layout and _ring.Settings' fields
     axis: object
+    layout: str
     scale: float
     causal: bool
     softcap: float
-    layout: str
     window_size: tuple
 
 

@@ -65,24 +65,21 @@ def ring_flash_attn_func(q, k, v, softmax_scale=None, causal=False, softcap=0.0,
 
 
 def _attend(q, k, v, piece, settings):
-    scale, _, softcap, _ = settings
-    out, lse = api.flash_attn_func(_to_core(q), _to_core(k), _to_core(v), scale, piece.causal, return_lse=True,
-                                   softcap=softcap, window_size=piece.window_size)
+    out, lse = api.flash_attn_func(_to_core(q), _to_core(k), _to_core(v), settings.scale, piece.causal,
+                                   return_lse=True, softcap=settings.softcap, window_size=piece.window_size)
     return _from_core(out), _from_core(lse)
 
 
 def _piece_backward(dout, q, k, v, out, lse, piece, settings):
     """A piece's share of the gradients, in the accumulators' dtype: flash_attn_backward takes its
     probabilities from the whole forward's lse and its row terms from its out."""
-    scale, _, softcap, _ = settings
-    grads = api.flash_attn_backward(*(_to_core(t) for t in (dout, q, k, v, out, lse.contiguous())), scale,
-                                    piece.causal, softcap=softcap, window_size=piece.window_size)
+    grads = api.flash_attn_backward(*(_to_core(t) for t in (dout, q, k, v, out, lse.contiguous())), settings.scale,
+                                    piece.causal, softcap=settings.softcap, window_size=piece.window_size)
     return tuple(_from_core(g).to(_accumulator(q)) for g in grads)
 
 
 def _pieces(rank, step, world, settings, layout, seqlen_local):
-    _, causal, _, window_size = settings
-    return ring_steps(rank, (rank - step) % world, world, causal, layout, seqlen_local, window_size)
+    return ring_steps(rank, (rank - step) % world, world, settings.causal, layout, seqlen_local, settings.window_size)
 
 
 def _rotate(tensors, group):

@@ -99,8 +99,10 @@ def test_keep_threshold():
     assert ref.dropout_rescale(0.5) == 2.0
 
 
-def test_mask_follows_the_word_mapping_element_by_element():
-    seed, dropout_p, batch, nheads, seqlen_q, seqlen_k = 0x0123456789ABCDEF, 0.4, 2, 3, 27, 7
+# 0.4, and the keep counts' ends: 2**16 (everything kept) and 1 (one value in 2**16 kept).
+@pytest.mark.parametrize("dropout_p", [0.4, 2**-20, 1 - 2**-17])
+def test_mask_follows_the_word_mapping_element_by_element(dropout_p):
+    seed, batch, nheads, seqlen_q, seqlen_k = 0x0123456789ABCDEF, 2, 3, 27, 19
     mask = ref.dropout_keep_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k)
     assert mask.dtype == bool and mask.shape == (batch, nheads, seqlen_q, seqlen_k)
     for index in np.ndindex(mask.shape):

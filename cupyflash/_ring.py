@@ -47,7 +47,7 @@ def ring_steps(rank, source, world, causal, layout, seqlen_local, window_size=(-
 
 
 def _held_chunks(rank, world, layout, seqlen_local):
-    """[(global position, local position)] of the chunks `rank` holds, each seqlen_local / len of them long."""
+    """([(global position, local position)] of the chunks `rank` holds, their length)."""
     order = chunk_order(world, layout)
     per_rank = len(order) // world
     size = seqlen_local // per_rank

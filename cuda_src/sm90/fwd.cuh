@@ -46,11 +46,10 @@ struct Sm90FwdTile {
     // Three consumers have 160 registers each: the operand descriptors that ptxas would compute
     // ahead of their products (two registers each) spill there. Two consumers have room for them.
     static constexpr bool kDescriptorsInOrder = CONSUMERS == 3;
-    // A 16-bit bias is read as words (common/score.cuh, BiasWords) by two consumers (three, at 160
-    // registers each, spill with the code for it), before a key block's Q K^T where registers to
-    // hold it across the product are free (below hd256), else just before it joins the scores.
+    // A 16-bit bias is read as words (common/score.cuh, BiasWords) by two consumers; three, at 160
+    // registers each, spill with the code for it. The words load just before they join the scores:
+    // loaded before Q K^T, to hide their latency under it, their registers slowed dropout by a fifth.
     static constexpr bool kBiasWords = CONSUMERS == 2;
-    static constexpr bool kBiasEarly = kBiasWords && HEADDIM <= 128;
     static_assert(HEADDIM % 64 == 0 && HEADDIM <= 256, "tiles are whole 64-wide column blocks");
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "S is one wgmma wide");
 };
@@ -245,7 +244,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         zero(acc_o);
         float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
         const ScoreMods<BF16> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
-        BiasWords<1, NT> bias_words;  // (dead code unless kBiasEarly)
 
         // Every block is computed by every consumer, even one whose keys a warpgroup's rows do
         // not see (its scores are all masked, so its P is zero): a branch around the products
@@ -261,9 +259,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                                 || (MASKING == kPerBlock
                                     && block_needs_mask<LOCAL>(p, seq, row0 + wg_row0, key0, 64, BLOCK_N));
             float s[1][NT][4];
-            if constexpr (OPTIONS && T::kBiasEarly) {
-                if (mods.bias.in_words()) bias_words.load(mods.bias, row0 + warp_row0, key0);
-            }
             mbarrier_wait(k_full(stage), phase);
             if (!first) mbarrier_wait(v_full(pending_stage()), pending_phase());
             take_turn();
@@ -291,13 +286,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             }
             if constexpr (OPTIONS) {
                 apply_score_mods<T::kBiasWords>(s, mods, row0 + warp_row0, key0);
-                if (T::kBiasWords && mods.bias.in_words()) {
-                    if constexpr (T::kBiasEarly) {
-                        bias_words.add(s, mods.bias);
-                    } else {
-                        add_bias_words(s, mods.bias, row0 + warp_row0, key0);
-                    }
-                }
+                if (T::kBiasWords && mods.bias.in_words()) add_bias_words(s, mods.bias, row0 + warp_row0, key0);
             }
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
             const SoftmaxStep<1> step = new_row_max(s, row_max, row_sum, p);

@@ -99,9 +99,8 @@ template <bool BF16>
 __device__ __forceinline__ bool in_words(const Bias<BF16>& bias) { return bias.in_words(); }
 
 // A bias in_words for a warp's fragment tile at (row0, col0), one word per two neighbouring
-// columns: load() issues the loads (in the forward, before the key block's Q K^T where registers
-// allow, so their latency passes under the product), add() joins them to the scores. Rows past
-// the sequence read its last row (their results are never stored); columns past it read nothing.
+// columns: load() issues the loads, add() joins them to the scores. Rows past the sequence read
+// its last row (their results are never stored); columns past it read nothing.
 template <int MT, int NT>
 struct BiasWords {
     uint32 words[MT][2][NT];  // [row half][tile]: columns 8 nt + 2 t and the next, low half first

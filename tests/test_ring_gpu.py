@@ -43,7 +43,7 @@ def _ring_on_one_gpu(case, arrays, world, layout):
     scale = case.headdim ** -0.5
     options = {name: value for name, value in case.options if name == "softcap"}
     window = dict(case.options).get("window_size", (-1, -1))
-    local = [_positions(r, world, layout, seqlen) for r in range(world)]
+    local = [cupy.asarray(_positions(r, world, layout, seqlen)) for r in range(world)]
     sliced = lambda x, r: cupy.ascontiguousarray(x[:, local[r]])  # noqa: E731
     outs, lses = [], []
     for rank in range(world):
@@ -73,7 +73,7 @@ def _ring_on_one_gpu(case, arrays, world, layout):
                 grads[0][:, local[rank][rows]] += dq.astype(cupy.float32)
                 grads[1][:, local[source][keys]] += dk.astype(cupy.float32)
                 grads[2][:, local[source][keys]] += dv.astype(cupy.float32)
-    order = numpy.argsort(numpy.concatenate(local))
+    order = cupy.argsort(cupy.concatenate(local))
     out = cupy.concatenate(outs, axis=1)[:, order]
     lse = cupy.concatenate(lses, axis=2)[:, :, order]
     as64 = lambda x: cupy.asnumpy(x).astype(numpy.float64)  # noqa: E731

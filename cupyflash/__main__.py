@@ -103,10 +103,9 @@ def info():
                     for hd in _config.HEADDIMS]
             print(f"\ntile table {family}{' (forced by CUPYFLASH_TILES)' if forced else ''}:")
             print(_table(_TILE_HEADERS, rows))
-            wgmma = _config.TILES[_config.WGMMA].get(family, {}).get("fwd", {})
-            if wgmma:
-                print("on compute capability 9.0 the forward is wgmma's: " + "; ".join(
-                    _tile_text(_config.Tile(hd, *cfg, _config.WGMMA), "fwd") for hd, cfg in wgmma.items()))
+            for table, wgmma in _config.TILES[_config.WGMMA].get(family, {}).items():
+                print(f"on compute capability 9.0 the {table} pass up to head dim {max(wgmma)} is wgmma's: " + "; ".join(
+                    _tile_text(_config.Tile(hd, *cfg, _config.WGMMA), table) for hd, cfg in wgmma.items()))
         return 0
     import cupy
     from ._schedule import device_info
@@ -117,10 +116,13 @@ def info():
           f"{device.attributes['MultiProcessorCount']} SMs  shared memory {smem_limit // 1024} KiB/block (opt-in)  "
           f"L2 {device.attributes['L2CacheSize'] // 2 ** 20} MiB")
     print(f"tile table: {family}{' (forced by CUPYFLASH_TILES)' if forced else ''}; kernel family per pass: "
-          + ", ".join(f"{table} {_config.kernel_family_for(table, cc)}" for table in _config.TABLES)
+          + ", ".join(f"{table} {_config.kernel_family_for(table, cc)}"
+                      + (f" up to head dim {max(_config.TILES[_config.WGMMA]['sm90'][table])}"
+                         if _config.kernel_family_for(table, cc) == _config.WGMMA else "")
+                      for table in _config.TABLES)
           + (" (forced by CUPYFLASH_FAMILY)" if _config.forced_kernel_family() else ""))
     rows = [[hd, *(_tile_text(_config.tile_for(table, hd, cc, smem_limit,
-                                               kernel_family=_config.kernel_family_for(table, cc)), table)
+                                               kernel_family=_config.kernel_family_for(table, cc, hd)), table)
                    for table in _config.TABLES)]
             for hd in _config.HEADDIMS]
     print(_table(_TILE_HEADERS, rows))

@@ -1,7 +1,7 @@
 """Tile sizes, per kernel family and GPU family, chosen at run time from the device's attributes.
 
 Two kernel families: the mma.sync kernels (cuda_src/sm80/, every pass, sm_80 and newer) and the
-wgmma kernels (cuda_src/sm90/, the forward, sm_90a: compute capability 9.0 exactly).
+wgmma kernels (cuda_src/sm90/, the forward and the plain backward, sm_90a: compute capability 9.0 exactly).
 TILES[kernel family] holds one table per GPU family (sm90, sm86, sm80), then per tile table
 ('fwd', 'bwd', 'bwd_options', 'decode', 'decode_paged') and head dim. The kernels are templates
 over (head dim, block_m, block_n, warps, stages). A caller's head dim is rounded up to the next head dim of the table (the
@@ -100,16 +100,24 @@ TILES = {
         },
     },
 }
-# The wgmma forward: block_m / 64 consumer warpgroups of 64 query rows and a producer warpgroup
+# The wgmma kernels, head dims 64, 128 and 256 only (their tiles are whole 64-wide swizzled column
+# blocks). Forward: block_m / 64 consumer warpgroups of 64 query rows and a producer warpgroup
 # (warps = 4 (1 + block_m / 64)); `stages` K/V buffers. hd64 takes three consumers (192 rows,
-# measured 8-19% faster than two from 4k tokens on, 10% slower at 1k causal). Shared memory: 1024
-# (alignment) + block_m hd 2 + 2 stages block_n hd 2 + the barriers (cuda_src/sm90/fwd.cuh,
-# Sm90FwdTile). Head dims 64, 128 and 256 only: the tiles are whole 64-wide swizzled column blocks.
-TILES[WGMMA] = {"sm90": {"fwd": {
-    64: (192, 128, 16, 2),
-    128: (128, 128, 12, 3),
-    256: (128, 64, 12, 2),
-}}}
+# measured 8-19% faster than two from 4k tokens on, 10% slower at 1k causal). Backward (plain
+# only; the options' is mma.sync's): block_n / 64 consumer warpgroups of 64 keys and a producer;
+# `stages` buffers of a query block's Q, dO, lse_log2 and D. Shared memory: Tile.smem_bytes
+# (cuda_src/sm90/fwd.cuh Sm90FwdTile, bwd.cuh Sm90BwdTile).
+TILES[WGMMA] = {"sm90": {
+    "fwd": {
+        64: (192, 128, 16, 2),
+        128: (128, 128, 12, 3),
+        256: (128, 64, 12, 2),
+    },
+    "bwd": {
+        64: (64, 128, 12, 2),
+        128: (64, 128, 12, 2),
+    },
+}}
 FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
 TABLES = ("fwd", "bwd", "bwd_options", "decode", "decode_paged")  # tile tables per GPU family; see kernel_pass
@@ -134,9 +142,12 @@ class Tile:
         return 32 * self.warps
 
     def smem_bytes(self, pass_):
-        if self.kernel_family == WGMMA:  # Q, (K, V) x stages, the barriers, the alignment slack
+        if self.kernel_family == WGMMA and kernel_pass(pass_) == "fwd":  # alignment, Q, (K, V) x stages, barriers
             return (1024 + 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n)
                     + 8 * (2 + 4 * self.stages))
+        if self.kernel_family == WGMMA:  # alignment, K, V, (Q, dO) x stages, dS^T x 2, (lse, D) x stages, barriers
+            return (1024 + 2 * self.headdim * (2 * self.block_n + 2 * self.stages * self.block_m)
+                    + 4 * self.block_n * self.block_m + 8 * self.stages * self.block_m + 8 * (1 + 2 * self.stages))
         row = row_bytes(self.headdim)
         if kernel_pass(pass_) == "decode":  # Q, then per warp (K, V) x stages
             return (self.block_m + 2 * self.stages * self.block_n * self.warps) * row
@@ -196,16 +207,19 @@ _FORCED_KEYS = (tuple(map(os.environ.encodekey, ("CUPYFLASH_TILES", "CUPYFLASH_F
                 if hasattr(os.environ, "encodekey") else None)
 
 
-def kernel_family_for(pass_, compute_capability):
-    """The kernel family that serves `pass_` ('fwd', 'bwd' or 'bwd_options') on a device: wgmma for
-    the forward on compute capability 9.0 with the sm90 table (sm_90a code runs on 9.0 alone),
-    unless CUPYFLASH_FAMILY=mma_sync; mma.sync for everything else."""
+def kernel_family_for(pass_, compute_capability, headdim=None):
+    """The kernel family that serves `pass_` ('fwd', 'bwd' or 'bwd_options') at a caller's head dim
+    (None: any the table has) on a device: wgmma where its table has the pass and a tile for the
+    head dim, on compute capability 9.0 with the sm90 table (sm_90a code runs on 9.0 alone), unless
+    CUPYFLASH_FAMILY=mma_sync; mma.sync for everything else."""
     forced = forced_kernel_family()
-    wgmma_serves = (pass_ in TILES[WGMMA]["sm90"] and tuple(compute_capability) == (9, 0)
-                    and (forced_family() or "sm90") == "sm90")
+    table = TILES[WGMMA]["sm90"].get(pass_, {})
+    wgmma_serves = (bool(table) and (headdim is None or headdim <= max(table))
+                    and tuple(compute_capability) == (9, 0) and (forced_family() or "sm90") == "sm90")
     if forced == WGMMA and not wgmma_serves:
-        raise ValueError(f"CUPYFLASH_FAMILY=wgmma, but the wgmma kernels do not serve the {pass_} pass on compute "
-                         f"capability {compute_capability[0]}.{compute_capability[1]} with the "
+        raise ValueError(f"CUPYFLASH_FAMILY=wgmma, but the wgmma kernels do not serve the {pass_} pass"
+                         + (f" at head dim {headdim}" if headdim is not None else "")
+                         + f" on compute capability {compute_capability[0]}.{compute_capability[1]} with the "
                          f"{forced_family() or family_of(compute_capability)} tiles")
     return WGMMA if wgmma_serves and forced != MMA_SYNC else MMA_SYNC
 

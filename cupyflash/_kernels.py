@@ -17,16 +17,19 @@ _HEADER = {"fwd": "sm80/fwd.cuh", "bwd": "sm80/bwd.cuh", "bwd_dot": "sm80/bwd.cu
            "decode": "sm80/decode.cuh", "decode_combine": "sm80/decode.cuh", "kvcache_append": "sm80/decode.cuh"}
 ROW_KERNELS = ("bwd_dot", "bwd_convert_dq", "decode_combine", "kvcache_append")  # no tile: ROW_KERNEL_THREADS each
 KVCACHE_PASSES = ("decode", "decode_combine", "kvcache_append")  # flash_attn_with_kvcache's (cuda_src/sm80/decode.cuh)
-_WGMMA_HEADER = {"fwd": "sm90/fwd.cuh"}
+# The wgmma kernels' (cuda_src/sm90/): header, tile traits, template, tensor maps, by pass.
+_WGMMA = {"fwd": ("sm90/fwd.cuh", "Sm90FwdTile", "flash_fwd_sm90", "FwdMaps"),
+          "bwd": ("sm90/bwd.cuh", "Sm90BwdTile", "flash_bwd_sm90", "BwdMaps")}
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """One kernel entry point; each flag is a template argument. Its tile's kernel family says whose:
-    the mma.sync kernels (cuda_src/sm80/) or the wgmma ones (cuda_src/sm90/, forward only).
+    the mma.sync kernels (cuda_src/sm80/) or the wgmma ones (cuda_src/sm90/: the forward and the
+    plain backward; never even_k, as TMA zero-fills the columns past the head dim).
 
     The flag combinations that exist (all_kernels lists exactly these):
-      fwd: plain, or options (wgmma: never even_k, as TMA zero-fills the columns past the head dim);
+      fwd: plain, or options;
       bwd: plain (tile table 'bwd'), options, or options and deterministic (both 'bwd_options');
       decode: plain or options, never even_k.
     A deterministic backward always runs the options kernels' tiles, so it is compiled as an
@@ -44,8 +47,8 @@ class Kernel:
     def __post_init__(self):
         if self.deterministic and not (self.pass_ == "bwd" and self.options):
             raise ValueError("a deterministic kernel is a backward with options=True")
-        if self.wgmma and (self.pass_ != "fwd" or self.even_k):
-            raise ValueError("the wgmma kernels are forwards without even_k")
+        if self.wgmma and (self.pass_ not in _WGMMA or self.even_k or (self.pass_ == "bwd" and self.options)):
+            raise ValueError("the wgmma kernels are forwards and plain backwards, without even_k")
 
     @property
     def wgmma(self):
@@ -81,14 +84,19 @@ class Kernel:
         bf16 = _bool(self.dtype == "bfloat16")
         if self.wgmma:
             t = self.tile
-            args = f"{t.headdim}, {t.block_n}, {t.stages}, {t.block_m // 64}"
-            return (_sources.translation_unit(_WGMMA_HEADER[self.pass_]) + "\n" + _params.size_assert() + "\n"
-                    + f"static_assert(Sm90FwdTile<{args}>::kSmemBytes == {self.smem_bytes} && "
-                    + f"Sm90FwdTile<{args}>::kBlockM == {t.block_m} && Sm90FwdTile<{args}>::kThreads == {self.threads}, "
+            header, traits, template, maps = _WGMMA[self.pass_]
+            if self.pass_ == "fwd":
+                args, flags = f"{t.headdim}, {t.block_n}, {t.stages}, {t.block_m // 64}", [self.local, self.options]
+            else:
+                args, flags = f"{t.headdim}, {t.block_m}, {t.block_n}, {t.stages}", [self.local]
+            flags = ", ".join(_bool(f) for f in flags)
+            return (_sources.translation_unit(header) + "\n" + _params.size_assert() + "\n"
+                    + f"static_assert({traits}<{args}>::kSmemBytes == {self.smem_bytes} && "
+                    + f"{traits}<{args}>::kThreads == {self.threads}, "
                     + '"the wgmma tile differs from cupyflash/_config.py");\n'
                     + f'extern "C" __global__ void __launch_bounds__({self.threads}, 1) {self.name}('
-                    + "const __grid_constant__ FlashParams p, const __grid_constant__ FwdMaps maps) "
-                    + f"{{ flash_fwd_sm90<{args}, {bf16}, {_bool(self.local)}, {_bool(self.options)}>(p, maps); }}\n")
+                    + f"const __grid_constant__ FlashParams p, const __grid_constant__ {maps} maps) "
+                    + f"{{ {template}<{args}, {bf16}, {flags}>(p, maps); }}\n")
         if self.tile is None:
             call = f"flash_{self.pass_}<{bf16}>(p);"
             check = "" if not self.pass_.startswith("bwd") else (
@@ -123,9 +131,11 @@ def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
     """Every kernel variant of these GPU families' tile tables of a kernel family (the combinations
     of Kernel's docstring)."""
     if kernel_family == _config.WGMMA:
+        options_of_pass = {"fwd": (False, True), "bwd": (False,)}
         return [Kernel(_config.kernel_pass(table), dtype, tile, local, False, options)
-                for (table, tile), dtype, local, options in itertools.product(
-                    _config.all_tiles(families, kernel_family), DTYPES, (False, True), (False, True))]
+                for (table, tile), dtype, local in itertools.product(
+                    _config.all_tiles(families, kernel_family), DTYPES, (False, True))
+                for options in options_of_pass[_config.kernel_pass(table)]]
     kernels = [Kernel(pass_, dtype) for pass_ in ROW_KERNELS for dtype in DTYPES]
     flags_of_table = {"fwd": ((False, False), (True, False)), "bwd": ((False, False),),
                       "bwd_options": ((True, False), (True, True)), "decode": ((False, False), (True, False)),
@@ -177,7 +187,7 @@ def representative_jobs(jobs):
 
     def keep(arch, k):
         if k.wgmma:  # every tile with the heaviest flags, and every flag at hd128
-            return k.dtype == DTYPES[0] and ((k.local and k.options) or k.tile.headdim == 128)
+            return k.dtype == DTYPES[0] and ((k.local and (k.options or k.pass_ == "bwd")) or k.tile.headdim == 128)
         if k.pass_ in KVCACHE_PASSES:  # the KV cache's kernels: every tile with the heaviest flags, one dtype
             return arch == primary and k.dtype == DTYPES[0] and (k.tile is None or (k.local and k.options
                                                                                   and native(arch, k)))

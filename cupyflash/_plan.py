@@ -331,14 +331,14 @@ def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0):
     tensor of the call (q, k, v, out, dout, dq, dk, dv) to its (batch, row, head) element strides."""
     shape, scale = call.shape, call.scale
     stats_strides = (0, shape.total_q) if shape.varlen else (shape.nheads * shape.seqlen_q, shape.seqlen_q)
-    dq_accum_rows = _dq_accum_rows(shape)
-    dq_accum_strides = (0, dq_accum_rows) if shape.varlen else (shape.nheads * dq_accum_rows, dq_accum_rows)
+    padded_rows = _padded_rows(shape)
+    padded_strides = (0, padded_rows) if shape.varlen else (shape.nheads * padded_rows, padded_rows)
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
                   seqlen_k=shape.seqlen_k, total_q=shape.total_q, total_k=shape.total_k,
                   headdim=shape.headdim, headdim_padded=tile.headdim,
                   block_major=int(block_major), softmax_scale=scale, scale_log2=scale * math.log2(math.e),
                   stats_batch_stride=stats_strides[0], stats_head_stride=stats_strides[1],
-                  dq_accum_batch_stride=dq_accum_strides[0], dq_accum_head_stride=dq_accum_strides[1],
+                  dq_accum_batch_stride=padded_strides[0], dq_accum_head_stride=padded_strides[1],
                   inv_softmax_scale=1.0 / scale, dq_semaphore_blocks=semaphore_blocks)
     for name, (batch, row, head) in strides.items():
         fields.update({f"{name}_batch_stride": batch, f"{name}_row_stride": row, f"{name}_head_stride": head})
@@ -349,22 +349,51 @@ def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0):
     return _params.make_params(**fields)
 
 
-def _dq_accum_rows(shape):
-    """dq_accum's rows per head (per batch entry and head without varlen): every sequence starts at a
-    multiple of 8 (Sequence::dq_accum_row0 in the kernels), the padding and the gaps included."""
-    round8 = lambda n: -(-n // 8) * 8  # noqa: E731
-    return round8(shape.total_q) + 8 * (shape.batch + 1) if shape.varlen else round8(shape.seqlen_q)
+_PADDED_ROWS = 64  # Sequence::kPaddedRows in cuda_src/common/mask.cuh
+
+
+def _padded_rows(shape):
+    """The backward's padded rows (dq_accum, lse_log2, dout_dot_out) per head (per batch entry and
+    head without varlen): every sequence starts at a multiple of 64 (Sequence::padded_row0 in the
+    kernels), the padding and the gaps included."""
+    pad = lambda n: -(-n // _PADDED_ROWS) * _PADDED_ROWS  # noqa: E731
+    return pad(shape.total_q) + _PADDED_ROWS * (shape.batch + 1) if shape.varlen else pad(shape.seqlen_q)
+
+
+def _with_options(pass_, call):
+    """Whether a call runs the OPTIONS kernels: where an option changes the scores or drops
+    probabilities, and for a deterministic backward, which is one of them."""
+    return call.needs("score") or call.needs("dropout") or (pass_ == "bwd" and call.needs("deterministic"))
 
 
 def _kernel(pass_, call, tile):
-    """The kernel variant of a forward or backward call: the OPTIONS kernels where an option changes
-    the scores or drops probabilities (and for a deterministic backward, which is one of them).
-    EVEN_K where the caller's head dim is the tile's (the wgmma kernels have no such flag: TMA
-    zero-fills the columns past the head dim)."""
+    """The kernel variant of a forward or backward call on `tile`. EVEN_K where the caller's head dim
+    is the tile's (the wgmma kernels have no such flag: TMA zero-fills the columns past the head dim)."""
     deterministic = pass_ == "bwd" and call.needs("deterministic")
-    with_options = call.needs("score") or call.needs("dropout") or deterministic
     even_k = call.shape.headdim == tile.headdim and tile.kernel_family != _config.WGMMA
-    return _kernels.Kernel(pass_, call.dtype, tile, call.local, even_k, with_options, deterministic)
+    return _kernels.Kernel(pass_, call.dtype, tile, call.local, even_k, _with_options(pass_, call), deterministic)
+
+
+def _tensor_maps(call, inputs, strides, boxes):
+    """The TMA maps of `inputs` named in `boxes` (name -> rows per box), or None where the driver
+    cannot map one (say a broadcast dimension's zero stride): the mma.sync kernels read any layout
+    the plan accepts."""
+    shape, varlen = call.shape, call.varlen is not None
+    specs = []
+    for name, block in boxes.items():
+        batch_stride, row_stride, head_stride = strides[name]
+        array = inputs[name]
+        if varlen:  # one batch entry of the packed rows (its stride is never used)
+            rows, batch, batch_stride = array.shape[0], 1, array.shape[0] * row_stride
+        else:
+            rows, batch = array.shape[1], shape.batch
+        heads = array.shape[-2]
+        specs.append((call.dtype, (shape.headdim, rows, heads, batch),
+                      (2 * row_stride, 2 * head_stride, 2 * batch_stride), (64, block, 1, 1)))
+    try:
+        return _tma.Maps(specs, [call.caller.data_pointer(inputs[name]) for name in boxes], tuple(boxes))
+    except RuntimeError:
+        return None
 
 
 def _forward_plan(call, inputs, return_dbias):
@@ -372,7 +401,7 @@ def _forward_plan(call, inputs, return_dbias):
     q = inputs["q"]
     strides = {name: _tensor_strides(_arrays.element_strides(inputs[name]), varlen) for name in ("q", "k", "v")}
     strides["out"] = _tensor_strides(_contiguous_strides(q.shape), varlen)
-    if _schedule.kernel_family("fwd", call.caller.device_id) == _config.WGMMA:
+    if _schedule.kernel_family("fwd", call.caller.device_id, shape.headdim) == _config.WGMMA:
         plan = _wgmma_forward_plan(call, inputs, strides)
         if plan is not None:
             return plan
@@ -391,25 +420,11 @@ def _forward_plan(call, inputs, return_dbias):
 
 
 def _wgmma_forward_plan(call, inputs, strides):
-    """The forward on the wgmma kernels, or None where the driver cannot map an input for TMA (say a
-    broadcast dimension's zero stride): the mma.sync kernels read any layout the plan accepts."""
-    shape, varlen = call.shape, call.varlen is not None
+    """The forward on the wgmma kernels, or None where the driver cannot map an input for TMA."""
+    shape = call.shape
     tile = _schedule.tile("fwd", shape.headdim, call.caller.device_id, _config.WGMMA)
-    specs = []
-    for name, rows, block in (("q", shape.seqlen_q, tile.block_m), ("k", shape.seqlen_k, tile.block_n),
-                              ("v", shape.seqlen_k, tile.block_n)):
-        batch_stride, row_stride, head_stride = strides[name]
-        array = inputs[name]
-        if varlen:  # one batch entry of the packed rows (its stride is never used)
-            rows, batch, batch_stride = array.shape[0], 1, array.shape[0] * row_stride
-        else:
-            batch = shape.batch
-        heads = array.shape[-2]
-        specs.append((call.dtype, (shape.headdim, rows, heads, batch),
-                      (2 * row_stride, 2 * head_stride, 2 * batch_stride), (64, block, 1, 1)))
-    try:
-        maps = _tma.Maps(specs, [call.caller.data_pointer(inputs[name]) for name in ("q", "k", "v")], ("q", "k", "v"))
-    except RuntimeError:
+    maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n})
+    if maps is None:
         return None
     kernel = _kernel("fwd", call, tile)
     # Persistent: a CTA per SM (one fits), taking tiles in turn (fwd_tile in cuda_src/sm90/fwd.cuh).
@@ -423,20 +438,25 @@ def _wgmma_forward_plan(call, inputs, strides):
 
 
 def _backward_plan(call, inputs, return_dbias):
-    shape, varlen = call.shape, call.varlen is not None
-    tile = _schedule.tile("bwd", shape.headdim, call.caller.device_id)
-    if _kernel("bwd", call, tile).options:
-        tile = _schedule.tile("bwd_options", shape.headdim, call.caller.device_id)
+    shape, varlen, device_id = call.shape, call.varlen is not None, call.caller.device_id
+    table = "bwd_options" if _with_options("bwd", call) else "bwd"
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     strides = {name: _tensor_strides(_arrays.element_strides(inputs[name]), varlen)
                for name in ("dout", "q", "k", "v", "out")}
     strides.update({name: _tensor_strides(_contiguous_strides(like.shape), varlen)
                     for name, like in (("dq", q), ("dk", k), ("dv", v))})
+    maps = None
+    if _schedule.kernel_family(table, device_id, shape.headdim) == _config.WGMMA:
+        tile = _schedule.tile(table, shape.headdim, device_id, _config.WGMMA)
+        maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n,
+                                                    "dout": tile.block_m})
+    if maps is None:
+        tile = _schedule.tile(table, shape.headdim, device_id)
+    padded = (*shape.stats[:-1], _padded_rows(shape))
     outputs = [_Output("dq", tuple(q.shape), call.dtype), _Output("dk", tuple(k.shape), call.dtype),
-               _Output("dv", tuple(v.shape), call.dtype), _Output("dout_dot_out", shape.stats, "float32", scratch=True),
-               _Output("lse_log2", shape.stats, "float32", scratch=True),
-               _Output("dq_accum", (*shape.stats[:-1], _dq_accum_rows(shape), tile.headdim), "float32",
-                       scratch=True)]  # zeroed by bwd_dot
+               _Output("dv", tuple(v.shape), call.dtype), _Output("dout_dot_out", padded, "float32", scratch=True),
+               _Output("lse_log2", padded, "float32", scratch=True),
+               _Output("dq_accum", (*padded, tile.headdim), "float32", scratch=True)]  # zeroed by bwd_dot
     semaphore_blocks = 0
     if call.needs("deterministic"):
         semaphore_blocks = -(-shape.seqlen_q // tile.block_m)
@@ -446,7 +466,7 @@ def _backward_plan(call, inputs, return_dbias):
                                              call.local)
     kernel = _kernel("bwd", call, tile)
     params = _param_block(call, tile, strides, inputs, block_major, semaphore_blocks)
-    if not (call.local or kernel.options or varlen):  # the kernels that may split their last wave
+    if not (call.local or kernel.options or varlen or kernel.wgmma):  # the kernels that may split their last wave
         grid = _split_last_wave(kernel, call.caller.device(), shape, grid, params, outputs)
     if return_dbias:
         finish = _add_dbias(call, params, outputs, inputs.get(options.DIFFERENTIABLE))
@@ -454,7 +474,7 @@ def _backward_plan(call, inputs, return_dbias):
     launches = [_Launch(_kernels.Kernel("bwd_dot", call.dtype), row_grid),
                 _Launch(kernel, grid),
                 _Launch(_kernels.Kernel("bwd_convert_dq", call.dtype), row_grid)]
-    return Plan(call.caller, params, inputs, outputs, launches, finish)
+    return Plan(call.caller, params, inputs, outputs, launches, finish, maps)
 
 
 def _split_last_wave(kernel, device, shape, grid, params, outputs):

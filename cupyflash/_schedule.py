@@ -25,8 +25,8 @@ def device_info(device_id):
     return device, (int(cc[:-1]), int(cc[-1])), device_attributes(device_id)["MaxSharedMemoryPerBlockOptin"]
 
 
-def kernel_family(table, device_id):
-    return _config.kernel_family_for(table, device_info(device_id)[1])
+def kernel_family(table, device_id, headdim=None):
+    return _config.kernel_family_for(table, device_info(device_id)[1], headdim)
 
 
 def tile(table, headdim, device_id, kernel_family=_config.MMA_SYNC):

@@ -28,18 +28,29 @@ struct Sequence {
     __device__ __forceinline__ Sequence(int rows_q, int rows_k)
         : seqlen_q(rows_q), seqlen_k(rows_k), first_row_q(0), first_row_k(0) {}
     __device__ __forceinline__ int diagonal(int row) const { return row + seqlen_k - seqlen_q; }
-    // Index of (batch, head, row 0) in the row statistics (lse, lse_log2, D, dq_accum rows).
+    // Index of (batch, head, row 0) in the row statistics (lse).
     __device__ __forceinline__ long long stats_row0(const FlashParams& p, int batch, int head) const {
         return batch * p.stats_batch_stride + head * p.stats_head_stride + first_row_q;
     }
-    // Index of (batch, head, row 0) in dq_accum's rows: a multiple of 8. A varlen sequence starts
-    // at 8 (ceil(first_row / 8) + batch), which is at least the previous one's start plus its
-    // length rounded up to 8.
-    __device__ __forceinline__ long long dq_accum_row0(const FlashParams& p, int batch, int head) const {
+    // Index of (batch, head, row 0) in the backward's padded rows (dq_accum, lse_log2, D): a
+    // multiple of kPaddedRows, so that a query block's rows are one aligned piece (a bulk copy's).
+    // A varlen sequence starts at kPaddedRows (ceil(first_row / kPaddedRows) + batch), which is at
+    // least the previous one's start plus its length rounded up to kPaddedRows.
+    static constexpr int kPaddedRows = 64;
+    __device__ __forceinline__ long long padded_row0(const FlashParams& p, int batch, int head) const {
         return batch * p.dq_accum_batch_stride + head * p.dq_accum_head_stride
-               + (p.cu_seqlens_q == nullptr ? 0 : 8 * (ceil_div(first_row_q, 8) + batch));
+               + (p.cu_seqlens_q == nullptr ? 0 : kPaddedRows * (ceil_div(first_row_q, kPaddedRows) + batch));
     }
 };
+
+// dq_accum holds dQ in fp32 blocks of 8 rows x 8 columns, 64 consecutive floats each (row-major
+// inside, and the blocks row-major): the 8 x 8 piece of an accumulator fragment that one warp-wide
+// reduction adds is 256 contiguous bytes (in row-major rows it would touch 8 cache lines), and a
+// row's 8-column chunk is 8 contiguous floats for the row kernels. `row` counts from a multiple of 8
+// (a padded row, Sequence::padded_row0).
+__device__ __forceinline__ long long dq_accum_index(long long row, int col, int width) {
+    return (row & ~7LL) * width + (col & ~7) * 8 + (row & 7) * 8 + (col & 7);
+}
 
 // A CTA's (block, head, batch). CTAs start in about launch order, x fastest, and under a causal
 // mask a block's weight follows its index (each kernel maps the slot's block 0 to its heaviest).

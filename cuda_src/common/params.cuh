@@ -13,16 +13,16 @@ struct FlashParams {
     const void* k;
     const void* v;
     void* out;
-    // Row statistics, laid out as the stats strides below say ((batch, nheads, seqlen_q), or
-    // (nheads, total_q) for varlen); dq_accum has headdim_padded floats per row, its own rows.
+    // lse is laid out as the stats strides below say ((batch, nheads, seqlen_q), or (nheads,
+    // total_q) for varlen); the backward's scratch in its padded rows (dq_accum: headdim_padded floats each).
     float* lse;            // natural log; -inf for a row that sees no key
     const void* dout;
     void* dq;
     void* dk;
     void* dv;
     float* dq_accum;       // fp32, zeroed by flash_bwd_dot
-    float* dout_dot_out;   // D = rowsum(dout * out), fp32
-    float* lse_log2;       // lse * log2(e), +inf for a row that sees no key
+    float* dout_dot_out;   // D = rowsum(dout * out), fp32, in the padded rows below
+    float* lse_log2;       // lse * log2(e), +inf for a row that sees no key, in the padded rows
 
     // Strides in elements. The last dimension (headdim) is always contiguous.
     long long q_batch_stride;
@@ -64,13 +64,14 @@ struct FlashParams {
     float softmax_scale;
     float scale_log2;
 
-    // Row statistics (lse, lse_log2, dout_dot_out) of (batch, head, row) sit at
+    // Row statistics (lse) of (batch, head, row) sit at
     // batch * stats_batch_stride + head * stats_head_stride + first_row + row, first_row being
     // the sequence's first packed row (0 unless varlen).
     long long stats_batch_stride;
     long long stats_head_stride;
-    // dq_accum's rows are the same with every sequence starting at a multiple of 8 rows
-    // (Sequence::dq_accum_row0; its layout is dq_accum_index in sm80/bwd.cuh).
+    // The backward's padded rows (dq_accum, lse_log2, dout_dot_out) are the same with every
+    // sequence starting at a multiple of 64 rows (Sequence::padded_row0; dq_accum's layout is
+    // dq_accum_index in common/mask.cuh).
     long long dq_accum_batch_stride;
     long long dq_accum_head_stride;
 

@@ -21,14 +21,6 @@
 #include "bwd_schedule.cuh"
 #include "tile.cuh"
 
-// dq_accum holds dQ in fp32 blocks of 8 rows x 8 columns, 64 consecutive floats each (row-major
-// inside, and the blocks row-major): the 8 x 8 piece of an accumulator fragment that one warp-wide
-// reduction adds is 256 contiguous bytes (in row-major rows it would touch 8 cache lines), and a
-// row's 8-column chunk is 8 contiguous floats for the row kernels. `row` counts from a multiple of 8.
-__device__ __forceinline__ long long dq_accum_index(long long row, int col, int width) {
-    return (row & ~7LL) * width + (col & ~7) * 8 + (row & 7) * 8 + (col & 7);
-}
-
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES>
 struct BwdTile {
     static constexpr int kThreads = WARPS * 32;
@@ -138,7 +130,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         copy_tile_async<BLOCK_M, HEADDIM, T::kThreads, !EVEN_K>(s_do(stage), dout, p.dout_row_stride,
                                                                 seq.seqlen_q - row0, p.headdim);
         if (threadIdx.x < BLOCK_M) {
-            const long long row = seq.stats_row0(p, batch, head) + row0 + threadIdx.x;
+            const long long row = seq.padded_row0(p, batch, head) + row0 + threadIdx.x;
             const bool valid = row0 + threadIdx.x < seq.seqlen_q;
             cp_async_4(smem_address(s_lse(stage) + threadIdx.x), valid ? p.lse_log2 + row : p.lse_log2, valid);
             cp_async_4(smem_address(s_dot(stage) + threadIdx.x), valid ? p.dout_dot_out + row : p.dout_dot_out, valid);
@@ -230,7 +222,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         // fragment: 256 contiguous bytes of dq_accum, at a constant offset from the lane's first
         // element (dq_accum rows are HEADDIM == headdim_padded wide). Wide warp tiles are done in two
         // column halves, so only half of dQ's fragment is live at once.
-        float* dq_lane = p.dq_accum + dq_accum_index(seq.dq_accum_row0(p, batch, head) + row0 + GQ::row0()
+        float* dq_lane = p.dq_accum + dq_accum_index(seq.padded_row0(p, batch, head) + row0 + GQ::row0()
                                                      + fragment_row(0, 0), GQ::col0() + fragment_col(0, 0), HEADDIM);
         const bool all_rows = row0 + BLOCK_M <= seq.seqlen_q;
         int* semaphore = nullptr;  // DETERMINISTIC: this query block's, held for this key block's turn
@@ -288,7 +280,7 @@ __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
                          + seq.first_row_q * p.dout_row_stride + rk.col();
     const uint16* out = static_cast<const uint16*>(p.out) + batch * p.out_batch_stride + head * p.out_head_stride
                         + seq.first_row_q * p.out_row_stride + rk.col();
-    const long long stats_row0 = seq.stats_row0(p, batch, head);
+    const long long stats_row0 = seq.stats_row0(p, batch, head), padded_row0 = seq.padded_row0(p, batch, head);
     for (int row = rk.first_row(); row < rk.row0 + RowKernel::kRows; row += rk.rows_per_step()) {
         float dot = 0.f;
         if (row < seq.seqlen_q && rk.col() < p.headdim) {
@@ -301,15 +293,17 @@ __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
                        + to_float<BF16>(wa[i] >> 16) * to_float<BF16>(wb[i] >> 16);
         }
         for (int offset = rk.lanes / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-        if (rk.col() == 0 && row < seq.seqlen_q) {
-            p.dout_dot_out[stats_row0 + row] = dot;
-            const float lse = p.lse[stats_row0 + row];
-            p.lse_log2[stats_row0 + row] = lse == -CUPYFLASH_INF ? CUPYFLASH_INF : lse * CUPYFLASH_LOG2E;
+        // Rows past the sequence's end (up to the block's, within its padded rows) get D = 0 and
+        // lse_log2 = +inf: their P is 0, whatever a kernel reads for their Q and dO.
+        if (rk.col() == 0) {
+            const float lse = row < seq.seqlen_q ? p.lse[stats_row0 + row] : -CUPYFLASH_INF;
+            p.dout_dot_out[padded_row0 + row] = row < seq.seqlen_q ? dot : 0.f;
+            p.lse_log2[padded_row0 + row] = lse == -CUPYFLASH_INF ? CUPYFLASH_INF : lse * CUPYFLASH_LOG2E;
         }
     }
     // dq_accum stores 8 rows together, so the block's rows (rounded up to 8) are one contiguous range.
     const int rows = ceil_div(min(RowKernel::kRows, seq.seqlen_q - rk.row0), 8) * 8;
-    float4* accum = reinterpret_cast<float4*>(p.dq_accum + (seq.dq_accum_row0(p, batch, head) + rk.row0) * p.headdim_padded);
+    float4* accum = reinterpret_cast<float4*>(p.dq_accum + (seq.padded_row0(p, batch, head) + rk.row0) * p.headdim_padded);
     for (int i = threadIdx.x; i < rows * p.headdim_padded / 4; i += RowKernel::kThreads)
         accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
@@ -321,7 +315,7 @@ __device__ __forceinline__ void flash_bwd_convert_dq(const FlashParams& p) {
     const int head = blockIdx.y, batch = blockIdx.z;
     const Sequence seq(p, batch);
     if (rk.col() >= p.headdim) return;
-    const long long accum_row0 = seq.dq_accum_row0(p, batch, head);
+    const long long accum_row0 = seq.padded_row0(p, batch, head);
     uint16* dq = static_cast<uint16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride
                  + seq.first_row_q * p.dq_row_stride + rk.col();
     const int row_end = min(rk.row0 + RowKernel::kRows, seq.seqlen_q);

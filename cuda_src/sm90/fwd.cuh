@@ -54,19 +54,6 @@ struct Sm90FwdTile {
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "S is one wgmma wide");
 };
 
-// A ROWS x HEADDIM tile of `map` from (row, head, batch) into dst, as 64-wide column blocks one
-// after another, completing on `bar`.
-template <int ROWS, int HEADDIM>
-__device__ __forceinline__ void load_tile(uint32 dst, const TensorMap* map, uint32 bar, int row, int head, int batch) {
-    mbarrier_arrive_expect_tx(bar, ROWS * HEADDIM * 2);
-#pragma unroll
-    for (int cb = 0; cb < HEADDIM / 64; ++cb)
-        tma_load_4d(dst + cb * ROWS * kSwizzleRowBytes, map, bar, 64 * cb, row, head, batch);
-}
-
-// Named barriers (0 is __syncthreads): 1 to CONSUMERS are the consumers' turns to issue products.
-__device__ __forceinline__ void consumers_sync(int id) { asm volatile("bar.sync %0, 256;\n" :: "r"(id) : "memory"); }
-__device__ __forceinline__ void consumers_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory"); }
 
 // Tile t: the blocks are walked from the last (under a causal mask the heaviest) to the first,
 // and, as grid_slot orders them, block-major (every head's heavy blocks first) where
@@ -169,7 +156,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     const int warp_row0 = wg_row0 + 16 * (threadIdx.x / 32 % 4);
     const bool arrives = threadIdx.x % 32 == 0;  // one arrival per warp on the empty barriers
 
-    // Turns, round the consumers: each issues after the one before it has (the first goes first)
+    // Turns, round the consumers (named barriers 1 to CONSUMERS): each issues after the one before it has (the first goes first)
     // and hands the turn on. All issue equally often, so the last's first hand-over is absorbed by
     // the first's last wait.
     const int my_turn = warpgroup, next_turn = warpgroup % CONSUMERS + 1;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "../common/ptx.cuh"
+#include "wgmma.cuh"
 
 // CUtensorMap's size and alignment, without the CUDA headers.
 struct alignas(64) TensorMap {
@@ -48,4 +49,22 @@ __device__ __forceinline__ void tma_load_4d(uint32 dst, const TensorMap* map, ui
     asm volatile(
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
         :: "r"(dst), "l"(map), "r"(bar), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+
+// A ROWS x HEADDIM tile of `map` from (row, head, batch) into dst, as 64-wide column blocks one
+// after another (the swizzled layout of wgmma.cuh), completing on `bar`.
+template <int ROWS, int HEADDIM>
+__device__ __forceinline__ void load_tile(uint32 dst, const TensorMap* map, uint32 bar, int row, int head, int batch) {
+    mbarrier_arrive_expect_tx(bar, ROWS * HEADDIM * 2);
+#pragma unroll
+    for (int cb = 0; cb < HEADDIM / 64; ++cb)
+        tma_load_4d(dst + cb * ROWS * kSwizzleRowBytes, map, bar, 64 * cb, row, head, batch);
+}
+
+// `bytes` (a multiple of 16) from global `src` (16-byte aligned) into shared memory at `dst`,
+// completing on `bar`: a bulk copy, no tensor map.
+__device__ __forceinline__ void bulk_load(uint32 dst, const void* src, uint32 bytes, uint32 bar) {
+    mbarrier_arrive_expect_tx(bar, bytes);
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }

@@ -69,13 +69,14 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Each wrapper's asm is written once, by a macro, for the two 16-bit input types.
-// d (64 x 64 fp32, this warpgroup's) (+)= A (64 x 16, shared, descriptor) * B (64 x 16, shared, descriptor)^T.
+// d (64 x 64 fp32, this warpgroup's) (+)= A (64 x 16, shared, descriptor) * B (64 x 16, shared, descriptor)^T;
+// each operand K-major, or MN-major where TRANS_A / TRANS_B (as n_major_descriptor names it).
 #define CUPYFLASH_WGMMA_SS(TYPES)                                                                    \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                              \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPES " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPES " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n" \
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
-                 : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)))
-template <bool BF16>
+                 : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(int(TRANS_A)), "n"(int(TRANS_B)))
+template <bool BF16, bool TRANS_A, bool TRANS_B>
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64 desc_a, uint64 desc_b, bool accumulate) {
     if (BF16) CUPYFLASH_WGMMA_SS("bf16.bf16");
     else CUPYFLASH_WGMMA_SS("f16.f16");
@@ -85,10 +86,10 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64 desc_a
 // d (64 x 128 fp32, this warpgroup's) (+)= A (64 x 16, shared, descriptor) * B (128 x 16, shared, descriptor)^T.
 #define CUPYFLASH_WGMMA_SS(TYPES)                                                                    \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                              \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPES " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPES " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n}\n" \
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-                 : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)))
-template <bool BF16>
+                 : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(int(TRANS_A)), "n"(int(TRANS_B)))
+template <bool BF16, bool TRANS_A, bool TRANS_B>
 __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64 desc_a, uint64 desc_b, bool accumulate) {
     if (BF16) CUPYFLASH_WGMMA_SS("bf16.bf16");
     else CUPYFLASH_WGMMA_SS("f16.f16");
@@ -124,11 +125,11 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
 #undef CUPYFLASH_WGMMA_RS
 
 // By the column count N (64 or 128) of the 64 x N accumulator.
-template <int N, bool BF16>
+template <int N, bool BF16, bool TRANS_A = false, bool TRANS_B = false>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64 desc_a, uint64 desc_b, bool accumulate) {
     static_assert(N == 64 || N == 128, "wgmma_ss is written for N = 64 and 128");
-    if constexpr (N == 64) wgmma_m64n64k16_ss<BF16>(d, desc_a, desc_b, accumulate);
-    else wgmma_m64n128k16_ss<BF16>(d, desc_a, desc_b, accumulate);
+    if constexpr (N == 64) wgmma_m64n64k16_ss<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+    else wgmma_m64n128k16_ss<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
 }
 // B N-major (as V is stored).
 template <int N, bool BF16>
@@ -137,6 +138,10 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32 (&a)[4]
     if constexpr (N == 64) wgmma_m64n64k16_rs<BF16, true>(d, a, desc_b, accumulate);
     else wgmma_m64n128k16_rs<BF16, true>(d, a, desc_b, accumulate);
 }
+
+// Named barriers of two consumer warpgroups (256 threads; barrier 0 is __syncthreads).
+__device__ __forceinline__ void consumers_sync(int id) { asm volatile("bar.sync %0, 256;\n" :: "r"(id) : "memory"); }
+__device__ __forceinline__ void consumers_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory"); }
 
 // Moves registers between warpgroups (the kernel must be launched with a register cap, i.e.
 // __launch_bounds__(threads, 1)): a producer gives its spare ones up, consumers take them.

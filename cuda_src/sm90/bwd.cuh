@@ -1,0 +1,275 @@
+// Backward pass on Hopper (sm_90a): what sm80/bwd.cuh's flash_bwd computes without options, on
+// wgmma and TMA, between the same row kernels (flash_bwd_dot before it, flash_bwd_convert_dq after).
+//
+// One CTA per (key block of BLOCK_N keys, kv head, batch), in grid_slot's order. The first
+// warpgroup is the producer: one thread loads K and V once, then for each step (a query block of
+// BLOCK_M rows, of every query head of the kv group in turn, as sm80) its Q and dO by TMA and its
+// rows' lse_log2 and D by bulk copies, into a ring of STAGES buffers. Two consumer warpgroups own
+// 64 keys each and compute, per step, in the transposed orientation (keys are the rows, so that
+// P^T and dS^T are the A operands of dV and dK straight from the accumulators):
+//   S^T = K Q^T, dP^T = V dO^T (wgmma, shared memory)
+//   -> P^T = 2^(S^T scale_log2 - lse_log2), dS^T = P^T (dP^T - D) (lse_log2 and D per column)
+//   -> dV += P^T dO, dK += dS^T Q (wgmma, A from registers, dO and Q read N-major)
+// and store dS^T to shared memory, from which dQ = dS K is a product with both operands read
+// MN-major: at hd128 each consumer computes half of dQ's columns over all BLOCK_N keys (after a
+// barrier of the two), at hd64 all of them over its own 64 keys. dQ is added to dq_accum by fp32
+// reductions. Rows past a sequence's end have lse_log2 = +inf (flash_bwd_dot pads them), so their P
+// is 0 and no query-side mask is needed; keys past its end and causal or window edges are masked.
+#pragma once
+#include "../common/fragment.cuh"
+#include "../common/mask.cuh"
+#include "../common/math.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+// Tensor maps of q, k, v and dout, 4-D as the forward's (FwdMaps): boxes of 64 columns by
+// BLOCK_M (q, dout) or BLOCK_N (k, v) rows.
+struct BwdMaps {
+    TensorMap q, k, v, dout;
+};
+
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES>
+struct Sm90BwdTile {
+    static constexpr int kConsumers = BLOCK_N / 64;
+    static constexpr int kThreads = 128 * (1 + kConsumers);
+    static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+    static_assert(128 * (kProducerRegisters + kConsumers * kConsumerRegisters) <= 65536, "one CTA per SM");
+    static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;     // K or V
+    static constexpr int kQBytes = BLOCK_M * HEADDIM * 2;      // Q or dO, per stage
+    static constexpr int kDSBytes = BLOCK_N * BLOCK_M * 2;     // dS^T, two buffers
+    static constexpr int kRowBytes = BLOCK_M * 4;              // lse_log2 or D, per stage
+    static constexpr int kBarrierBytes = 8 * (1 + 2 * STAGES);
+    // Tiles first (each a multiple of 1024 bytes, as the swizzle needs), then the rows' floats and
+    // the barriers; the dynamic shared memory's start is aligned up to 1024 bytes in the kernel.
+    static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + STAGES * 2 * kQBytes + 2 * kDSBytes
+                                      + STAGES * 2 * kRowBytes + kBarrierBytes;
+    // hd128: dQ's columns split over the consumers (one barrier per step); hd64: each consumer
+    // takes its own keys' part of dQ (twice the reductions, no barrier).
+    static constexpr bool kSplitDQColumns = HEADDIM == 128;
+    static_assert(HEADDIM == 64 || HEADDIM == 128, "dK and dV of 64 keys by HEADDIM in a consumer's registers");
+    static_assert(BLOCK_M == 64 && BLOCK_N == 128, "S^T is 64 keys by 64 queries per consumer, two consumers");
+};
+
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL>
+__device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMaps& maps) {
+    typedef Sm90BwdTile<HEADDIM, BLOCK_M, BLOCK_N, STAGES> T;
+    constexpr int DT = HEADDIM / 8, MT = BLOCK_M / 8;  // accumulator column tiles: of dK/dV, of S^T
+    constexpr int kDQWidth = T::kSplitDQColumns ? HEADDIM / T::kConsumers : HEADDIM;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32 s_k = (smem_address(smem_raw) + 1023) & ~1023u, s_v = s_k + T::kKVBytes;
+    auto s_q = [&](int stage) { return s_v + T::kKVBytes + stage * 2 * T::kQBytes; };
+    auto s_do = [&](int stage) { return s_q(stage) + T::kQBytes; };
+    auto s_ds = [&](int buffer) { return s_q(STAGES) + buffer * T::kDSBytes; };
+    const uint32 s_rows = s_ds(2);
+    auto s_lse = [&](int stage) { return s_rows + stage * 2 * T::kRowBytes; };
+    auto s_dot = [&](int stage) { return s_lse(stage) + T::kRowBytes; };
+    const uint32 kv_full = s_rows + STAGES * 2 * T::kRowBytes;
+    auto q_full = [&](int stage) { return kv_full + 8 * (1 + stage); };
+    auto q_empty = [&](int stage) { return kv_full + 8 * (1 + STAGES + stage); };
+
+    const GridSlot slot = grid_slot<LOCAL>(p);
+    const int n_block = slot.block, head_k = slot.head, batch = slot.batch;
+    const int key0 = n_block * BLOCK_N;
+    const Sequence seq(p, batch);
+    if (key0 >= seq.seqlen_k) return;  // a varlen grid covers the longest sequence
+    const int group = p.nheads / p.nheads_k;
+    const BlockRange query_blocks = query_blocks_seeing<LOCAL>(p, seq, key0, BLOCK_M, BLOCK_N);
+    const int steps = group * (query_blocks.end - query_blocks.first);
+    // The steps walk the query blocks that see this key block, of each query head of the group in turn.
+    auto advance = [&](int& head, int& row0) {
+        row0 += BLOCK_M;
+        if (row0 >= query_blocks.end * BLOCK_M) { row0 = query_blocks.first * BLOCK_M; ++head; }
+    };
+    const int first_head = head_k * group, first_row0 = query_blocks.first * BLOCK_M;
+
+    const int warpgroup = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        mbarrier_init(kv_full, 2);  // K, V
+#pragma unroll
+        for (int stage = 0; stage < STAGES; ++stage) {
+            mbarrier_init(q_full(stage), 4);               // Q, dO, lse_log2, D
+            mbarrier_init(q_empty(stage), 4 * T::kConsumers);  // the consumers' warps
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        setmaxnreg_dec<T::kProducerRegisters>();
+        if (threadIdx.x != 0) return;
+        const int batch_coord = p.cu_seqlens_q == nullptr ? batch : 0;
+        load_tile<BLOCK_N, HEADDIM>(s_k, &maps.k, kv_full, seq.first_row_k + key0, head_k, batch_coord);
+        load_tile<BLOCK_N, HEADDIM>(s_v, &maps.v, kv_full, seq.first_row_k + key0, head_k, batch_coord);
+        int head = first_head, row0 = first_row0;
+        for (int step = 0; step < steps; ++step, advance(head, row0)) {
+            const int stage = step % STAGES;
+            if (step >= STAGES) mbarrier_wait(q_empty(stage), ((step / STAGES) & 1) ^ 1);
+            load_tile<BLOCK_M, HEADDIM>(s_q(stage), &maps.q, q_full(stage), seq.first_row_q + row0, head, batch_coord);
+            load_tile<BLOCK_M, HEADDIM>(s_do(stage), &maps.dout, q_full(stage), seq.first_row_q + row0, head,
+                                        batch_coord);
+            const long long padded_row = seq.padded_row0(p, batch, head) + row0;
+            bulk_load(s_lse(stage), p.lse_log2 + padded_row, T::kRowBytes, q_full(stage));
+            bulk_load(s_dot(stage), p.dout_dot_out + padded_row, T::kRowBytes, q_full(stage));
+        }
+        return;
+    }
+
+    setmaxnreg_inc<T::kConsumerRegisters>();
+    const int consumer = warpgroup - 1;
+    const int wg_key0 = 64 * consumer;                             // this consumer's keys in the block
+    const int warp_key0 = key0 + wg_key0 + 16 * (threadIdx.x / 32 % 4);  // this warp's first key
+    const bool arrives = threadIdx.x % 32 == 0;  // one arrival per warp on q_empty
+
+    float acc_dk[1][DT][4], acc_dv[1][DT][4];
+    zero(acc_dk);
+    zero(acc_dv);
+    auto flat = [](auto& acc) -> auto& {
+        return reinterpret_cast<float(&)[sizeof(acc) / sizeof(float)]>(acc);
+    };
+    mbarrier_wait(kv_full, 0);
+
+    int head = first_head, row0 = first_row0;
+    for (int step = 0; step < steps; ++step, advance(head, row0)) {
+        const int stage = step % STAGES, buffer = step % 2;
+        mbarrier_wait(q_full(stage), (step / STAGES) & 1);
+
+        // S^T = K Q^T and dP^T = V dO^T, two groups: P^T is computed while dP^T runs.
+        float s[1][MT][4], dp[1][MT][4];
+        wgmma_fence();
+        const uint64 k_desc = k_major_descriptor(s_k + wg_key0 * kSwizzleRowBytes, 0, BLOCK_N);
+        const uint64 v_desc = k_major_descriptor(s_v + wg_key0 * kSwizzleRowBytes, 0, BLOCK_N);
+        const uint64 q_desc = k_major_descriptor(s_q(stage), 0, BLOCK_M);
+        const uint64 do_desc = k_major_descriptor(s_do(stage), 0, BLOCK_M);
+        static_for<HEADDIM / 16>([&](auto kk_) {
+            constexpr int kk = decltype(kk_)::value;
+            wgmma_ss<BLOCK_M, BF16>(flat(s), descriptor_plus<k_major_offset(kk, BLOCK_N), false>(k_desc),
+                                    descriptor_plus<k_major_offset(kk, BLOCK_M), false>(q_desc), kk > 0);
+        });
+        wgmma_commit();
+        static_for<HEADDIM / 16>([&](auto kk_) {
+            constexpr int kk = decltype(kk_)::value;
+            wgmma_ss<BLOCK_M, BF16>(flat(dp), descriptor_plus<k_major_offset(kk, BLOCK_N), false>(v_desc),
+                                    descriptor_plus<k_major_offset(kk, BLOCK_M), false>(do_desc), kk > 0);
+        });
+        wgmma_commit();
+
+        // P^T; a column is a query row, whose lse_log2 and D sit in shared memory.
+        const float* lse = reinterpret_cast<const float*>(smem_raw + (s_lse(stage) - smem_address(smem_raw)));
+        const float* dot = reinterpret_cast<const float*>(smem_raw + (s_dot(stage) - smem_address(smem_raw)));
+        wgmma_wait<1>();
+        fence_operands(flat(s));
+        for_each_element<1, MT>([&](int, int nt, int e) {
+            s[0][nt][e] = fast_exp2(fmaf(s[0][nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
+        });
+        if (block_needs_mask<LOCAL>(p, seq, row0, key0 + wg_key0, BLOCK_M, 64)) {
+            for_each_element<1, MT>([&](int, int nt, int e) {
+                if (!is_visible<LOCAL>(p, seq, row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e)))
+                    s[0][nt][e] = 0.f;
+            });
+        }
+        wgmma_wait<0>();
+        fence_operands(flat(dp));
+        // dS^T = P^T (dP^T - D), and both as A fragments (k-slice kk: queries 16 kk .. 16 kk + 15).
+        uint32 p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int nt = 2 * kk + half;
+                float ds[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) ds[e] = s[0][nt][e] * (dp[0][nt][e] - dot[fragment_col(nt, e)]);
+                p_frag[kk][2 * half] = pack_pair<BF16>(s[0][nt][0], s[0][nt][1]);
+                p_frag[kk][2 * half + 1] = pack_pair<BF16>(s[0][nt][2], s[0][nt][3]);
+                ds_frag[kk][2 * half] = pack_pair<BF16>(ds[0], ds[1]);
+                ds_frag[kk][2 * half + 1] = pack_pair<BF16>(ds[2], ds[3]);
+            }
+        }
+        // dS^T to shared memory, keys as rows (its 64 query columns are one swizzled column block).
+        {
+            const int row = wg_key0 + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
+#pragma unroll
+            for (int nt = 0; nt < MT; ++nt) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const uint32 address = s_ds(buffer) + swizzled_offset(row + 8 * half, fragment_col(nt, 0), BLOCK_N);
+                    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(address), "r"(ds_frag[nt / 2][2 * (nt % 2) + half])
+                                 : "memory");
+                }
+            }
+        }
+        fence_proxy_async();  // dS^T's stores, then wgmma reads them
+
+        // dV += P^T dO, dK += dS^T Q (B N-major: the rows of dO and Q are the k dimension here).
+        wgmma_fence();
+        const uint64 do_n_desc = n_major_descriptor(s_do(stage), 0, BLOCK_M);
+        const uint64 q_n_desc = n_major_descriptor(s_q(stage), 0, BLOCK_M);
+        static_for<BLOCK_M / 16>([&](auto kk_) {
+            constexpr int kk = decltype(kk_)::value;
+            wgmma_rs<HEADDIM, BF16>(flat(acc_dv), p_frag[kk], descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(do_n_desc), true);
+        });
+        static_for<BLOCK_M / 16>([&](auto kk_) {
+            constexpr int kk = decltype(kk_)::value;
+            wgmma_rs<HEADDIM, BF16>(flat(acc_dk), ds_frag[kk], descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(q_n_desc), true);
+        });
+        wgmma_commit();
+
+        // dQ = dS K: A is dS^T's tile read MN-major, B the K tile read N-major.
+        float dq[1][kDQWidth / 8][4];
+        constexpr int kDQKeys = T::kSplitDQColumns ? BLOCK_N : 64;
+        const uint32 ds_tile = s_ds(buffer) + (T::kSplitDQColumns ? 0 : wg_key0 * kSwizzleRowBytes);
+        const uint32 k_tile = s_k + (T::kSplitDQColumns ? consumer * BLOCK_N * kSwizzleRowBytes
+                                                        : wg_key0 * kSwizzleRowBytes);
+        if constexpr (T::kSplitDQColumns) consumers_sync(1);  // both consumers' dS^T are stored
+        wgmma_fence();
+        const uint64 ds_desc = n_major_descriptor(ds_tile, 0, BLOCK_N), kb_desc = n_major_descriptor(k_tile, 0, BLOCK_N);
+        static_for<kDQKeys / 16>([&](auto kk_) {
+            constexpr int kk = decltype(kk_)::value;
+            wgmma_ss<kDQWidth, BF16, true, true>(flat(dq), descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(ds_desc),
+                                                 descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(kb_desc), kk > 0);
+        });
+        wgmma_commit();
+        wgmma_wait<1>();  // dV and dK are done with Q and dO
+        fence_operands(flat(acc_dv));
+        fence_operands(flat(acc_dk));
+        if (arrives) mbarrier_arrive(q_empty(stage));
+        wgmma_wait<0>();
+        fence_operands(flat(dq));
+
+        // dq_accum += dQ (its 8 x 8 blocks: dq_accum_index); rows past the sequence's end add nothing.
+        const int q_row = 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;  // this lane's first row in the block
+        const int col0 = (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0);
+        float* dq_lane = p.dq_accum + dq_accum_index(seq.padded_row0(p, batch, head) + row0 + q_row, col0, HEADDIM);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            if (row0 + q_row + 8 * half < seq.seqlen_q) {
+#pragma unroll
+                for (int nt = 0; nt < kDQWidth / 8; ++nt)
+                    atomic_add_pair(dq_lane + 8 * half * HEADDIM + 64 * nt, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
+            }
+        }
+    }
+
+    // dK (times the softmax scale) and dV, straight from the registers.
+    uint16* dk = static_cast<uint16*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride
+                 + seq.first_row_k * p.dk_row_stride;
+    uint16* dv = static_cast<uint16*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride
+                 + seq.first_row_k * p.dv_row_stride;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int key = warp_key0 + fragment_row(0, 2 * half);
+        if (key < seq.seqlen_k) {
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt) {
+                const int col = fragment_col(dt, 0);
+                if (col < p.headdim) {
+                    *reinterpret_cast<uint32*>(dk + key * p.dk_row_stride + col) =
+                        pack_pair<BF16>(acc_dk[0][dt][2 * half] * p.softmax_scale, acc_dk[0][dt][2 * half + 1] * p.softmax_scale);
+                    *reinterpret_cast<uint32*>(dv + key * p.dv_row_stride + col) =
+                        pack_pair<BF16>(acc_dv[0][dt][2 * half], acc_dv[0][dt][2 * half + 1]);
+                }
+            }
+        }
+    }
+}

@@ -145,9 +145,11 @@ class Tile:
         if self.kernel_family == WGMMA and kernel_pass(pass_) == "fwd":  # alignment, Q, (K, V) x stages, barriers
             return (1024 + 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n)
                     + 8 * (2 + 4 * self.stages))
-        if self.kernel_family == WGMMA:  # alignment, K, V, (Q, dO) x stages, dS^T x 2, (lse, D) x stages, barriers
+        if self.kernel_family == WGMMA:  # alignment, K, V, (Q, dO) x stages, dS^T x 2, dQ, (lse, D) x stages, barriers
+            dq_pieces = 1 if self.headdim == 128 else self.block_n // 64
             return (1024 + 2 * self.headdim * (2 * self.block_n + 2 * self.stages * self.block_m)
-                    + 4 * self.block_n * self.block_m + 8 * self.stages * self.block_m + 8 * (1 + 2 * self.stages))
+                    + 4 * self.block_n * self.block_m + 4 * dq_pieces * self.block_m * self.headdim
+                    + 8 * self.stages * self.block_m + 8 * (3 + 2 * self.stages))
         row = row_bytes(self.headdim)
         if kernel_pass(pass_) == "decode":  # Q, then per warp (K, V) x stages
             return (self.block_m + 2 * self.stages * self.block_n * self.warps) * row

@@ -12,8 +12,9 @@
 //   -> dV += P^T dO, dK += dS^T Q (wgmma, A from registers, dO and Q read N-major)
 // and store dS^T to shared memory, from which dQ = dS K is a product with both operands read
 // MN-major: at hd128 each consumer computes half of dQ's columns over all BLOCK_N keys (after a
-// barrier of the two), at hd64 all of them over its own 64 keys. dQ is added to dq_accum by fp32
-// reductions. Rows past a sequence's end have lse_log2 = +inf (flash_bwd_dot pads them), so their P
+// barrier of the two), at hd64 all of them over its own 64 keys. The consumers leave dQ in shared
+// memory in dq_accum's layout, and a second producer thread adds it to dq_accum by bulk
+// reductions (the copy engine's, off the consumers' path). Rows past a sequence's end have lse_log2 = +inf (flash_bwd_dot pads them), so their P
 // is 0 and no query-side mask is needed; keys past its end and causal or window edges are masked.
 #pragma once
 #include "../common/fragment.cuh"
@@ -32,20 +33,25 @@ template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES>
 struct Sm90BwdTile {
     static constexpr int kConsumers = BLOCK_N / 64;
     static constexpr int kThreads = 128 * (1 + kConsumers);
-    static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+    // Registers per thread (65536 per SM, one CTA): hd128's consumers hold dK and dV (128) besides
+    // S^T, dP^T and dQ; hd64's need fewer, and the producer's two threads use more there.
+    static constexpr int kConsumerRegisters = HEADDIM == 128 ? 240 : 224;
+    static constexpr int kProducerRegisters = HEADDIM == 128 ? 32 : 56;
     static_assert(128 * (kProducerRegisters + kConsumers * kConsumerRegisters) <= 65536, "one CTA per SM");
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;     // K or V
     static constexpr int kQBytes = BLOCK_M * HEADDIM * 2;      // Q or dO, per stage
     static constexpr int kDSBytes = BLOCK_N * BLOCK_M * 2;     // dS^T, two buffers
     static constexpr int kRowBytes = BLOCK_M * 4;              // lse_log2 or D, per stage
-    static constexpr int kBarrierBytes = 8 * (1 + 2 * STAGES);
+    // hd128: dQ's columns split over the consumers (one barrier per step); hd64: each consumer
+    // takes its own keys' part of dQ (two pieces to add, no barrier).
+    static constexpr bool kSplitDQColumns = HEADDIM == 128;
+    static constexpr int kDQPieces = kSplitDQColumns ? 1 : kConsumers;
+    static constexpr int kDQBytes = BLOCK_M * HEADDIM * 4;     // one piece of dQ, fp32
+    static constexpr int kBarrierBytes = 8 * (3 + 2 * STAGES);
     // Tiles first (each a multiple of 1024 bytes, as the swizzle needs), then the rows' floats and
     // the barriers; the dynamic shared memory's start is aligned up to 1024 bytes in the kernel.
     static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + STAGES * 2 * kQBytes + 2 * kDSBytes
-                                      + STAGES * 2 * kRowBytes + kBarrierBytes;
-    // hd128: dQ's columns split over the consumers (one barrier per step); hd64: each consumer
-    // takes its own keys' part of dQ (twice the reductions, no barrier).
-    static constexpr bool kSplitDQColumns = HEADDIM == 128;
+                                      + kDQPieces * kDQBytes + STAGES * 2 * kRowBytes + kBarrierBytes;
     static_assert(HEADDIM == 64 || HEADDIM == 128, "dK and dV of 64 keys by HEADDIM in a consumer's registers");
     static_assert(BLOCK_M == 64 && BLOCK_N == 128, "S^T is 64 keys by 64 queries per consumer, two consumers");
 };
@@ -54,6 +60,8 @@ template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOC
 __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMaps& maps) {
     typedef Sm90BwdTile<HEADDIM, BLOCK_M, BLOCK_N, STAGES> T;
     constexpr int DT = HEADDIM / 8, MT = BLOCK_M / 8;  // accumulator column tiles: of dK/dV, of S^T
+    static_assert(BLOCK_M % Sequence::kPaddedRows == 0 || Sequence::kPaddedRows % BLOCK_M == 0,
+                  "a query block's padded rows are one aligned piece of dq_accum, lse_log2 and D");
     constexpr int kDQWidth = T::kSplitDQColumns ? HEADDIM / T::kConsumers : HEADDIM;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -61,12 +69,13 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     auto s_q = [&](int stage) { return s_v + T::kKVBytes + stage * 2 * T::kQBytes; };
     auto s_do = [&](int stage) { return s_q(stage) + T::kQBytes; };
     auto s_ds = [&](int buffer) { return s_q(STAGES) + buffer * T::kDSBytes; };
-    const uint32 s_rows = s_ds(2);
+    const uint32 s_dq = s_ds(2), s_rows = s_dq + T::kDQPieces * T::kDQBytes;
     auto s_lse = [&](int stage) { return s_rows + stage * 2 * T::kRowBytes; };
     auto s_dot = [&](int stage) { return s_lse(stage) + T::kRowBytes; };
     const uint32 kv_full = s_rows + STAGES * 2 * T::kRowBytes;
     auto q_full = [&](int stage) { return kv_full + 8 * (1 + stage); };
     auto q_empty = [&](int stage) { return kv_full + 8 * (1 + STAGES + stage); };
+    const uint32 dq_full = kv_full + 8 * (1 + 2 * STAGES), dq_empty = dq_full + 8;
 
     const GridSlot slot = grid_slot<LOCAL>(p);
     const int n_block = slot.block, head_k = slot.head, batch = slot.batch;
@@ -91,12 +100,28 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             mbarrier_init(q_full(stage), 4);               // Q, dO, lse_log2, D
             mbarrier_init(q_empty(stage), 4 * T::kConsumers);  // the consumers' warps
         }
+        mbarrier_init(dq_full, 4 * T::kConsumers);
+        mbarrier_init(dq_empty, 1);
         fence_mbarrier_init();
     }
     __syncthreads();
 
     if (warpgroup == 0) {
         setmaxnreg_dec<T::kProducerRegisters>();
+        if (threadIdx.x == 32) {  // dQ's adder
+            int head = first_head, row0 = first_row0;
+            for (int step = 0; step < steps; ++step, advance(head, row0)) {
+                mbarrier_wait(dq_full, step & 1);
+                float* dq_accum = p.dq_accum + (seq.padded_row0(p, batch, head) + row0) * HEADDIM;
+#pragma unroll
+                for (int piece = 0; piece < T::kDQPieces; ++piece)
+                    bulk_reduce_add(dq_accum, s_dq + piece * T::kDQBytes, T::kDQBytes);
+                bulk_commit();
+                bulk_wait_all<true>();
+                mbarrier_arrive(dq_empty);
+            }
+            bulk_wait_all<false>();
+        }
         if (threadIdx.x != 0) return;
         const int batch_coord = p.cu_seqlens_q == nullptr ? batch : 0;
         load_tile<BLOCK_N, HEADDIM>(s_k, &maps.k, kv_full, seq.first_row_k + key0, head_k, batch_coord);
@@ -237,18 +262,24 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         wgmma_wait<0>();
         fence_operands(flat(dq));
 
-        // dq_accum += dQ (its 8 x 8 blocks: dq_accum_index); rows past the sequence's end add nothing.
-        const int q_row = 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;  // this lane's first row in the block
-        const int col0 = (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0);
-        float* dq_lane = p.dq_accum + dq_accum_index(seq.padded_row0(p, batch, head) + row0 + q_row, col0, HEADDIM);
+        // dQ into shared memory in dq_accum's layout (dq_accum_index: each warp's pair stores fill
+        // 256 contiguous bytes), once the adder has read the last step's.
+        if (step > 0) mbarrier_wait(dq_empty, (step - 1) & 1);
+        {
+            const int q_row = 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
+            const int col0 = (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0);
+            const uint32 piece = s_dq + (T::kSplitDQColumns ? 0 : consumer * T::kDQBytes);
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            if (row0 + q_row + 8 * half < seq.seqlen_q) {
+            for (int half = 0; half < 2; ++half)
 #pragma unroll
-                for (int nt = 0; nt < kDQWidth / 8; ++nt)
-                    atomic_add_pair(dq_lane + 8 * half * HEADDIM + 64 * nt, dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
-            }
+                for (int nt = 0; nt < kDQWidth / 8; ++nt) {
+                    const uint32 address = piece + 4 * uint32(dq_accum_index(q_row + 8 * half, col0 + 8 * nt, HEADDIM));
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(address), "f"(dq[0][nt][2 * half]),
+                                 "f"(dq[0][nt][2 * half + 1]) : "memory");
+                }
         }
+        fence_proxy_async();  // the stores, then the copy engine reads them
+        if (arrives) mbarrier_arrive(dq_full);
     }
 
     // dK (times the softmax scale) and dV, straight from the registers.

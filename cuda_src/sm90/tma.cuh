@@ -68,3 +68,17 @@ __device__ __forceinline__ void bulk_load(uint32 dst, const void* src, uint32 by
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+
+// dst[i] += src[i] for `bytes` (a multiple of 16) of fp32 from shared memory at `src` into global
+// `dst` (both 16-byte aligned): a bulk reduction, in the bulk group of this thread.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, uint32 src, uint32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's bulk groups have read their sources (READ), or are complete.
+template <bool READ>
+__device__ __forceinline__ void bulk_wait_all() {
+    if (READ) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}

@@ -33,11 +33,15 @@ template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES>
 struct Sm90BwdTile {
     static constexpr int kConsumers = BLOCK_N / 64;
     static constexpr int kThreads = 128 * (1 + kConsumers);
-    // Registers per thread (65536 per SM, one CTA): hd128's consumers hold dK and dV (128) besides
-    // S^T, dP^T and dQ; hd64's need fewer, and the producer's two threads use more there.
-    static constexpr int kConsumerRegisters = HEADDIM == 128 ? 240 : 224;
-    static constexpr int kProducerRegisters = HEADDIM == 128 ? 32 : 56;
-    static_assert(128 * (kProducerRegisters + kConsumers * kConsumerRegisters) <= 65536, "one CTA per SM");
+    // Registers per thread: hd128's consumers hold dK and dV (128) besides S^T, dP^T and dQ; hd64's
+    // need fewer, and the producer's two threads use more there. A CTA starts with kLaunchRegisters
+    // per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg only moves them between
+    // warpgroups: a consumer that asks for more than the producer gave up waits for ever.
+    static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+    static constexpr int kConsumerRegisters = HEADDIM == 128 ? 232 : 224;
+    static constexpr int kProducerRegisters = HEADDIM == 128 ? 40 : 56;
+    static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * kLaunchRegisters,
+                  "the consumers' registers are the producer's");
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;     // K or V
     static constexpr int kQBytes = BLOCK_M * HEADDIM * 2;      // Q or dO, per stage
     static constexpr int kDSBytes = BLOCK_N * BLOCK_M * 2;     // dS^T, two buffers

@@ -66,16 +66,20 @@ def _needs_hopper():
 
 
 @pytest.mark.parametrize("family", ["wgmma", "mma_sync"])
-def test_the_forward_family_on_hopper(family, monkeypatch):
-    """On compute capability 9.0 the forward runs on the wgmma kernels, unless CUPYFLASH_FAMILY=mma_sync
-    forces the older family (as the suite's second run on an H200 does throughout); both pass."""
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_the_kernel_family_on_hopper(family, headdim, monkeypatch):
+    """On compute capability 9.0 the forward and the plain backward run on the wgmma kernels, unless
+    CUPYFLASH_FAMILY=mma_sync forces the older family (as the suite's second run on an H200 does
+    throughout); both pass."""
     _needs_hopper()
     from cupyflash import _plan
     monkeypatch.setattr(_plan, "_plans", {})
     monkeypatch.setenv("CUPYFLASH_FAMILY", family)
-    case = Case(300, 500, 128, "bfloat16", True, nheads=4, nheads_k=2)
+    case = Case(300, 500, headdim, "bfloat16", True, nheads=4, nheads_k=2)
     _assert_ok(_check.run_gpu_case(case, _seed(case)))
-    assert {k.wgmma for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "fwd"} == {family == "wgmma"}
+    for pass_ in ("fwd", "bwd"):
+        assert {k.wgmma for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == pass_} == {
+            family == "wgmma"}
 
 
 def test_a_cached_wgmma_plan_reads_each_calls_arrays(monkeypatch):

@@ -31,10 +31,14 @@ template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS>
 struct Sm90FwdTile {
     static constexpr int kBlockM = 64 * CONSUMERS;          // a consumer warpgroup's 64 rows each
     static constexpr int kThreads = 128 * (1 + CONSUMERS);
-    // Registers per thread: the producer gives all but 24 to the consumers (65536 per SM, one CTA).
+    // Registers per thread: the producer gives all but 24 to the consumers. A CTA starts with
+    // kLaunchRegisters per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg only moves
+    // them between warpgroups: a consumer that asks for more than the producer gave up waits for ever.
+    static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
     static constexpr int kProducerRegisters = 24;
     static constexpr int kConsumerRegisters = CONSUMERS == 2 ? 240 : 160;
-    static_assert(128 * (kProducerRegisters + CONSUMERS * kConsumerRegisters) <= 65536, "one CTA per SM");
+    static_assert(kProducerRegisters + CONSUMERS * kConsumerRegisters <= (1 + CONSUMERS) * kLaunchRegisters,
+                  "the consumers' registers are the producer's");
     static constexpr int kQBytes = kBlockM * HEADDIM * 2;
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;  // one K or V buffer
     static constexpr int kBarrierBytes = 8 * (2 + 4 * STAGES);

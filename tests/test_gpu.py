@@ -136,6 +136,7 @@ def test_backward_with_its_last_wave_split(case, resident, monkeypatch):
     from cupyflash import _plan, _schedule
     monkeypatch.setattr(_plan, "_plans", {})
     monkeypatch.setattr(_schedule, "resident_ctas", lambda kernel, device: resident)
+    monkeypatch.setenv("CUPYFLASH_FAMILY", "mma_sync")  # the split is the mma.sync backward's (the wgmma one is H200's)
     _assert_ok(_check.run_gpu_case(case, _seed(case) + resident))
     bwd_grids = [plan.launches[1][1] for plan in _plan._plans.values() if len(plan.launches) == 3]
     assert len(bwd_grids) == 1 and bwd_grids[0][2] > case.batch  # z slices past the batch: the pieces
@@ -145,6 +146,7 @@ def test_forced_tile_table_gets_its_own_plan(monkeypatch):
     """A cached launch plan of the native table is not reused once CUPYFLASH_TILES forces another."""
     from cupyflash import _config, _plan, flash_attn_backward, flash_attn_func
     monkeypatch.setattr(_plan, "_plans", {})
+    monkeypatch.setenv("CUPYFLASH_FAMILY", "mma_sync")  # the tables below are the mma.sync family's
     case = Case(300, 300, 128, "bfloat16")
     arrays = _check.to_cupy_inputs(case, _check.random_inputs(case, 2))
     q, k, v, dout = (arrays[n] for n in ("q", "k", "v", "dout"))

@@ -73,6 +73,7 @@ def test_backward_with_its_last_wave_split(monkeypatch):
     case, resident = TAIL_SPLIT
     monkeypatch.setattr(_plan, "_plans", {})
     monkeypatch.setattr(_schedule, "resident_ctas", lambda kernel, device: resident)
+    monkeypatch.setenv("CUPYFLASH_FAMILY", "mma_sync")  # the split is the mma.sync backward's (the wgmma one is H200's)
     _assert_ok(_check.run_gpu_case(case, _seed(case) + resident))
     bwd_grids = [plan.launches[1][1] for plan in _plan._plans.values() if len(plan.launches) == 3]
     assert len(bwd_grids) == 1 and bwd_grids[0][2] > case.batch  # z slices past the batch: the pieces

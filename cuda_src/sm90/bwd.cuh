@@ -250,7 +250,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         const uint32 ds_tile = s_ds(buffer) + (T::kSplitDQColumns ? 0 : wg_key0 * kSwizzleRowBytes);
         const uint32 k_tile = s_k + (T::kSplitDQColumns ? consumer * BLOCK_N * kSwizzleRowBytes
                                                         : wg_key0 * kSwizzleRowBytes);
-        if constexpr (T::kSplitDQColumns) consumers_sync(1);  // both consumers' dS^T are stored
+        // Every warp's dS^T rows are stored before the product reads them: both consumers' (named
+        // barrier 1), or this one's (barrier 2 + consumer).
+        if constexpr (T::kSplitDQColumns) consumers_sync(1);
+        else warpgroup_sync(2 + consumer);
         wgmma_fence();
         const uint64 ds_desc = n_major_descriptor(ds_tile, 0, BLOCK_N), kb_desc = n_major_descriptor(k_tile, 0, BLOCK_N);
         static_for<kDQKeys / 16>([&](auto kk_) {
@@ -262,6 +265,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         wgmma_wait<1>();  // dV and dK are done with Q and dO
         fence_operands(flat(acc_dv));
         fence_operands(flat(acc_dk));
+        __syncwarp();  // every lane's reads of lse_log2 and D before its warp's arrival releases them
         if (arrives) mbarrier_arrive(q_empty(stage));
         wgmma_wait<0>();
         fence_operands(flat(dq));
@@ -283,6 +287,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 }
         }
         fence_proxy_async();  // the stores, then the copy engine reads them
+        __syncwarp();
         if (arrives) mbarrier_arrive(dq_full);
     }
 

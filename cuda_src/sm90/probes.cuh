@@ -52,8 +52,7 @@ __device__ void wgmma_probe_ss(const uint16* a, const uint16* b, float* d) {
     for (int k = 0; k < K / 16; ++k) {
         const uint64 desc_a = k_major_descriptor(smem_address(tile_a), k, 64);
         const uint64 desc_b = k_major_descriptor(smem_address(tile_b), k, N);
-        if constexpr (N == 64) wgmma_m64n64k16_ss<BF16>(acc, desc_a, desc_b, k > 0);
-        else wgmma_m64n128k16_ss<BF16>(acc, desc_a, desc_b, k > 0);
+        wgmma_ss<N, BF16>(acc, desc_a, desc_b, k > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();

@@ -142,6 +142,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32 (&a)[4]
 // Named barriers of two consumer warpgroups (256 threads; barrier 0 is __syncthreads).
 __device__ __forceinline__ void consumers_sync(int id) { asm volatile("bar.sync %0, 256;\n" :: "r"(id) : "memory"); }
 __device__ __forceinline__ void consumers_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory"); }
+// A named barrier of one warpgroup (128 threads).
+__device__ __forceinline__ void warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory"); }
 
 // Moves registers between warpgroups (the kernel must be launched with a register cap, i.e.
 // __launch_bounds__(threads, 1)): a producer gives its spare ones up, consumers take them.

@@ -14,8 +14,9 @@
 // MN-major: at hd128 each consumer computes half of dQ's columns over all BLOCK_N keys (after a
 // barrier of the two), at hd64 all of them over its own 64 keys. The consumers leave dQ in shared
 // memory in dq_accum's layout, and a second producer thread adds it to dq_accum by bulk
-// reductions (the copy engine's, off the consumers' path). Rows past a sequence's end have lse_log2 = +inf (flash_bwd_dot pads them), so their P
-// is 0 and no query-side mask is needed; keys past its end and causal or window edges are masked.
+// reductions (the copy engine's, off the consumers' path). Rows past a sequence's end have
+// lse_log2 = +inf (flash_bwd_dot pads them), so their P is 0 and no query-side mask is needed;
+// keys past its end and causal or window edges are masked.
 #pragma once
 #include "../common/fragment.cuh"
 #include "../common/mask.cuh"
@@ -64,7 +65,7 @@ template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOC
 __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMaps& maps) {
     typedef Sm90BwdTile<HEADDIM, BLOCK_M, BLOCK_N, STAGES> T;
     constexpr int DT = HEADDIM / 8, MT = BLOCK_M / 8;  // accumulator column tiles: of dK/dV, of S^T
-    static_assert(BLOCK_M % Sequence::kPaddedRows == 0 || Sequence::kPaddedRows % BLOCK_M == 0,
+    static_assert(Sequence::kPaddedRows % BLOCK_M == 0,
                   "a query block's padded rows are one aligned piece of dq_accum, lse_log2 and D");
     constexpr int kDQWidth = T::kSplitDQColumns ? HEADDIM / T::kConsumers : HEADDIM;
 

@@ -47,8 +47,8 @@ struct Sm90BwdTile {
     static constexpr int kQBytes = BLOCK_M * HEADDIM * 2;      // Q or dO, per stage
     static constexpr int kDSBytes = BLOCK_N * BLOCK_M * 2;     // dS^T, two buffers
     static constexpr int kRowBytes = BLOCK_M * 4;              // lse_log2 or D, per stage
-    // hd128: dQ's columns split over the consumers (one barrier per step); hd64: each consumer
-    // takes its own keys' part of dQ (two pieces to add, no barrier).
+    // hd128: dQ's columns split over the consumers (a barrier of the two per step); hd64: each
+    // consumer takes its own keys' part of dQ (two pieces to add, no barrier between them).
     static constexpr bool kSplitDQColumns = HEADDIM == 128;
     static constexpr int kDQPieces = kSplitDQColumns ? 1 : kConsumers;
     static constexpr int kDQBytes = BLOCK_M * HEADDIM * 4;     // one piece of dQ, fp32

@@ -66,7 +66,7 @@ def _needs_hopper():
 
 
 @pytest.mark.parametrize("family", ["wgmma", "mma_sync"])
-@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
 def test_the_kernel_family_on_hopper(family, headdim, monkeypatch):
     """On compute capability 9.0 the forward and the plain backward run on the wgmma kernels, unless
     CUPYFLASH_FAMILY=mma_sync forces the older family (as the suite's second run on an H200 does

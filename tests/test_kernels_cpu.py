@@ -87,9 +87,7 @@ def test_a_forced_family_that_cannot_serve_is_refused(monkeypatch):
     monkeypatch.setenv("CUPYFLASH_FAMILY", "wgmma")
     with pytest.raises(ValueError, match=r"CUPYFLASH_FAMILY=wgmma.*bwd_options pass on compute capability 9.0"):
         _config.kernel_family_for("bwd_options", (9, 0))
-    with pytest.raises(ValueError, match=r"CUPYFLASH_FAMILY=wgmma.*bwd pass at head dim 160 on compute capability 9.0"):
-        _config.kernel_family_for("bwd", (9, 0), 160)
-    assert _config.kernel_family_for("bwd", (9, 0), 128) == _config.WGMMA
+    assert _config.kernel_family_for("bwd", (9, 0), 256) == _config.WGMMA
     with pytest.raises(ValueError, match=r"CUPYFLASH_FAMILY=wgmma.*compute capability 8.0"):
         _config.kernel_family_for("fwd", (8, 0))
     monkeypatch.setenv("CUPYFLASH_FAMILY", "hopper")
@@ -106,13 +104,12 @@ def test_wgmma_tiles_round_head_dims_up_to_whole_column_blocks(headdim, padded):
     assert kernel.wgmma and kernel.arch("90") == "90a" and "_wgmma_" in kernel.name
 
 
-@pytest.mark.parametrize("headdim, padded", [(8, 64), (64, 64), (72, 128), (128, 128)])
-def test_wgmma_backward_tiles_cover_head_dims_up_to_128(headdim, padded):
+@pytest.mark.parametrize("headdim, padded", [(8, 64), (64, 64), (72, 128), (128, 128), (136, 256), (256, 256)])
+def test_wgmma_backward_tiles_cover_every_head_dim(headdim, padded):
     tile = _config.tile_for("bwd", headdim, (9, 0), 227 * 1024, kernel_family=_config.WGMMA)
     assert tile == _config.Tile(padded, *_config.TILES[_config.WGMMA]["sm90"]["bwd"][padded], _config.WGMMA)
-    assert tile.smem_bytes("bwd") <= 227 * 1024 and tile.threads == 128 * (1 + tile.block_n // 64)
+    assert tile.smem_bytes("bwd") <= 227 * 1024 and tile.threads == 3 * 128  # a producer, two consumers
     assert _config.kernel_family_for("bwd", (9, 0), headdim) == _config.WGMMA
-    assert _config.kernel_family_for("bwd", (9, 0), 136) == _config.MMA_SYNC  # above: mma.sync's tiles
 
 
 def test_every_wgmma_variant_is_compiled_for_sm90a():
@@ -121,7 +118,7 @@ def test_every_wgmma_variant_is_compiled_for_sm90a():
     assert {(k.pass_, k.tile.headdim, k.dtype, k.local, k.options) for _, k in jobs} == {
         ("fwd", hd, dtype, local, options) for hd in (64, 128, 256) for dtype in _kernels.DTYPES
         for local in (False, True) for options in (False, True)} | {
-        ("bwd", hd, dtype, local, False) for hd in (64, 128) for dtype in _kernels.DTYPES for local in (False, True)}
+        ("bwd", hd, dtype, local, False) for hd in (64, 128, 256) for dtype in _kernels.DTYPES for local in (False, True)}
     bwd_tile = next(k.tile for _, k in jobs if k.pass_ == "bwd")
     for kernel in (dict(pass_="bwd", tile=bwd_tile, options=True), dict(pass_="decode", tile=bwd_tile),
                    dict(pass_="fwd", tile=jobs[0][1].tile, even_k=True)):

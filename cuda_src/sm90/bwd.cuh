@@ -1,7 +1,8 @@
 // Backward pass on Hopper (sm_90a): what sm80/bwd.cuh's flash_bwd computes without options, on
 // wgmma and TMA, between the same row kernels (flash_bwd_dot before it, flash_bwd_convert_dq after).
 //
-// One CTA per (key block of BLOCK_N keys, kv head, batch), in grid_slot's order. The first
+// One CTA per (key block of BLOCK_N keys, kv head, batch), in grid_slot's order. (hd256 splits
+// the work between its consumers otherwise: see the hd256 branch of the consumers below.) The first
 // warpgroup is the producer: one thread loads K and V once, then for each step (a query block of
 // BLOCK_M rows, of every query head of the kv group in turn, as sm80) its Q and dO by TMA and its
 // rows' lse_log2 and D by bulk copies, into a ring of STAGES buffers. Two consumer warpgroups own
@@ -32,33 +33,42 @@ struct BwdMaps {
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES>
 struct Sm90BwdTile {
-    static constexpr int kConsumers = BLOCK_N / 64;
+    // Up to hd128 the consumers split the keys (64 each); at hd256, whose dK and dV of 64 keys would
+    // take all of a consumer's registers, both work on BLOCK_N = 64 keys and split dK's and dV's
+    // columns: one computes S^T, the other dP^T, and they trade through shared memory.
+    static constexpr bool kSplitKeys = HEADDIM <= 128;
+    static constexpr int kConsumers = 2;
     static constexpr int kThreads = 128 * (1 + kConsumers);
     // Registers per thread: hd128's consumers hold dK and dV (128) besides S^T, dP^T and dQ; hd64's
     // need fewer, and the producer's two threads use more there. A CTA starts with kLaunchRegisters
     // per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg only moves them between
     // warpgroups: a consumer that asks for more than the producer gave up waits for ever.
     static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-    static constexpr int kConsumerRegisters = HEADDIM == 128 ? 232 : 224;
-    static constexpr int kProducerRegisters = HEADDIM == 128 ? 40 : 56;
+    static constexpr int kConsumerRegisters = HEADDIM == 64 ? 224 : 232;
+    static constexpr int kProducerRegisters = HEADDIM == 64 ? 56 : 40;
     static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * kLaunchRegisters,
                   "the consumers' registers are the producer's");
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;     // K or V
     static constexpr int kQBytes = BLOCK_M * HEADDIM * 2;      // Q or dO, per stage
-    static constexpr int kDSBytes = BLOCK_N * BLOCK_M * 2;     // dS^T, two buffers
+    static constexpr int kDSBytes = BLOCK_N * BLOCK_M * 2;     // dS^T (or P^T), 16-bit
     static constexpr int kRowBytes = BLOCK_M * 4;              // lse_log2 or D, per stage
     // hd128: dQ's columns split over the consumers (a barrier of the two per step); hd64: each
     // consumer takes its own keys' part of dQ (two pieces to add, no barrier between them).
     static constexpr bool kSplitDQColumns = HEADDIM == 128;
     static constexpr int kDQPieces = kSplitDQColumns ? 1 : kConsumers;
     static constexpr int kDQBytes = BLOCK_M * HEADDIM * 4;     // one piece of dQ, fp32
+    static constexpr int kDPBytes = BLOCK_N * BLOCK_M * 4;     // hd256: dP^T, fp32
+    // What the consumers trade per step: two dS^T buffers and dQ (split keys), or P^T, dS^T and
+    // dP^T (hd256, whose dQ goes to dq_accum by reductions from registers).
+    static constexpr int kTradeBytes = kSplitKeys ? 2 * kDSBytes + kDQPieces * kDQBytes : 2 * kDSBytes + kDPBytes;
     static constexpr int kBarrierBytes = 8 * (3 + 2 * STAGES);
     // Tiles first (each a multiple of 1024 bytes, as the swizzle needs), then the rows' floats and
     // the barriers; the dynamic shared memory's start is aligned up to 1024 bytes in the kernel.
-    static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + STAGES * 2 * kQBytes + 2 * kDSBytes
-                                      + kDQPieces * kDQBytes + STAGES * 2 * kRowBytes + kBarrierBytes;
-    static_assert(HEADDIM == 64 || HEADDIM == 128, "dK and dV of 64 keys by HEADDIM in a consumer's registers");
-    static_assert(BLOCK_M == 64 && BLOCK_N == 128, "S^T is 64 keys by 64 queries per consumer, two consumers");
+    static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + STAGES * 2 * kQBytes + kTradeBytes
+                                      + STAGES * 2 * kRowBytes + kBarrierBytes;
+    static_assert(kSplitKeys ? (HEADDIM == 64 || HEADDIM == 128) && BLOCK_N == 128 : HEADDIM == 256 && BLOCK_N == 64,
+                  "64 keys by HEADDIM (split keys) or by HEADDIM / 2 (hd256) of dK and dV per consumer");
+    static_assert(BLOCK_M == 64, "S^T is 64 keys by 64 queries per consumer");
 };
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL>
@@ -73,8 +83,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     const uint32 s_k = (smem_address(smem_raw) + 1023) & ~1023u, s_v = s_k + T::kKVBytes;
     auto s_q = [&](int stage) { return s_v + T::kKVBytes + stage * 2 * T::kQBytes; };
     auto s_do = [&](int stage) { return s_q(stage) + T::kQBytes; };
-    auto s_ds = [&](int buffer) { return s_q(STAGES) + buffer * T::kDSBytes; };
-    const uint32 s_dq = s_ds(2), s_rows = s_dq + T::kDQPieces * T::kDQBytes;
+    const uint32 s_trade = s_q(STAGES), s_rows = s_trade + T::kTradeBytes;
+    auto s_ds = [&](int buffer) { return s_trade + buffer * T::kDSBytes; };  // hd256: P^T is buffer 0, dS^T 1
+    const uint32 s_dq = s_ds(2), s_dp = s_ds(2);  // (split keys: dQ; hd256: dP^T)
     auto s_lse = [&](int stage) { return s_rows + stage * 2 * T::kRowBytes; };
     auto s_dot = [&](int stage) { return s_lse(stage) + T::kRowBytes; };
     const uint32 kv_full = s_rows + STAGES * 2 * T::kRowBytes;
@@ -113,7 +124,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
 
     if (warpgroup == 0) {
         setmaxnreg_dec<T::kProducerRegisters>();
-        if (threadIdx.x == 32) {  // dQ's adder
+        if (T::kSplitKeys && threadIdx.x == 32) {  // dQ's adder
             int head = first_head, row0 = first_row0;
             for (int step = 0; step < steps; ++step, advance(head, row0)) {
                 mbarrier_wait(dq_full, step & 1);
@@ -147,168 +158,320 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
 
     setmaxnreg_inc<T::kConsumerRegisters>();
     const int consumer = warpgroup - 1;
-    const int wg_key0 = 64 * consumer;                             // this consumer's keys in the block
-    const int warp_key0 = key0 + wg_key0 + 16 * (threadIdx.x / 32 % 4);  // this warp's first key
-    const bool arrives = threadIdx.x % 32 == 0;  // one arrival per warp on q_empty
-
-    float acc_dk[1][DT][4], acc_dv[1][DT][4];
-    zero(acc_dk);
-    zero(acc_dv);
-    auto flat = [](auto& acc) -> auto& {
-        return reinterpret_cast<float(&)[sizeof(acc) / sizeof(float)]>(acc);
-    };
-    mbarrier_wait(kv_full, 0);
-
-    int head = first_head, row0 = first_row0;
-    for (int step = 0; step < steps; ++step, advance(head, row0)) {
-        const int stage = step % STAGES, buffer = step % 2;
-        mbarrier_wait(q_full(stage), (step / STAGES) & 1);
-
-        // S^T = K Q^T and dP^T = V dO^T, two groups: P^T is computed while dP^T runs.
-        float s[1][MT][4], dp[1][MT][4];
-        wgmma_fence();
-        const uint64 k_desc = k_major_descriptor(s_k + wg_key0 * kSwizzleRowBytes, 0, BLOCK_N);
-        const uint64 v_desc = k_major_descriptor(s_v + wg_key0 * kSwizzleRowBytes, 0, BLOCK_N);
-        const uint64 q_desc = k_major_descriptor(s_q(stage), 0, BLOCK_M);
-        const uint64 do_desc = k_major_descriptor(s_do(stage), 0, BLOCK_M);
-        static_for<HEADDIM / 16>([&](auto kk_) {
-            constexpr int kk = decltype(kk_)::value;
-            wgmma_ss<BLOCK_M, BF16>(flat(s), descriptor_plus<k_major_offset(kk, BLOCK_N), false>(k_desc),
-                                    descriptor_plus<k_major_offset(kk, BLOCK_M), false>(q_desc), kk > 0);
-        });
-        wgmma_commit();
-        static_for<HEADDIM / 16>([&](auto kk_) {
-            constexpr int kk = decltype(kk_)::value;
-            wgmma_ss<BLOCK_M, BF16>(flat(dp), descriptor_plus<k_major_offset(kk, BLOCK_N), false>(v_desc),
-                                    descriptor_plus<k_major_offset(kk, BLOCK_M), false>(do_desc), kk > 0);
-        });
-        wgmma_commit();
-
-        // P^T; a column is a query row, whose lse_log2 and D sit in shared memory.
-        const float* lse = reinterpret_cast<const float*>(smem_raw + (s_lse(stage) - smem_address(smem_raw)));
-        const float* dot = reinterpret_cast<const float*>(smem_raw + (s_dot(stage) - smem_address(smem_raw)));
-        wgmma_wait<1>();
-        fence_operands(flat(s));
-        for_each_element<1, MT>([&](int, int nt, int e) {
-            s[0][nt][e] = fast_exp2(fmaf(s[0][nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
-        });
-        if (block_needs_mask<LOCAL>(p, seq, row0, key0 + wg_key0, BLOCK_M, 64)) {
-            for_each_element<1, MT>([&](int, int nt, int e) {
-                if (!is_visible<LOCAL>(p, seq, row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e)))
-                    s[0][nt][e] = 0.f;
+    if constexpr (!T::kSplitKeys) {
+        // hd256: both consumers on all BLOCK_N keys, consumer c owning dK's and dV's columns
+        // [128 c, 128 c + 128). Per step, consumer 1 computes dP^T and leaves it in shared memory
+        // (fp32, each thread's elements where the same thread of consumer 0 reads them); consumer 0
+        // computes S^T, P^T and dS^T and stores P^T and dS^T (16-bit, swizzled, keys as rows); both
+        // then run their columns' dV += P^T dO, dK += dS^T Q and dQ = dS K (added to dq_accum by
+        // reductions from registers). Named barriers: 1, dP^T stored; 2, P^T and dS^T stored (both
+        // consumers); 3, consumer 1's products of the last step are done with P^T and dS^T.
+        constexpr int kHalf = HEADDIM / 2, HT = kHalf / 8;
+        const int warp_key0 = key0 + 16 * (threadIdx.x / 32 % 4);
+        const int lane_row = 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;  // a warp's first row + g
+        const bool arrives = threadIdx.x % 32 == 0;
+        float acc_dk[1][HT][4], acc_dv[1][HT][4];
+        zero(acc_dk);
+        zero(acc_dv);
+        auto flat = [](auto& acc) -> auto& {
+            return reinterpret_cast<float(&)[sizeof(acc) / sizeof(float)]>(acc);
+        };
+        mbarrier_wait(kv_full, 0);
+        int head = first_head, row0 = first_row0;
+        for (int step = 0; step < steps; ++step, advance(head, row0)) {
+            const int stage = step % STAGES;
+            mbarrier_wait(q_full(stage), (step / STAGES) & 1);
+            float x[1][MT][4];  // S^T (consumer 0) or dP^T (consumer 1)
+            wgmma_fence();
+            const uint64 a_desc = k_major_descriptor(consumer == 0 ? s_k : s_v, 0, BLOCK_N);
+            const uint64 b_desc = k_major_descriptor(consumer == 0 ? s_q(stage) : s_do(stage), 0, BLOCK_M);
+            static_for<HEADDIM / 16>([&](auto kk_) {
+                constexpr int kk = decltype(kk_)::value;
+                wgmma_ss<BLOCK_M, BF16>(flat(x), descriptor_plus<k_major_offset(kk, BLOCK_N), false>(a_desc),
+                                        descriptor_plus<k_major_offset(kk, BLOCK_M), false>(b_desc), kk > 0);
             });
-        }
-        wgmma_wait<0>();
-        fence_operands(flat(dp));
-        // dS^T = P^T (dP^T - D), and both as A fragments (k-slice kk: queries 16 kk .. 16 kk + 15).
-        uint32 p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operands(flat(x));
+            float* dp_slot = reinterpret_cast<float*>(smem_raw + (s_dp - smem_address(smem_raw))) + 2 * (threadIdx.x % 128);
+            if (consumer == 1) {
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+                for (int nt = 0; nt < MT; ++nt)
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int nt = 2 * kk + half;
-                float ds[4];
+                    for (int half = 0; half < 2; ++half)
+                        *reinterpret_cast<float2*>(dp_slot + 256 * (2 * nt + half)) =
+                            make_float2(x[0][nt][2 * half], x[0][nt][2 * half + 1]);
+                consumers_arrive(1);
+            } else {
+                const float* lse = reinterpret_cast<const float*>(smem_raw + (s_lse(stage) - smem_address(smem_raw)));
+                const float* dot = reinterpret_cast<const float*>(smem_raw + (s_dot(stage) - smem_address(smem_raw)));
+                const bool masked = block_needs_mask<LOCAL>(p, seq, row0, key0, BLOCK_M, BLOCK_N);
+                for_each_element<1, MT>([&](int, int nt, int e) {
+                    float prob = fast_exp2(fmaf(x[0][nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
+                    if (masked && !is_visible<LOCAL>(p, seq, row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e)))
+                        prob = 0.f;
+                    x[0][nt][e] = prob;
+                });
+                consumers_sync(1);  // dP^T is stored
+                if (step > 0) consumers_sync(3);  // consumer 1 is done with the last step's P^T and dS^T
 #pragma unroll
-                for (int e = 0; e < 4; ++e) ds[e] = s[0][nt][e] * (dp[0][nt][e] - dot[fragment_col(nt, e)]);
-                p_frag[kk][2 * half] = pack_pair<BF16>(s[0][nt][0], s[0][nt][1]);
-                p_frag[kk][2 * half + 1] = pack_pair<BF16>(s[0][nt][2], s[0][nt][3]);
-                ds_frag[kk][2 * half] = pack_pair<BF16>(ds[0], ds[1]);
-                ds_frag[kk][2 * half + 1] = pack_pair<BF16>(ds[2], ds[3]);
+                for (int nt = 0; nt < MT; ++nt)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const float2 dp = *reinterpret_cast<const float2*>(dp_slot + 256 * (2 * nt + half));
+                        const float p0 = x[0][nt][2 * half], p1 = x[0][nt][2 * half + 1];
+                        const float ds0 = p0 * (dp.x - dot[fragment_col(nt, 2 * half)]);
+                        const float ds1 = p1 * (dp.y - dot[fragment_col(nt, 2 * half + 1)]);
+                        const uint32 offset = swizzled_offset(lane_row + 8 * half, fragment_col(nt, 0), BLOCK_N);
+                        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(s_ds(0) + offset), "r"(pack_pair<BF16>(p0, p1)) : "memory");
+                        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(s_ds(1) + offset), "r"(pack_pair<BF16>(ds0, ds1)) : "memory");
+                    }
+                fence_proxy_async();  // P^T's and dS^T's stores, then wgmma reads them
             }
-        }
-        // dS^T to shared memory, keys as rows (its 64 query columns are one swizzled column block).
-        {
-            const int row = wg_key0 + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
+            consumers_sync(2);  // P^T and dS^T are stored
+
+            // dV += P^T dO and dK += dS^T Q over this consumer's columns: A K-major (keys as rows,
+            // queries contiguous), B N-major (two 64-wide column blocks of dO and Q).
+            wgmma_fence();
+            const uint64 p_desc = k_major_descriptor(s_ds(0), 0, BLOCK_N), ds_desc = k_major_descriptor(s_ds(1), 0, BLOCK_N);
+            const uint64 do_desc = n_major_descriptor(s_do(stage) + 2 * consumer * BLOCK_M * kSwizzleRowBytes, 0, BLOCK_M);
+            const uint64 q_desc = n_major_descriptor(s_q(stage) + 2 * consumer * BLOCK_M * kSwizzleRowBytes, 0, BLOCK_M);
+            static_for<BLOCK_M / 16>([&](auto kk_) {
+                constexpr int kk = decltype(kk_)::value;
+                wgmma_ss<kHalf, BF16, false, true>(flat(acc_dv), descriptor_plus<k_major_offset(kk, BLOCK_N), false>(p_desc),
+                                                   descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(do_desc), true);
+            });
+            static_for<BLOCK_M / 16>([&](auto kk_) {
+                constexpr int kk = decltype(kk_)::value;
+                wgmma_ss<kHalf, BF16, false, true>(flat(acc_dk), descriptor_plus<k_major_offset(kk, BLOCK_N), false>(ds_desc),
+                                                   descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(q_desc), true);
+            });
+            wgmma_commit();
+
+            // dQ = dS K over this consumer's columns, 64 at a time: A dS^T's tile read MN-major, B
+            // the K tile read N-major; added to dq_accum (rows past the sequence's end add nothing).
+            const uint64 ds_mn_desc = n_major_descriptor(s_ds(1), 0, BLOCK_N);
+            float* dq_rows = p.dq_accum + seq.padded_row0(p, batch, head) * HEADDIM;
 #pragma unroll
-            for (int nt = 0; nt < MT; ++nt) {
+            for (int chunk = 0; chunk < kHalf / 64; ++chunk) {
+                const int block = consumer * (kHalf / 64) + chunk;  // 64-wide column block of K and dQ
+                float dq[1][8][4];
+                const uint64 kb_desc = n_major_descriptor(s_k + block * BLOCK_N * kSwizzleRowBytes, 0, BLOCK_N);
+                wgmma_fence();
+                static_for<BLOCK_N / 16>([&](auto kk_) {
+                    constexpr int kk = decltype(kk_)::value;
+                    wgmma_ss<64, BF16, true, true>(flat(dq), descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(ds_mn_desc),
+                                                   descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(kb_desc), kk > 0);
+                });
+                wgmma_commit();
+                if (chunk == 0) {
+                    wgmma_wait<1>();  // dV and dK are done with Q and dO
+                    fence_operands(flat(acc_dv));
+                    fence_operands(flat(acc_dk));
+                    __syncwarp();  // every lane's reads before its warp's arrival releases the stage
+                    if (arrives) mbarrier_arrive(q_empty(stage));
+                }
+                wgmma_wait<0>();
+                fence_operands(flat(dq));
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const uint32 address = s_ds(buffer) + swizzled_offset(row + 8 * half, fragment_col(nt, 0), BLOCK_N);
-                    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(address), "r"(ds_frag[nt / 2][2 * (nt % 2) + half])
-                                 : "memory");
+                    const int row = row0 + lane_row + 8 * half;
+                    if (row < seq.seqlen_q) {
+#pragma unroll
+                        for (int nt = 0; nt < 8; ++nt)
+                            atomic_add_pair(dq_rows + dq_accum_index(row, 64 * block + fragment_col(nt, 0), HEADDIM),
+                                            dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
+                    }
+                }
+            }
+            if (consumer == 1 && step + 1 < steps) consumers_arrive(3);
+        }
+
+        // dK (times the softmax scale) and dV of this consumer's columns, straight from the registers.
+        uint16* dk = static_cast<uint16*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride
+                     + seq.first_row_k * p.dk_row_stride;
+        uint16* dv = static_cast<uint16*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride
+                     + seq.first_row_k * p.dv_row_stride;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int key = warp_key0 + fragment_row(0, 2 * half);
+            if (key < seq.seqlen_k) {
+#pragma unroll
+                for (int dt = 0; dt < HT; ++dt) {
+                    const int col = kHalf * consumer + fragment_col(dt, 0);
+                    if (col < p.headdim) {
+                        *reinterpret_cast<uint32*>(dk + key * p.dk_row_stride + col) = pack_pair<BF16>(
+                            acc_dk[0][dt][2 * half] * p.softmax_scale, acc_dk[0][dt][2 * half + 1] * p.softmax_scale);
+                        *reinterpret_cast<uint32*>(dv + key * p.dv_row_stride + col) =
+                            pack_pair<BF16>(acc_dv[0][dt][2 * half], acc_dv[0][dt][2 * half + 1]);
+                    }
                 }
             }
         }
-        fence_proxy_async();  // dS^T's stores, then wgmma reads them
+    } else {
+        const int wg_key0 = 64 * consumer;                             // this consumer's keys in the block
+        const int warp_key0 = key0 + wg_key0 + 16 * (threadIdx.x / 32 % 4);  // this warp's first key
+        const bool arrives = threadIdx.x % 32 == 0;  // one arrival per warp on q_empty
 
-        // dV += P^T dO, dK += dS^T Q (B N-major: the rows of dO and Q are the k dimension here).
-        wgmma_fence();
-        const uint64 do_n_desc = n_major_descriptor(s_do(stage), 0, BLOCK_M);
-        const uint64 q_n_desc = n_major_descriptor(s_q(stage), 0, BLOCK_M);
-        static_for<BLOCK_M / 16>([&](auto kk_) {
-            constexpr int kk = decltype(kk_)::value;
-            wgmma_rs<HEADDIM, BF16>(flat(acc_dv), p_frag[kk], descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(do_n_desc), true);
-        });
-        static_for<BLOCK_M / 16>([&](auto kk_) {
-            constexpr int kk = decltype(kk_)::value;
-            wgmma_rs<HEADDIM, BF16>(flat(acc_dk), ds_frag[kk], descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(q_n_desc), true);
-        });
-        wgmma_commit();
+        float acc_dk[1][DT][4], acc_dv[1][DT][4];
+        zero(acc_dk);
+        zero(acc_dv);
+        auto flat = [](auto& acc) -> auto& {
+            return reinterpret_cast<float(&)[sizeof(acc) / sizeof(float)]>(acc);
+        };
+        mbarrier_wait(kv_full, 0);
 
-        // dQ = dS K: A is dS^T's tile read MN-major, B the K tile read N-major.
-        float dq[1][kDQWidth / 8][4];
-        constexpr int kDQKeys = T::kSplitDQColumns ? BLOCK_N : 64;
-        const uint32 ds_tile = s_ds(buffer) + (T::kSplitDQColumns ? 0 : wg_key0 * kSwizzleRowBytes);
-        const uint32 k_tile = s_k + (T::kSplitDQColumns ? consumer * BLOCK_N * kSwizzleRowBytes
-                                                        : wg_key0 * kSwizzleRowBytes);
-        // Every warp's dS^T rows are stored before the product reads them: both consumers' (named
-        // barrier 1), or this one's (barrier 2 + consumer).
-        if constexpr (T::kSplitDQColumns) consumers_sync(1);
-        else warpgroup_sync(2 + consumer);
-        wgmma_fence();
-        const uint64 ds_desc = n_major_descriptor(ds_tile, 0, BLOCK_N), kb_desc = n_major_descriptor(k_tile, 0, BLOCK_N);
-        static_for<kDQKeys / 16>([&](auto kk_) {
-            constexpr int kk = decltype(kk_)::value;
-            wgmma_ss<kDQWidth, BF16, true, true>(flat(dq), descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(ds_desc),
-                                                 descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(kb_desc), kk > 0);
-        });
-        wgmma_commit();
-        wgmma_wait<1>();  // dV and dK are done with Q and dO
-        fence_operands(flat(acc_dv));
-        fence_operands(flat(acc_dk));
-        __syncwarp();  // every lane's reads of lse_log2 and D before its warp's arrival releases them
-        if (arrives) mbarrier_arrive(q_empty(stage));
-        wgmma_wait<0>();
-        fence_operands(flat(dq));
+        int head = first_head, row0 = first_row0;
+        for (int step = 0; step < steps; ++step, advance(head, row0)) {
+            const int stage = step % STAGES, buffer = step % 2;
+            mbarrier_wait(q_full(stage), (step / STAGES) & 1);
 
-        // dQ into shared memory in dq_accum's layout (dq_accum_index: each warp's pair stores fill
-        // 256 contiguous bytes), once the adder has read the last step's.
-        if (step > 0) mbarrier_wait(dq_empty, (step - 1) & 1);
-        {
-            const int q_row = 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
-            const int col0 = (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0);
-            const uint32 piece = s_dq + (T::kSplitDQColumns ? 0 : consumer * T::kDQBytes);
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-#pragma unroll
-                for (int nt = 0; nt < kDQWidth / 8; ++nt) {
-                    const uint32 address = piece + 4 * uint32(dq_accum_index(q_row + 8 * half, col0 + 8 * nt, HEADDIM));
-                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(address), "f"(dq[0][nt][2 * half]),
-                                 "f"(dq[0][nt][2 * half + 1]) : "memory");
+            // S^T = K Q^T and dP^T = V dO^T, two groups: P^T is computed while dP^T runs.
+            float s[1][MT][4], dp[1][MT][4];
+            wgmma_fence();
+            const uint64 k_desc = k_major_descriptor(s_k + wg_key0 * kSwizzleRowBytes, 0, BLOCK_N);
+            const uint64 v_desc = k_major_descriptor(s_v + wg_key0 * kSwizzleRowBytes, 0, BLOCK_N);
+            const uint64 q_desc = k_major_descriptor(s_q(stage), 0, BLOCK_M);
+            const uint64 do_desc = k_major_descriptor(s_do(stage), 0, BLOCK_M);
+            static_for<HEADDIM / 16>([&](auto kk_) {
+                constexpr int kk = decltype(kk_)::value;
+                wgmma_ss<BLOCK_M, BF16>(flat(s), descriptor_plus<k_major_offset(kk, BLOCK_N), false>(k_desc),
+                                        descriptor_plus<k_major_offset(kk, BLOCK_M), false>(q_desc), kk > 0);
+            });
+            wgmma_commit();
+            static_for<HEADDIM / 16>([&](auto kk_) {
+                constexpr int kk = decltype(kk_)::value;
+                wgmma_ss<BLOCK_M, BF16>(flat(dp), descriptor_plus<k_major_offset(kk, BLOCK_N), false>(v_desc),
+                                        descriptor_plus<k_major_offset(kk, BLOCK_M), false>(do_desc), kk > 0);
+            });
+            wgmma_commit();
+
+            // P^T; a column is a query row, whose lse_log2 and D sit in shared memory.
+            const float* lse = reinterpret_cast<const float*>(smem_raw + (s_lse(stage) - smem_address(smem_raw)));
+            const float* dot = reinterpret_cast<const float*>(smem_raw + (s_dot(stage) - smem_address(smem_raw)));
+            wgmma_wait<1>();
+            fence_operands(flat(s));
+            for_each_element<1, MT>([&](int, int nt, int e) {
+                s[0][nt][e] = fast_exp2(fmaf(s[0][nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
+            });
+            if (block_needs_mask<LOCAL>(p, seq, row0, key0 + wg_key0, BLOCK_M, 64)) {
+                for_each_element<1, MT>([&](int, int nt, int e) {
+                    if (!is_visible<LOCAL>(p, seq, row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e)))
+                        s[0][nt][e] = 0.f;
+                });
+            }
+            wgmma_wait<0>();
+            fence_operands(flat(dp));
+            // dS^T = P^T (dP^T - D), and both as A fragments (k-slice kk: queries 16 kk .. 16 kk + 15).
+            uint32 p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
+    #pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+    #pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int nt = 2 * kk + half;
+                    float ds[4];
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) ds[e] = s[0][nt][e] * (dp[0][nt][e] - dot[fragment_col(nt, e)]);
+                    p_frag[kk][2 * half] = pack_pair<BF16>(s[0][nt][0], s[0][nt][1]);
+                    p_frag[kk][2 * half + 1] = pack_pair<BF16>(s[0][nt][2], s[0][nt][3]);
+                    ds_frag[kk][2 * half] = pack_pair<BF16>(ds[0], ds[1]);
+                    ds_frag[kk][2 * half + 1] = pack_pair<BF16>(ds[2], ds[3]);
                 }
-        }
-        fence_proxy_async();  // the stores, then the copy engine reads them
-        __syncwarp();
-        if (arrives) mbarrier_arrive(dq_full);
-    }
+            }
+            // dS^T to shared memory, keys as rows (its 64 query columns are one swizzled column block).
+            {
+                const int row = wg_key0 + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
+    #pragma unroll
+                for (int nt = 0; nt < MT; ++nt) {
+    #pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const uint32 address = s_ds(buffer) + swizzled_offset(row + 8 * half, fragment_col(nt, 0), BLOCK_N);
+                        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(address), "r"(ds_frag[nt / 2][2 * (nt % 2) + half])
+                                     : "memory");
+                    }
+                }
+            }
+            fence_proxy_async();  // dS^T's stores, then wgmma reads them
 
-    // dK (times the softmax scale) and dV, straight from the registers.
-    uint16* dk = static_cast<uint16*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride
-                 + seq.first_row_k * p.dk_row_stride;
-    uint16* dv = static_cast<uint16*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride
-                 + seq.first_row_k * p.dv_row_stride;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int key = warp_key0 + fragment_row(0, 2 * half);
-        if (key < seq.seqlen_k) {
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                const int col = fragment_col(dt, 0);
-                if (col < p.headdim) {
-                    *reinterpret_cast<uint32*>(dk + key * p.dk_row_stride + col) =
-                        pack_pair<BF16>(acc_dk[0][dt][2 * half] * p.softmax_scale, acc_dk[0][dt][2 * half + 1] * p.softmax_scale);
-                    *reinterpret_cast<uint32*>(dv + key * p.dv_row_stride + col) =
-                        pack_pair<BF16>(acc_dv[0][dt][2 * half], acc_dv[0][dt][2 * half + 1]);
+            // dV += P^T dO, dK += dS^T Q (B N-major: the rows of dO and Q are the k dimension here).
+            wgmma_fence();
+            const uint64 do_n_desc = n_major_descriptor(s_do(stage), 0, BLOCK_M);
+            const uint64 q_n_desc = n_major_descriptor(s_q(stage), 0, BLOCK_M);
+            static_for<BLOCK_M / 16>([&](auto kk_) {
+                constexpr int kk = decltype(kk_)::value;
+                wgmma_rs<HEADDIM, BF16>(flat(acc_dv), p_frag[kk], descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(do_n_desc), true);
+            });
+            static_for<BLOCK_M / 16>([&](auto kk_) {
+                constexpr int kk = decltype(kk_)::value;
+                wgmma_rs<HEADDIM, BF16>(flat(acc_dk), ds_frag[kk], descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(q_n_desc), true);
+            });
+            wgmma_commit();
+
+            // dQ = dS K: A is dS^T's tile read MN-major, B the K tile read N-major.
+            float dq[1][kDQWidth / 8][4];
+            constexpr int kDQKeys = T::kSplitDQColumns ? BLOCK_N : 64;
+            const uint32 ds_tile = s_ds(buffer) + (T::kSplitDQColumns ? 0 : wg_key0 * kSwizzleRowBytes);
+            const uint32 k_tile = s_k + (T::kSplitDQColumns ? consumer * BLOCK_N * kSwizzleRowBytes
+                                                            : wg_key0 * kSwizzleRowBytes);
+            // Every warp's dS^T rows are stored before the product reads them: both consumers' (named
+            // barrier 1), or this one's (barrier 2 + consumer).
+            if constexpr (T::kSplitDQColumns) consumers_sync(1);
+            else warpgroup_sync(2 + consumer);
+            wgmma_fence();
+            const uint64 ds_desc = n_major_descriptor(ds_tile, 0, BLOCK_N), kb_desc = n_major_descriptor(k_tile, 0, BLOCK_N);
+            static_for<kDQKeys / 16>([&](auto kk_) {
+                constexpr int kk = decltype(kk_)::value;
+                wgmma_ss<kDQWidth, BF16, true, true>(flat(dq), descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(ds_desc),
+                                                     descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(kb_desc), kk > 0);
+            });
+            wgmma_commit();
+            wgmma_wait<1>();  // dV and dK are done with Q and dO
+            fence_operands(flat(acc_dv));
+            fence_operands(flat(acc_dk));
+            __syncwarp();  // every lane's reads of lse_log2 and D before its warp's arrival releases them
+            if (arrives) mbarrier_arrive(q_empty(stage));
+            wgmma_wait<0>();
+            fence_operands(flat(dq));
+
+            // dQ into shared memory in dq_accum's layout (dq_accum_index: each warp's pair stores fill
+            // 256 contiguous bytes), once the adder has read the last step's.
+            if (step > 0) mbarrier_wait(dq_empty, (step - 1) & 1);
+            {
+                const int q_row = 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
+                const int col0 = (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0);
+                const uint32 piece = s_dq + (T::kSplitDQColumns ? 0 : consumer * T::kDQBytes);
+    #pragma unroll
+                for (int half = 0; half < 2; ++half)
+    #pragma unroll
+                    for (int nt = 0; nt < kDQWidth / 8; ++nt) {
+                        const uint32 address = piece + 4 * uint32(dq_accum_index(q_row + 8 * half, col0 + 8 * nt, HEADDIM));
+                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(address), "f"(dq[0][nt][2 * half]),
+                                     "f"(dq[0][nt][2 * half + 1]) : "memory");
+                    }
+            }
+            fence_proxy_async();  // the stores, then the copy engine reads them
+            __syncwarp();
+            if (arrives) mbarrier_arrive(dq_full);
+        }
+
+        // dK (times the softmax scale) and dV, straight from the registers.
+        uint16* dk = static_cast<uint16*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride
+                     + seq.first_row_k * p.dk_row_stride;
+        uint16* dv = static_cast<uint16*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride
+                     + seq.first_row_k * p.dv_row_stride;
+    #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int key = warp_key0 + fragment_row(0, 2 * half);
+            if (key < seq.seqlen_k) {
+    #pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    const int col = fragment_col(dt, 0);
+                    if (col < p.headdim) {
+                        *reinterpret_cast<uint32*>(dk + key * p.dk_row_stride + col) =
+                            pack_pair<BF16>(acc_dk[0][dt][2 * half] * p.softmax_scale, acc_dk[0][dt][2 * half + 1] * p.softmax_scale);
+                        *reinterpret_cast<uint32*>(dv + key * p.dv_row_stride + col) =
+                            pack_pair<BF16>(acc_dv[0][dt][2 * half], acc_dv[0][dt][2 * half + 1]);
+                    }
                 }
             }
         }

@@ -136,11 +136,12 @@ def test_a_driver_older_than_the_cupy_wheel_names_the_cuda12_extra(monkeypatch):
 def test_default_check_compiles_a_small_set_covering_every_table_and_dtype():
     from cupyflash import _config, _kernels
     jobs = _kernels.representative_jobs(_kernels.compile_jobs())
-    assert len(jobs) <= 60
+    assert len(jobs) <= 64
     assert {arch for arch, _ in jobs} == {arch for archs in _config.COMPILE_CHECKS.values() for arch in archs}
     wgmma = [k for _, k in jobs if k.wgmma]  # every tile, with its heaviest flags
     assert {k.tile.headdim for k in wgmma if k.local and k.options} == set(_config.TILES[_config.WGMMA]["sm90"]["fwd"])
-    assert {k.tile.headdim for k in wgmma if k.local and k.pass_ == "bwd"} == set(_config.TILES[_config.WGMMA]["sm90"]["bwd"])
+    assert {k.tile.headdim for k in wgmma if k.local and k.options and k.pass_ == "bwd"} == set(
+        _config.TILES[_config.WGMMA]["sm90"]["bwd"])
     assert {k.dtype for _, k in jobs} == set(_kernels.DTYPES)
     sm90 = [k for arch, k in jobs if arch == "90" and k.tile is not None]  # the mma.sync kernels
     for table in _config.TABLES:  # every tile of sm_90's own tables

@@ -64,8 +64,8 @@ def test_override_forces_a_table_and_rejects_unknown_names(monkeypatch):
 
 @pytest.mark.parametrize("pass_, cc, tiles, forced, family", [
     ("fwd", (9, 0), None, None, _config.WGMMA),              # H100, H200: the wgmma forward
-    ("bwd", (9, 0), None, None, _config.WGMMA),              # the plain backward too
-    ("bwd_options", (9, 0), None, None, _config.MMA_SYNC),   # no wgmma options backward
+    ("bwd", (9, 0), None, None, _config.WGMMA),              # the backward too (dropout and
+    ("bwd_options", (9, 0), None, None, _config.WGMMA),      #   deterministic calls excepted: _plan)
     ("fwd", (9, 0), None, "mma_sync", _config.MMA_SYNC),     # forced, so the H200 tests the older family
     ("fwd", (9, 0), "sm80", None, _config.MMA_SYNC),         # an older GPU family's table is mma.sync's
     ("fwd", (8, 0), None, None, _config.MMA_SYNC),
@@ -85,9 +85,9 @@ def test_the_kernel_family_follows_the_device_and_the_environment(pass_, cc, til
 def test_a_forced_family_that_cannot_serve_is_refused(monkeypatch):
     monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
     monkeypatch.setenv("CUPYFLASH_FAMILY", "wgmma")
-    with pytest.raises(ValueError, match=r"CUPYFLASH_FAMILY=wgmma.*bwd_options pass on compute capability 9.0"):
-        _config.kernel_family_for("bwd_options", (9, 0))
-    assert _config.kernel_family_for("bwd", (9, 0), 256) == _config.WGMMA
+    with pytest.raises(ValueError, match=r"CUPYFLASH_FAMILY=wgmma.*decode pass on compute capability 9.0"):
+        _config.kernel_family_for("decode", (9, 0))
+    assert _config.kernel_family_for("bwd_options", (9, 0), 256) == _config.WGMMA
     with pytest.raises(ValueError, match=r"CUPYFLASH_FAMILY=wgmma.*compute capability 8.0"):
         _config.kernel_family_for("fwd", (8, 0))
     monkeypatch.setenv("CUPYFLASH_FAMILY", "hopper")
@@ -118,11 +118,12 @@ def test_every_wgmma_variant_is_compiled_for_sm90a():
     assert {(k.pass_, k.tile.headdim, k.dtype, k.local, k.options) for _, k in jobs} == {
         ("fwd", hd, dtype, local, options) for hd in (64, 128, 256) for dtype in _kernels.DTYPES
         for local in (False, True) for options in (False, True)} | {
-        ("bwd", hd, dtype, local, False) for hd in (64, 128, 256) for dtype in _kernels.DTYPES for local in (False, True)}
+        ("bwd", hd, dtype, local, options) for hd in (64, 128, 256) for dtype in _kernels.DTYPES
+        for local in (False, True) for options in (False, True)}
     bwd_tile = next(k.tile for _, k in jobs if k.pass_ == "bwd")
-    for kernel in (dict(pass_="bwd", tile=bwd_tile, options=True), dict(pass_="decode", tile=bwd_tile),
-                   dict(pass_="fwd", tile=jobs[0][1].tile, even_k=True)):
-        with pytest.raises(ValueError, match="wgmma kernels are forwards and plain backwards"):
+    for kernel in (dict(pass_="bwd", tile=bwd_tile, options=True, deterministic=True),
+                   dict(pass_="decode", tile=bwd_tile), dict(pass_="fwd", tile=jobs[0][1].tile, even_k=True)):
+        with pytest.raises(ValueError, match="wgmma kernels are forwards and backwards, neither even_k nor"):
             _kernels.Kernel(dtype="float16", **kernel)
 
 

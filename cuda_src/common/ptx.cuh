@@ -122,3 +122,11 @@ __device__ __forceinline__ int add_acq_rel(int* address, int value) {
                  : "=r"(old) : "l"(address), "r"(value) : "memory");
     return old;
 }
+
+// x, as a value the compiler cannot see through: what is derived from it again (say a tile's
+// head, batch and sequence after its key loop) is recomputed where it is used, not held in
+// registers through a loop that has none to spare.
+__device__ __forceinline__ int recomputed(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}

@@ -1,5 +1,7 @@
-// Backward pass on Hopper (sm_90a): what sm80/bwd.cuh's flash_bwd computes without options, on
-// wgmma and TMA, between the same row kernels (flash_bwd_dot before it, flash_bwd_convert_dq after).
+// Backward pass on Hopper (sm_90a): what sm80/bwd.cuh's flash_bwd computes, on wgmma and TMA,
+// between the same row kernels (flash_bwd_dot before it, flash_bwd_convert_dq after). OPTIONS
+// kernels add the score modifiers of common/score.cuh (softcap, ALiBi, attn_bias with dbias);
+// dropout and the deterministic order stay with the mma.sync backward.
 //
 // One CTA per (key block of BLOCK_N keys, kv head, batch), in grid_slot's order. (hd256 splits
 // the work between its consumers otherwise: see the hd256 branch of the consumers below.) The first
@@ -22,6 +24,7 @@
 #include "../common/fragment.cuh"
 #include "../common/mask.cuh"
 #include "../common/math.cuh"
+#include "../common/score.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -71,7 +74,42 @@ struct Sm90BwdTile {
     static_assert(BLOCK_M == 64, "S^T is 64 keys by 64 queries per consumer");
 };
 
-template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL>
+// The OPTIONS kernels' elementwise step on one 8-column tile of a consumer's S^T and dP^T
+// fragments (keys as rows from warp_key0, queries as columns from row0 + 8 nt; lse and dot indexed
+// by the column): s becomes P^T and dp the gradient of the raw scores, dS^T times the modifiers'
+// d/ds; dS^T is added to dbias where the call returns it. The modifiers are set up per tile from
+// the parameters (a few integer operations): held through the step, their pointers and strides
+// make the hd128 kernel spill.
+template <bool BF16, bool LOCAL>
+__device__ __forceinline__ void options_tile_transposed(float (&s)[4], float (&dp)[4], int nt, const FlashParams& p,
+                                                        const Sequence& seq, int batch, int head, int row0,
+                                                        int warp_key0, bool masked, const float* lse, const float* dot) {
+    const ScoreMods<BF16> mods(p, seq, batch, recomputed(head));
+    float* dbias = p.dbias_accum == nullptr ? nullptr
+                   : p.dbias_accum + batch * p.dbias_batch_stride + head * p.dbias_head_stride;
+    // Modifier by modifier over the tile's four elements: one branch each, where per element ptxas
+    // predicates all three modifiers' code at once.
+    float grad[4] = {1.f, 1.f, 1.f, 1.f};
+    mods.for_each([&](const auto& mod) {
+        if (mod.on()) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[e] = mod.apply(s[e], row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e), grad[e]);
+        }
+    });
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int c = fragment_col(nt, e), row = row0 + c, key = warp_key0 + fragment_row(0, e);
+        float prob = fast_exp2(fmaf(s[e], p.scale_log2, -lse[c]));
+        if (masked && !is_visible<LOCAL>(p, seq, row, key)) prob = 0.f;
+        const float ds = prob * (dp[e] - dot[c]);
+        if (dbias != nullptr && row < seq.seqlen_q && key < seq.seqlen_k)
+            atomicAdd(dbias + row * p.dbias_row_stride + key, ds);
+        s[e] = prob;
+        dp[e] = ds * grad[e];
+    }
+}
+
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, bool OPTIONS>
 __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMaps& maps) {
     typedef Sm90BwdTile<HEADDIM, BLOCK_M, BLOCK_N, STAGES> T;
     constexpr int DT = HEADDIM / 8, MT = BLOCK_M / 8;  // accumulator column tiles: of dK/dV, of S^T
@@ -206,26 +244,41 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 const float* lse = reinterpret_cast<const float*>(smem_raw + (s_lse(stage) - smem_address(smem_raw)));
                 const float* dot = reinterpret_cast<const float*>(smem_raw + (s_dot(stage) - smem_address(smem_raw)));
                 const bool masked = block_needs_mask<LOCAL>(p, seq, row0, key0, BLOCK_M, BLOCK_N);
-                for_each_element<1, MT>([&](int, int nt, int e) {
-                    float prob = fast_exp2(fmaf(x[0][nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
-                    if (masked && !is_visible<LOCAL>(p, seq, row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e)))
-                        prob = 0.f;
-                    x[0][nt][e] = prob;
-                });
+                if constexpr (!OPTIONS) {  // P^T while consumer 1 stores dP^T (the options need both at once)
+                    for_each_element<1, MT>([&](int, int nt, int e) {
+                        float prob = fast_exp2(fmaf(x[0][nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
+                        if (masked && !is_visible<LOCAL>(p, seq, row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e)))
+                            prob = 0.f;
+                        x[0][nt][e] = prob;
+                    });
+                }
                 consumers_sync(1);  // dP^T is stored
                 if (step > 0) consumers_sync(3);  // consumer 1 is done with the last step's P^T and dS^T
 #pragma unroll
-                for (int nt = 0; nt < MT; ++nt)
+                for (int nt = 0; nt < MT; ++nt) {
+                    float dp[4];
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
-                        const float2 dp = *reinterpret_cast<const float2*>(dp_slot + 256 * (2 * nt + half));
-                        const float p0 = x[0][nt][2 * half], p1 = x[0][nt][2 * half + 1];
-                        const float ds0 = p0 * (dp.x - dot[fragment_col(nt, 2 * half)]);
-                        const float ds1 = p1 * (dp.y - dot[fragment_col(nt, 2 * half + 1)]);
-                        const uint32 offset = swizzled_offset(lane_row + 8 * half, fragment_col(nt, 0), BLOCK_N);
-                        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(s_ds(0) + offset), "r"(pack_pair<BF16>(p0, p1)) : "memory");
-                        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(s_ds(1) + offset), "r"(pack_pair<BF16>(ds0, ds1)) : "memory");
+                        const float2 pair = *reinterpret_cast<const float2*>(dp_slot + 256 * (2 * nt + half));
+                        dp[2 * half] = pair.x;
+                        dp[2 * half + 1] = pair.y;
                     }
+                    if constexpr (OPTIONS) {  // x becomes P^T, dp dS^T
+                        options_tile_transposed<BF16, LOCAL>(x[0][nt], dp, nt, p, seq, batch, head, row0, warp_key0,
+                                                             masked, lse, dot);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) dp[e] = x[0][nt][e] * (dp[e] - dot[fragment_col(nt, e)]);
+                    }
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const uint32 offset = swizzled_offset(lane_row + 8 * half, fragment_col(nt, 0), BLOCK_N);
+                        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(s_ds(0) + offset),
+                                     "r"(pack_pair<BF16>(x[0][nt][2 * half], x[0][nt][2 * half + 1])) : "memory");
+                        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(s_ds(1) + offset),
+                                     "r"(pack_pair<BF16>(dp[2 * half], dp[2 * half + 1])) : "memory");
+                    }
+                }
                 fence_proxy_async();  // P^T's and dS^T's stores, then wgmma reads them
             }
             consumers_sync(2);  // P^T and dS^T are stored
@@ -349,29 +402,41 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             // P^T; a column is a query row, whose lse_log2 and D sit in shared memory.
             const float* lse = reinterpret_cast<const float*>(smem_raw + (s_lse(stage) - smem_address(smem_raw)));
             const float* dot = reinterpret_cast<const float*>(smem_raw + (s_dot(stage) - smem_address(smem_raw)));
-            wgmma_wait<1>();
-            fence_operands(flat(s));
-            for_each_element<1, MT>([&](int, int nt, int e) {
-                s[0][nt][e] = fast_exp2(fmaf(s[0][nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
-            });
-            if (block_needs_mask<LOCAL>(p, seq, row0, key0 + wg_key0, BLOCK_M, 64)) {
+            const bool masked = block_needs_mask<LOCAL>(p, seq, row0, key0 + wg_key0, BLOCK_M, 64);
+            if constexpr (OPTIONS) {  // one pass over both, below (the modifiers' d/ds would otherwise be kept)
+                wgmma_wait<0>();
+                fence_operands(flat(s));
+                fence_operands(flat(dp));
+            } else {
+                wgmma_wait<1>();
+                fence_operands(flat(s));
                 for_each_element<1, MT>([&](int, int nt, int e) {
-                    if (!is_visible<LOCAL>(p, seq, row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e)))
-                        s[0][nt][e] = 0.f;
+                    s[0][nt][e] = fast_exp2(fmaf(s[0][nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
                 });
+                if (masked) {
+                    for_each_element<1, MT>([&](int, int nt, int e) {
+                        if (!is_visible<LOCAL>(p, seq, row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e)))
+                            s[0][nt][e] = 0.f;
+                    });
+                }
+                wgmma_wait<0>();
+                fence_operands(flat(dp));
             }
-            wgmma_wait<0>();
-            fence_operands(flat(dp));
-            // dS^T = P^T (dP^T - D), and both as A fragments (k-slice kk: queries 16 kk .. 16 kk + 15).
+            // dS^T = P^T (dP^T - D), and both as A fragments (k-slice kk: queries 16 kk .. 16 kk + 15),
+            // tile by tile, so that the fp32 fragments are freed as the packed ones fill.
             uint32 p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
-    #pragma unroll
+#pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-    #pragma unroll
+#pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int nt = 2 * kk + half;
+                    if constexpr (OPTIONS)
+                        options_tile_transposed<BF16, LOCAL>(s[0][nt], dp[0][nt], nt, p, seq, batch, head, row0,
+                                                             warp_key0, masked, lse, dot);
                     float ds[4];
-    #pragma unroll
-                    for (int e = 0; e < 4; ++e) ds[e] = s[0][nt][e] * (dp[0][nt][e] - dot[fragment_col(nt, e)]);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        ds[e] = OPTIONS ? dp[0][nt][e] : s[0][nt][e] * (dp[0][nt][e] - dot[fragment_col(nt, e)]);
                     p_frag[kk][2 * half] = pack_pair<BF16>(s[0][nt][0], s[0][nt][1]);
                     p_frag[kk][2 * half + 1] = pack_pair<BF16>(s[0][nt][2], s[0][nt][3]);
                     ds_frag[kk][2 * half] = pack_pair<BF16>(ds[0], ds[1]);
@@ -381,9 +446,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             // dS^T to shared memory, keys as rows (its 64 query columns are one swizzled column block).
             {
                 const int row = wg_key0 + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
-    #pragma unroll
+#pragma unroll
                 for (int nt = 0; nt < MT; ++nt) {
-    #pragma unroll
+#pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const uint32 address = s_ds(buffer) + swizzled_offset(row + 8 * half, fragment_col(nt, 0), BLOCK_N);
                         asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(address), "r"(ds_frag[nt / 2][2 * (nt % 2) + half])
@@ -440,9 +505,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 const int q_row = 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
                 const int col0 = (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0);
                 const uint32 piece = s_dq + (T::kSplitDQColumns ? 0 : consumer * T::kDQBytes);
-    #pragma unroll
+#pragma unroll
                 for (int half = 0; half < 2; ++half)
-    #pragma unroll
+#pragma unroll
                     for (int nt = 0; nt < kDQWidth / 8; ++nt) {
                         const uint32 address = piece + 4 * uint32(dq_accum_index(q_row + 8 * half, col0 + 8 * nt, HEADDIM));
                         asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(address), "f"(dq[0][nt][2 * half]),
@@ -459,11 +524,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                      + seq.first_row_k * p.dk_row_stride;
         uint16* dv = static_cast<uint16*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride
                      + seq.first_row_k * p.dv_row_stride;
-    #pragma unroll
+#pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int key = warp_key0 + fragment_row(0, 2 * half);
             if (key < seq.seqlen_k) {
-    #pragma unroll
+#pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {
                     const int col = fragment_col(dt, 0);
                     if (col < p.headdim) {

@@ -69,14 +69,6 @@ struct FwdTileSlot {
     int m_block, head, batch;
 };
 
-// x, as a value the compiler cannot see through: what is derived from it again (a tile's head,
-// batch and sequence, after its key loop) is recomputed, not held in registers through the loop,
-// where three consumers (160 registers each) have none to spare.
-__device__ __forceinline__ int recomputed(int x) {
-    asm volatile("" : "+r"(x));
-    return x;
-}
-
 __device__ __forceinline__ int round_tile(int round) {
     return round * gridDim.x + (round & 1 ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
 }

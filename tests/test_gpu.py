@@ -85,12 +85,13 @@ def test_the_kernel_family_on_hopper(family, headdim, monkeypatch):
 @pytest.mark.parametrize("case, wgmma_backward", [
     (Case(300, 500, 128, "bfloat16", True, nheads=4, nheads_k=2, softcap=5.0, alibi_slopes=True, attn_bias="full"), True),
     (Case(200, 300, 64, "float16", False, nheads=4, nheads_k=1, attn_bias="heads", window_size=(40, 9)), True),
-    (Case(300, 500, 128, "bfloat16", True, nheads=4, nheads_k=2, softcap=5.0, dropout_p=0.1), False),
+    (Case(300, 500, 128, "bfloat16", True, nheads=4, nheads_k=2, softcap=5.0, dropout_p=0.1), True),
+    (Case(200, 300, 256, "float16", False, nheads=4, nheads_k=2, dropout_p=0.2, attn_bias="full"), True),
     (Case(300, 500, 64, "bfloat16", True, nheads=4, nheads_k=2, alibi_slopes=True, deterministic=True), False),
 ], ids=str)
 def test_the_options_backward_family_on_hopper(case, wgmma_backward, monkeypatch):
     """On compute capability 9.0 the options' backward (dbias included) runs on the wgmma kernels,
-    but for dropout and deterministic calls, which stay with the mma.sync ones."""
+    dropout included, but for deterministic calls, which stay with the mma.sync ones."""
     _needs_hopper()
     from cupyflash import _plan
     monkeypatch.setattr(_plan, "_plans", {})

@@ -201,6 +201,12 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned long long seed)
 constexpr int kDropoutBits = 16;
 constexpr int kDropoutTiles = 128 / kDropoutBits / 4;
 
+// Dropout's Philox key: the call's seed, or read on the device (where a graph replay must see a new one).
+__device__ __forceinline__ unsigned long long dropout_seed(const FlashParams& p) {
+    return p.dropout_seed_device == nullptr ? static_cast<unsigned long long>(p.dropout_seed)
+                                            : __ldg(static_cast<const unsigned long long*>(p.dropout_seed_device));
+}
+
 // f(mt, nt, e, kept) for each element of a warp's fragment tile at (row0, col0); col0 is a
 // multiple of 8 * NT, as every warp's column offset is. Where dropout is off every element is
 // kept: words of zeros pass every bound.
@@ -209,9 +215,7 @@ __device__ __forceinline__ void for_each_dropout_decision(const FlashParams& p, 
                                                           int col0, F f) {
     // A warp spanning fewer tiles than a group draws the group's words for each of its tiles.
     constexpr int kStep = NT % kDropoutTiles == 0 ? kDropoutTiles : 1;
-    const unsigned long long key = p.dropout_seed_device == nullptr
-        ? static_cast<unsigned long long>(p.dropout_seed)
-        : __ldg(static_cast<const unsigned long long*>(p.dropout_seed_device));
+    const unsigned long long key = dropout_seed(p);
     const uint32 keep_max = static_cast<uint32>(p.dropout_keep_max);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)

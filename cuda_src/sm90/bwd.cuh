@@ -1,7 +1,7 @@
 // Backward pass on Hopper (sm_90a): what sm80/bwd.cuh's flash_bwd computes, on wgmma and TMA,
 // between the same row kernels (flash_bwd_dot before it, flash_bwd_convert_dq after). OPTIONS
-// kernels add the score modifiers of common/score.cuh (softcap, ALiBi, attn_bias with dbias);
-// dropout and the deterministic order stay with the mma.sync backward.
+// kernels add the score modifiers and dropout of common/score.cuh (softcap, ALiBi, attn_bias with
+// dbias); the deterministic order stays with the mma.sync backward.
 //
 // One CTA per (key block of BLOCK_N keys, kv head, batch), in grid_slot's order. (hd256 splits
 // the work between its consumers otherwise: see the hd256 branch of the consumers below.) The first
@@ -74,16 +74,49 @@ struct Sm90BwdTile {
     static_assert(BLOCK_M == 64, "S^T is 64 keys by 64 queries per consumer");
 };
 
+// Dropout's decisions for a consumer thread's elements of S^T tiles 2 k and 2 k + 1 (keys as rows
+// from warp_key0, queries as columns from row0): bit 4 n + e is set where element e of tile 2 k + n
+// is kept. They are the forward's (common/score.cuh, for_each_dropout_decision: the Philox counter
+// of (key, query) is (key with bits 0 and 3 cleared, query with bit 3 cleared, batch * nheads +
+// head, 0), its word 2 (query bit 3) + (key bit 0), the half that key bit 3 selects). Transposed, a
+// counter's words serve two lanes (g and g ^ 1, lanes 4 apart): each lane draws the counters of
+// its own key parity's query column and trades the words the other needs by two shuffles, so a
+// thread makes one Philox call per tile pair, as the forward does.
+__device__ __forceinline__ uint32 transposed_dropout_bits(const FlashParams& p, unsigned long long seed, int batch,
+                                                          int head, int row0, int k, int warp_key0) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4, parity = g & 1;
+    const uint4 r = philox4x32_10(make_uint4(warp_key0 + (g & ~1), row0 + 16 * k + 2 * t + parity,
+                                             batch * p.nheads + head, 0), seed);
+    // This lane's words: query column 2 t + parity (its own counter) and 2 t + (1 - parity) (the
+    // other lane's), for query bit 3 clear (tile 2 k) and set (tile 2 k + 1).
+    const uint32 own[2] = {parity ? r.y : r.x, parity ? r.w : r.z};
+    const uint32 other[2] = {__shfl_xor_sync(0xffffffffu, parity ? r.x : r.y, 4),
+                             __shfl_xor_sync(0xffffffffu, parity ? r.z : r.w, 4)};
+    const uint32 keep_max = static_cast<uint32>(p.dropout_keep_max);
+    uint32 bits = 0;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // element e: key row g + 8 (e / 2), query column 2 t + e % 2
+            const uint32 word = (e % 2 == parity) ? own[n] : other[n];
+            const bool kept = word << (32 - kDropoutBits * (e / 2 + 1)) <= keep_max;
+            bits |= uint32(kept) << (4 * n + e);
+        }
+    return bits;
+}
+
 // The OPTIONS kernels' elementwise step on one 8-column tile of a consumer's S^T and dP^T
 // fragments (keys as rows from warp_key0, queries as columns from row0 + 8 nt; lse and dot indexed
-// by the column): s becomes P^T and dp the gradient of the raw scores, dS^T times the modifiers'
-// d/ds; dS^T is added to dbias where the call returns it. The modifiers are set up per tile from
-// the parameters (a few integer operations): held through the step, their pointers and strides
-// make the hd128 kernel spill.
+// by the column): s becomes P^T (dropped and rescaled where dropout is on: what dV needs) and dp
+// the gradient of the raw scores, dS^T times the modifiers' d/ds; dS^T is added to dbias where the
+// call returns it. `kept`: dropout's decisions of the tile's four elements (transposed_dropout_bits).
+// The modifiers are set up per tile from the parameters (a few integer operations): held through
+// the step, their pointers and strides make the hd128 kernel spill.
 template <bool BF16, bool LOCAL>
 __device__ __forceinline__ void options_tile_transposed(float (&s)[4], float (&dp)[4], int nt, const FlashParams& p,
                                                         const Sequence& seq, int batch, int head, int row0,
-                                                        int warp_key0, bool masked, const float* lse, const float* dot) {
+                                                        int warp_key0, bool masked, const float* lse, const float* dot,
+                                                        uint32 kept) {
     const ScoreMods<BF16> mods(p, seq, batch, recomputed(head));
     float* dbias = p.dbias_accum == nullptr ? nullptr
                    : p.dbias_accum + batch * p.dbias_batch_stride + head * p.dbias_head_stride;
@@ -101,10 +134,12 @@ __device__ __forceinline__ void options_tile_transposed(float (&s)[4], float (&d
         const int c = fragment_col(nt, e), row = row0 + c, key = warp_key0 + fragment_row(0, e);
         float prob = fast_exp2(fmaf(s[e], p.scale_log2, -lse[c]));
         if (masked && !is_visible<LOCAL>(p, seq, row, key)) prob = 0.f;
-        const float ds = prob * (dp[e] - dot[c]);
+        // Dropout: dV sees the kept P times p.dropout_scale, and the gradient reaching P is dP times the same.
+        const float drop = p.dropout_scale == 0.f ? 1.f : ((kept >> e) & 1 ? p.dropout_scale : 0.f);
+        const float ds = prob * (dp[e] * drop - dot[c]);
         if (dbias != nullptr && row < seq.seqlen_q && key < seq.seqlen_k)
             atomicAdd(dbias + row * p.dbias_row_stride + key, ds);
-        s[e] = prob;
+        s[e] = prob * drop;
         dp[e] = ds * grad[e];
     }
 }
@@ -254,8 +289,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 }
                 consumers_sync(1);  // dP^T is stored
                 if (step > 0) consumers_sync(3);  // consumer 1 is done with the last step's P^T and dS^T
+                uint32 kept = 0;  // dropout's decisions of tiles nt and nt + 1, drawn at even nt
 #pragma unroll
                 for (int nt = 0; nt < MT; ++nt) {
+                    if (OPTIONS && nt % 2 == 0 && p.dropout_scale != 0.f)
+                        kept = transposed_dropout_bits(p, dropout_seed(p), batch, head, row0, nt / 2, warp_key0);
                     float dp[4];
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
@@ -265,7 +303,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                     }
                     if constexpr (OPTIONS) {  // x becomes P^T, dp dS^T
                         options_tile_transposed<BF16, LOCAL>(x[0][nt], dp, nt, p, seq, batch, head, row0, warp_key0,
-                                                             masked, lse, dot);
+                                                             masked, lse, dot, kept >> (4 * (nt % 2)));
                     } else {
 #pragma unroll
                         for (int e = 0; e < 4; ++e) dp[e] = x[0][nt][e] * (dp[e] - dot[fragment_col(nt, e)]);
@@ -427,12 +465,15 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             uint32 p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
 #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+                uint32 kept = 0;  // dropout's decisions of tiles 2 kk and 2 kk + 1
+                if (OPTIONS && p.dropout_scale != 0.f)
+                    kept = transposed_dropout_bits(p, dropout_seed(p), batch, head, row0, kk, warp_key0);
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int nt = 2 * kk + half;
                     if constexpr (OPTIONS)
                         options_tile_transposed<BF16, LOCAL>(s[0][nt], dp[0][nt], nt, p, seq, batch, head, row0,
-                                                             warp_key0, masked, lse, dot);
+                                                             warp_key0, masked, lse, dot, kept >> (4 * half));
                     float ds[4];
 #pragma unroll
                     for (int e = 0; e < 4; ++e)

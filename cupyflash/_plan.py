@@ -338,7 +338,7 @@ def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0):
                   headdim=shape.headdim, headdim_padded=tile.headdim,
                   block_major=int(block_major), softmax_scale=scale, scale_log2=scale * math.log2(math.e),
                   stats_batch_stride=stats_strides[0], stats_head_stride=stats_strides[1],
-                  dq_accum_batch_stride=padded_strides[0], dq_accum_head_stride=padded_strides[1],
+                  padded_batch_stride=padded_strides[0], padded_head_stride=padded_strides[1],
                   inv_softmax_scale=1.0 / scale, dq_semaphore_blocks=semaphore_blocks)
     for name, (batch, row, head) in strides.items():
         fields.update({f"{name}_batch_stride": batch, f"{name}_row_stride": row, f"{name}_head_stride": head})

@@ -38,7 +38,7 @@ struct Sequence {
     // least the previous one's start plus its length rounded up to kPaddedRows.
     static constexpr int kPaddedRows = 64;
     __device__ __forceinline__ long long padded_row0(const FlashParams& p, int batch, int head) const {
-        return batch * p.dq_accum_batch_stride + head * p.dq_accum_head_stride
+        return batch * p.padded_batch_stride + head * p.padded_head_stride
                + (p.cu_seqlens_q == nullptr ? 0 : kPaddedRows * (ceil_div(first_row_q, kPaddedRows) + batch));
     }
 };

@@ -72,8 +72,8 @@ struct FlashParams {
     // The backward's padded rows (dq_accum, lse_log2, dout_dot_out) are the same with every
     // sequence starting at a multiple of 64 rows (Sequence::padded_row0; dq_accum's layout is
     // dq_accum_index in common/mask.cuh).
-    long long dq_accum_batch_stride;
-    long long dq_accum_head_stride;
+    long long padded_batch_stride;
+    long long padded_head_stride;
 
     // Variable-length batches: when set, sequence b is rows [cu[b], cu[b + 1]) of the packed
     // tensors (whose batch strides are then 0), and seqlen_q / seqlen_k above are the maxima.

@@ -1,8 +1,7 @@
 """Tile sizes, per kernel family and GPU family, chosen at run time from the device's attributes.
 
 Two kernel families: the mma.sync kernels (cuda_src/sm80/, every pass, sm_80 and newer) and the
-wgmma kernels (cuda_src/sm90/, the forward and the backward but for deterministic calls,
-sm_90a: compute capability 9.0 exactly).
+wgmma kernels (cuda_src/sm90/, the forward and the backward, sm_90a: compute capability 9.0 exactly).
 TILES[kernel family] holds one table per GPU family (sm90, sm86, sm80), then per tile table
 ('fwd', 'bwd', 'bwd_options', 'decode', 'decode_paged') and head dim. The kernels are templates
 over (head dim, block_m, block_n, warps, stages). A caller's head dim is rounded up to the next head dim of the table (the
@@ -104,10 +103,9 @@ TILES = {
 # The wgmma kernels, head dims 64, 128 and 256 only (their tiles are whole 64-wide swizzled column
 # blocks). Forward: block_m / 64 consumer warpgroups of 64 query rows and a producer warpgroup
 # (warps = 4 (1 + block_m / 64)); `stages` K/V buffers. hd64 takes three consumers (192 rows,
-# measured 8-19% faster than two from 4k tokens on, 10% slower at 1k causal). Backward
-# (deterministic calls excepted: mma.sync's): two consumer warpgroups of 64 keys each (hd256: both
-# on 64 keys, dK's and dV's columns split) and a producer;
-# `stages` buffers of a query block's Q, dO, lse_log2 and D. Shared memory: Tile.smem_bytes
+# measured 8-19% faster than two from 4k tokens on, 10% slower at 1k causal). Backward (every
+# option): two consumer warpgroups of 64 keys each (hd256: both on 64 keys, dK's and dV's columns
+# split) and a producer; `stages` buffers of a query block's Q, dO, lse_log2 and D. Shared memory: Tile.smem_bytes
 # (cuda_src/sm90/fwd.cuh Sm90FwdTile, bwd.cuh Sm90BwdTile).
 TILES[WGMMA] = {"sm90": {
     "fwd": {

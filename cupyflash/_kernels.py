@@ -26,7 +26,7 @@ _WGMMA = {"fwd": ("sm90/fwd.cuh", "Sm90FwdTile", "flash_fwd_sm90", "FwdMaps"),
 class Kernel:
     """One kernel entry point; each flag is a template argument. Its tile's kernel family says whose:
     the mma.sync kernels (cuda_src/sm80/) or the wgmma ones (cuda_src/sm90/: the forward and the
-    backward, never deterministic; never even_k, as TMA zero-fills the columns past the head dim).
+    backward; never even_k, as TMA zero-fills the columns past the head dim).
 
     The flag combinations that exist (all_kernels lists exactly these):
       fwd: plain, or options;
@@ -47,8 +47,8 @@ class Kernel:
     def __post_init__(self):
         if self.deterministic and not (self.pass_ == "bwd" and self.options):
             raise ValueError("a deterministic kernel is a backward with options=True")
-        if self.wgmma and (self.pass_ not in _WGMMA or self.even_k or self.deterministic):
-            raise ValueError("the wgmma kernels are forwards and backwards, neither even_k nor deterministic")
+        if self.wgmma and (self.pass_ not in _WGMMA or self.even_k):
+            raise ValueError("the wgmma kernels are forwards and backwards, without even_k")
 
     @property
     def wgmma(self):
@@ -64,7 +64,7 @@ class Kernel:
         if self.wgmma:
             t = self.tile
             return (name + f"_wgmma_hd{t.headdim}_m{t.block_m}_n{t.block_n}_s{t.stages}"
-                    + "_local" * self.local + "_options" * self.options)
+                    + "_local" * self.local + "_options" * self.options + "_deterministic" * self.deterministic)
         if self.tile is not None:
             t = self.tile
             name += f"_hd{t.headdim}_m{t.block_m}_n{t.block_n}_w{t.warps}_s{t.stages}"
@@ -87,7 +87,8 @@ class Kernel:
             header, traits, template, maps = _WGMMA[self.pass_]
             args = (f"{t.headdim}, {t.block_n}, {t.stages}, {t.block_m // 64}" if self.pass_ == "fwd"
                     else f"{t.headdim}, {t.block_m}, {t.block_n}, {t.stages}")
-            flags = f"{_bool(self.local)}, {_bool(self.options)}"
+            flags = [self.local, self.options] + [self.deterministic] * (self.pass_ == "bwd")
+            flags = ", ".join(_bool(f) for f in flags)
             return (_sources.translation_unit(header) + "\n" + _params.size_assert() + "\n"
                     + f"static_assert({traits}<{args}>::kSmemBytes == {self.smem_bytes} && "
                     + f"{traits}<{args}>::kThreads == {self.threads}, "
@@ -129,12 +130,13 @@ def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
     """Every kernel variant of these GPU families' tile tables of a kernel family (the combinations
     of Kernel's docstring)."""
     if kernel_family == _config.WGMMA:
-        options_of_table = {"fwd": (False, True), "bwd": (False,), "bwd_options": (True,)}
+        flags_of_table = {"fwd": ((False, False), (True, False)), "bwd": ((False, False),),
+                          "bwd_options": ((True, False), (True, True))}  # (options, deterministic)
         return list(dict.fromkeys(
-            Kernel(_config.kernel_pass(table), dtype, tile, local, False, options)
+            Kernel(_config.kernel_pass(table), dtype, tile, local, False, options, deterministic)
             for (table, tile), dtype, local in itertools.product(
                 _config.all_tiles(families, kernel_family), DTYPES, (False, True))
-            for options in options_of_table[table]))
+            for options, deterministic in flags_of_table[table]))
     kernels = [Kernel(pass_, dtype) for pass_ in ROW_KERNELS for dtype in DTYPES]
     flags_of_table = {"fwd": ((False, False), (True, False)), "bwd": ((False, False),),
                       "bwd_options": ((True, False), (True, True)), "decode": ((False, False), (True, False)),
@@ -186,7 +188,8 @@ def representative_jobs(jobs):
 
     def keep(arch, k):
         if k.wgmma:  # every tile with the heaviest flags, and every flag at hd128
-            return k.dtype == DTYPES[0] and ((k.local and k.options) or k.tile.headdim == 128)
+            return k.dtype == DTYPES[0] and ((k.local and k.options and (k.deterministic or k.pass_ == "fwd"))
+                                             or k.tile.headdim == 128)
         if k.pass_ in KVCACHE_PASSES:  # the KV cache's kernels: every tile with the heaviest flags, one dtype
             return arch == primary and k.dtype == DTYPES[0] and (k.tile is None or (k.local and k.options
                                                                                   and native(arch, k)))

@@ -446,8 +446,7 @@ def _backward_plan(call, inputs, return_dbias):
     strides.update({name: _tensor_strides(_contiguous_strides(like.shape), varlen)
                     for name, like in (("dq", q), ("dk", k), ("dv", v))})
     maps = None
-    wgmma_takes_call = not call.needs("deterministic")  # sm90/bwd.cuh adds dQ in no fixed order
-    if wgmma_takes_call and _schedule.kernel_family(table, device_id, shape.headdim) == _config.WGMMA:
+    if _schedule.kernel_family(table, device_id, shape.headdim) == _config.WGMMA:
         tile = _schedule.tile(table, shape.headdim, device_id, _config.WGMMA)
         maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n,
                                                     "dout": tile.block_m})

@@ -82,21 +82,22 @@ def test_the_kernel_family_on_hopper(family, headdim, monkeypatch):
             family == "wgmma"}
 
 
-@pytest.mark.parametrize("case, wgmma_backward", [
-    (Case(300, 500, 128, "bfloat16", True, nheads=4, nheads_k=2, softcap=5.0, alibi_slopes=True, attn_bias="full"), True),
-    (Case(200, 300, 64, "float16", False, nheads=4, nheads_k=1, attn_bias="heads", window_size=(40, 9)), True),
-    (Case(300, 500, 128, "bfloat16", True, nheads=4, nheads_k=2, softcap=5.0, dropout_p=0.1), True),
-    (Case(200, 300, 256, "float16", False, nheads=4, nheads_k=2, dropout_p=0.2, attn_bias="full"), True),
-    (Case(300, 500, 64, "bfloat16", True, nheads=4, nheads_k=2, alibi_slopes=True, deterministic=True), False),
+@pytest.mark.parametrize("case", [
+    Case(300, 500, 128, "bfloat16", True, nheads=4, nheads_k=2, softcap=5.0, alibi_slopes=True, attn_bias="full"),
+    Case(200, 300, 64, "float16", False, nheads=4, nheads_k=1, attn_bias="heads", window_size=(40, 9)),
+    Case(300, 500, 128, "bfloat16", True, nheads=4, nheads_k=2, softcap=5.0, dropout_p=0.1),
+    Case(200, 300, 256, "float16", False, nheads=4, nheads_k=2, dropout_p=0.2, attn_bias="full"),
+    Case(300, 500, 64, "bfloat16", True, nheads=4, nheads_k=2, alibi_slopes=True, deterministic=True),
+    Case(200, 300, 256, "bfloat16", False, nheads=4, nheads_k=2, deterministic=True),
 ], ids=str)
-def test_the_options_backward_family_on_hopper(case, wgmma_backward, monkeypatch):
-    """On compute capability 9.0 the options' backward (dbias included) runs on the wgmma kernels,
-    dropout included, but for deterministic calls, which stay with the mma.sync ones."""
+def test_the_options_backward_family_on_hopper(case, monkeypatch):
+    """On compute capability 9.0 the options' backward (dbias, dropout and the deterministic order
+    included) runs on the wgmma kernels."""
     _needs_hopper()
     from cupyflash import _plan
     monkeypatch.setattr(_plan, "_plans", {})
     _assert_ok(_check.run_gpu_case(case, _seed(case)))
-    assert {k.wgmma for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "bwd"} == {wgmma_backward}
+    assert {k.wgmma for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "bwd"} == {True}
 
 
 def test_a_cached_wgmma_plan_reads_each_calls_arrays(monkeypatch):

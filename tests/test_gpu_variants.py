@@ -145,11 +145,12 @@ def test_dropout_mask_is_the_references_and_the_same_in_both_passes(dropout_p):
     assert numpy.array_equal(forward, again)
 
 
-def test_deterministic_backward_is_bitwise_reproducible():
+@pytest.mark.parametrize("headdim", [64, 128, 256])  # (on an H200 the three layouts of the wgmma backward)
+def test_deterministic_backward_is_bitwise_reproducible(headdim):
     import cupy
     from cupyflash import flash_attn_backward, flash_attn_func
     for causal, hk, bias in ((False, 4, None), (True, 1, "keys")):
-        case = Case(1000, 1000, 64, "bfloat16", causal, batch=2, nheads=4, nheads_k=hk, attn_bias=bias or None)
+        case = Case(1000, 1000, headdim, "bfloat16", causal, batch=2, nheads=4, nheads_k=hk, attn_bias=bias or None)
         arrays = _check.to_cupy_inputs(case, _check.random_inputs(case, 8))
         q, k, v, dout = (arrays[n] for n in ("q", "k", "v", "dout"))
         options = dict(attn_bias=arrays["attn_bias"], return_dbias=True) if bias else {}

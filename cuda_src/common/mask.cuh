@@ -52,6 +52,12 @@ __device__ __forceinline__ long long dq_accum_index(long long row, int col, int 
     return (row & ~7LL) * width + (col & ~7) * 8 + (row & 7) * 8 + (col & 7);
 }
 
+// The deterministic backward's counter of (batch, head, query block): how many of the key blocks
+// that the query block sees have added their dQ (they add in key-block order).
+__device__ __forceinline__ int* dq_turn_counter(const FlashParams& p, int batch, int head, int q_block) {
+    return p.dq_semaphore + (static_cast<long long>(batch) * p.nheads + head) * p.dq_semaphore_blocks + q_block;
+}
+
 // A CTA's (block, head, batch). CTAs start in about launch order, x fastest, and under a causal
 // mask a block's weight follows its index (each kernel maps the slot's block 0 to its heaviest).
 // With p.block_major the grid is (heads, blocks, batch): a batch entry's heads all start their

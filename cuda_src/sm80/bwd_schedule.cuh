@@ -76,7 +76,7 @@ struct TailSplit {
 // order. Each waits on the query block's semaphore for its turn (its index among those key blocks),
 // then passes the turn on; the CTAs of earlier key blocks started earlier, so none waits on a later one.
 __device__ __forceinline__ int* wait_dq_turn(const FlashParams& p, int batch, int head, int q_block, int turn) {
-    int* semaphore = p.dq_semaphore + (static_cast<long long>(batch) * p.nheads + head) * p.dq_semaphore_blocks + q_block;
+    int* semaphore = dq_turn_counter(p, batch, head, q_block);
     if (threadIdx.x == 0)
         while (load_acquire(semaphore) != turn) {}
     __syncthreads();

@@ -1,7 +1,7 @@
 // Backward pass on Hopper (sm_90a): what sm80/bwd.cuh's flash_bwd computes, on wgmma and TMA,
 // between the same row kernels (flash_bwd_dot before it, flash_bwd_convert_dq after). OPTIONS
 // kernels add the score modifiers and dropout of common/score.cuh (softcap, ALiBi, attn_bias with
-// dbias); the deterministic order stays with the mma.sync backward.
+// dbias); DETERMINISTIC kernels add dQ in key-block order (a counter per query block, as sm80's).
 //
 // One CTA per (key block of BLOCK_N keys, kv head, batch), in grid_slot's order. (hd256 splits
 // the work between its consumers otherwise: see the hd256 branch of the consumers below.) The first
@@ -144,7 +144,7 @@ __device__ __forceinline__ void options_tile_transposed(float (&s)[4], float (&d
     }
 }
 
-template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, bool OPTIONS>
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, bool OPTIONS, bool DETERMINISTIC>
 __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMaps& maps) {
     typedef Sm90BwdTile<HEADDIM, BLOCK_M, BLOCK_N, STAGES> T;
     constexpr int DT = HEADDIM / 8, MT = BLOCK_M / 8;  // accumulator column tiles: of dK/dV, of S^T
@@ -202,11 +202,28 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             for (int step = 0; step < steps; ++step, advance(head, row0)) {
                 mbarrier_wait(dq_full, step & 1);
                 float* dq_accum = p.dq_accum + (seq.padded_row0(p, batch, head) + row0) * HEADDIM;
+                int* counter = nullptr;
+                if constexpr (DETERMINISTIC) {  // this key block's turn among those the query block sees
+                    counter = dq_turn_counter(p, batch, head, row0 / BLOCK_M);
+                    const int turn = n_block - key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N).first;
+                    while (load_acquire(counter) != turn) {}
+                    fence_proxy_async_global();  // the earlier blocks' adds, then this one's reductions
+                }
 #pragma unroll
-                for (int piece = 0; piece < T::kDQPieces; ++piece)
+                for (int piece = 0; piece < T::kDQPieces; ++piece) {
                     bulk_reduce_add(dq_accum, s_dq + piece * T::kDQBytes, T::kDQBytes);
-                bulk_commit();
-                bulk_wait_all<true>();
+                    if constexpr (DETERMINISTIC) {  // each piece complete before the next: a fixed order of adds
+                        bulk_commit();
+                        bulk_wait_all<false>();
+                    }
+                }
+                if constexpr (DETERMINISTIC) {
+                    fence_proxy_async_global();
+                    add_release(counter, 1);
+                } else {
+                    bulk_commit();
+                    bulk_wait_all<true>();
+                }
                 mbarrier_arrive(dq_empty);
             }
             bulk_wait_all<false>();
@@ -343,6 +360,15 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             // the K tile read N-major; added to dq_accum (rows past the sequence's end add nothing).
             const uint64 ds_mn_desc = n_major_descriptor(s_ds(1), 0, BLOCK_N);
             float* dq_rows = p.dq_accum + seq.padded_row0(p, batch, head) * HEADDIM;
+            int* counter = nullptr;
+            if constexpr (DETERMINISTIC) {  // this key block's turn (named barrier 4: both consumers wait for it)
+                counter = dq_turn_counter(p, batch, head, row0 / BLOCK_M);
+                if (threadIdx.x == 128) {
+                    const int turn = n_block - key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N).first;
+                    while (load_acquire(counter) != turn) {}
+                }
+                consumers_sync(4);
+            }
 #pragma unroll
             for (int chunk = 0; chunk < kHalf / 64; ++chunk) {
                 const int block = consumer * (kHalf / 64) + chunk;  // 64-wide column block of K and dQ
@@ -374,6 +400,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                                             dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
                     }
                 }
+            }
+            if constexpr (DETERMINISTIC) {  // every consumer thread's adds are issued before the next block's turn
+                consumers_sync(4);
+                if (threadIdx.x == 128) add_release(counter, 1);
             }
             if (consumer == 1 && step + 1 < steps) consumers_arrive(3);
         }

@@ -75,6 +75,8 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, uint32 src, uint32 b
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                  :: "l"(dst), "r"(src), "r"(bytes) : "memory");
 }
+// Orders this thread's global accesses through the generic proxy with its bulk (async proxy) ones.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until this thread's bulk groups have read their sources (READ), or are complete.
 template <bool READ>

@@ -33,11 +33,11 @@ __device__ __forceinline__ void mask_fragment(float (&s)[MT][NT][4], const Flash
 
 // The score modifiers over a warp's S fragment (tile at row0, col0), one modifier at a time: each
 // pass is a branch-free unrolled loop, where per-element branches would stall the schedule. With
-// BIAS_WORDS, a bias read as words (common/score.cuh, in_words) is the caller's to add.
+// BIAS_WORDS, a modifier that can be read as words is (common/score.cuh, added_as_words).
 template <bool BIAS_WORDS, int MT, int NT, typename Mods>
 __device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const Mods& mods, int row0, int col0) {
     mods.for_each([&](const auto& mod) {
-        if (mod.on() && !(BIAS_WORDS && in_words(mod))) {
+        if (mod.on() && !(BIAS_WORDS && added_as_words(s, mod, row0, col0))) {
             for_each_element<MT, NT>([&](int mt, int nt, int e) {
                 float grad = 1.f;  // the forward needs no gradient
                 s[mt][nt][e] = mod.apply(s[mt][nt][e], row0 + fragment_row(mt, e), col0 + fragment_col(nt, e), grad);

@@ -60,7 +60,7 @@ struct Alibi {
 
 // attn_bias: s + bias[row][col] / scale; d/ds = 1. The bias is fp32 or the inputs' 16-bit type;
 // rows and columns past the sequence are never read. A 16-bit bias whose rows start on 4-byte
-// boundaries can be read as words, ahead of the scores (BiasWords), where the forward does so.
+// boundaries can be read as words (added_as_words), where the forward does so.
 template <bool BF16>
 struct Bias {
     const FlashParams& p;
@@ -91,56 +91,39 @@ struct Bias {
     }
 };
 
-// Whether a forward that reads words adds a modifier from them (only a bias in_words) rather
-// than through apply.
-template <typename Mod>
-__device__ __forceinline__ bool in_words(const Mod&) { return false; }
-template <bool BF16>
-__device__ __forceinline__ bool in_words(const Bias<BF16>& bias) { return bias.in_words(); }
-
-// A bias in_words for a warp's fragment tile at (row0, col0), one word per two neighbouring
-// columns: load() issues the loads, add() joins them to the scores. Rows past the sequence read
-// its last row (their results are never stored); columns past it read nothing.
-template <int MT, int NT>
-struct BiasWords {
-    uint32 words[MT][2][NT];  // [row half][tile]: columns 8 nt + 2 t and the next, low half first
-
-    template <bool BF16>
-    __device__ __forceinline__ void load(const Bias<BF16>& bias, int row0, int col0) {
-        const bool whole = col0 + 8 * NT <= bias.seq.seqlen_k;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = min(row0 + fragment_row(mt, 2 * half), bias.seq.seqlen_q - 1);
-                const uint16* at = static_cast<const uint16*>(bias.matrix) + row * bias.p.bias_row_stride + col0;
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const int col = fragment_col(nt, 0);
-                    const int left = bias.seq.seqlen_k - col0 - col;  // columns from this one to the end
-                    words[mt][half][nt] = whole || left >= 2 ? __ldg(reinterpret_cast<const uint32*>(at + col))
-                                          : left == 1        ? static_cast<uint32>(__ldg(at + col))
-                                                             : 0u;
-                }
-            }
-    }
-
-    template <bool BF16>
-    __device__ __forceinline__ void add(float (&s)[MT][NT][4], const Bias<BF16>& bias) const {
-        for_each_element<MT, NT>([&](int mt, int nt, int e) {
-            const uint32 word = words[mt][e / 2][nt];
-            const float b = to_float<BF16>(static_cast<uint16>(e % 2 ? word >> 16 : word));
-            s[mt][nt][e] = fmaf(b, bias.p.inv_softmax_scale, s[mt][nt][e]);
-        });
-    }
-};
-
-// A bias in_words, loaded and added at once.
+// A forward's modifier read as words where it can be (only a bias in_words): adds it to a warp's
+// fragment tile at (row0, col0), one word per two neighbouring columns, and returns true; else
+// returns false and leaves it to apply. The loads are issued first, then joined to the scores.
+// Rows past the sequence read its last row (their results are never stored); columns past it read
+// nothing.
+template <int MT, int NT, typename Mod>
+__device__ __forceinline__ bool added_as_words(float (&)[MT][NT][4], const Mod&, int, int) { return false; }
 template <int MT, int NT, bool BF16>
-__device__ __forceinline__ void add_bias_words(float (&s)[MT][NT][4], const Bias<BF16>& bias, int row0, int col0) {
-    BiasWords<MT, NT> words;
-    words.load(bias, row0, col0);
-    words.add(s, bias);
+__device__ __forceinline__ bool added_as_words(float (&s)[MT][NT][4], const Bias<BF16>& bias, int row0, int col0) {
+    if (!bias.in_words()) return false;
+    uint32 words[MT][2][NT];  // [row half][tile]: columns 8 nt + 2 t and the next, low half first
+    const bool whole = col0 + 8 * NT <= bias.seq.seqlen_k;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = min(row0 + fragment_row(mt, 2 * half), bias.seq.seqlen_q - 1);
+            const uint16* at = static_cast<const uint16*>(bias.matrix) + row * bias.p.bias_row_stride + col0;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const int col = fragment_col(nt, 0);
+                const int left = bias.seq.seqlen_k - col0 - col;  // columns from this one to the end
+                words[mt][half][nt] = whole || left >= 2 ? __ldg(reinterpret_cast<const uint32*>(at + col))
+                                      : left == 1        ? static_cast<uint32>(__ldg(at + col))
+                                                         : 0u;
+            }
+        }
+    for_each_element<MT, NT>([&](int mt, int nt, int e) {
+        const uint32 word = words[mt][e / 2][nt];
+        const float b = to_float<BF16>(static_cast<uint16>(e % 2 ? word >> 16 : word));
+        s[mt][nt][e] = fmaf(b, bias.p.inv_softmax_scale, s[mt][nt][e]);
+    });
+    return true;
 }
 
 // Every modifier of a (batch, head), in the order they apply.

@@ -125,12 +125,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         if (!warp_skips) {
             zero(s);
             warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k_n, 0);
-            if constexpr (OPTIONS) {
-                apply_score_mods<true>(s, mods, row0 + warp_row0, key0);
-                // (Loaded here, not before the product: held across it, the words spill at hd64 and
-                // hd256; other warps cover the loads' latency.)
-                if (mods.bias.in_words()) add_bias_words(s, mods.bias, row0 + warp_row0, key0);
-            }
+            // (A bias read as words is loaded here, not before the product: held across it, the
+            // words spill at hd64 and hd256; other warps cover the loads' latency.)
+            if constexpr (OPTIONS) apply_score_mods<true>(s, mods, row0 + warp_row0, key0);
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
         }
 

@@ -50,14 +50,13 @@ struct Sm90FwdTile {
     // Three consumers have 160 registers each: the operand descriptors that ptxas would compute
     // ahead of their products (two registers each) spill there. Two consumers have room for them.
     static constexpr bool kDescriptorsInOrder = CONSUMERS == 3;
-    // A 16-bit bias is read as words (common/score.cuh, BiasWords) by two consumers; three, at 160
+    // A 16-bit bias is read as words (common/score.cuh, added_as_words) by two consumers; three, at 160
     // registers each, spill with the code for it. The words load just before they join the scores:
     // loaded before Q K^T, to hide their latency under it, their registers slowed dropout by a fifth.
     static constexpr bool kBiasWords = CONSUMERS == 2;
     static_assert(HEADDIM % 64 == 0 && HEADDIM <= 256, "tiles are whole 64-wide column blocks");
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "S is one wgmma wide");
 };
-
 
 // Tile t: the blocks are walked from the last (under a causal mask the heaviest) to the first,
 // and, as grid_slot orders them, block-major (every head's heavy blocks first) where
@@ -152,9 +151,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     const int warp_row0 = wg_row0 + 16 * (threadIdx.x / 32 % 4);
     const bool arrives = threadIdx.x % 32 == 0;  // one arrival per warp on the empty barriers
 
-    // Turns, round the consumers (named barriers 1 to CONSUMERS): each issues after the one before it has (the first goes first)
-    // and hands the turn on. All issue equally often, so the last's first hand-over is absorbed by
-    // the first's last wait.
+    // Turns, round the consumers (named barriers 1 to CONSUMERS): each issues after the one before
+    // it has (the first goes first) and hands the turn on. All issue equally often, so the last's
+    // first hand-over is absorbed by the first's last wait.
     const int my_turn = warpgroup, next_turn = warpgroup % CONSUMERS + 1;
     if (T::kPingPong && warpgroup == CONSUMERS) consumers_arrive(next_turn);
     auto take_turn = [&]() { if (T::kPingPong) consumers_sync(my_turn); };
@@ -267,10 +266,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 mbarrier_arrive(k_empty(stage));
                 if (n_block == blocks.first) mbarrier_arrive(q_empty);
             }
-            if constexpr (OPTIONS) {
-                apply_score_mods<T::kBiasWords>(s, mods, row0 + warp_row0, key0);
-                if (T::kBiasWords && mods.bias.in_words()) add_bias_words(s, mods.bias, row0 + warp_row0, key0);
-            }
+            if constexpr (OPTIONS) apply_score_mods<T::kBiasWords>(s, mods, row0 + warp_row0, key0);
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
             const SoftmaxStep<1> step = new_row_max(s, row_max, row_sum, p);
             exponentiate(s, row_sum, step, p);

@@ -187,7 +187,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
 #pragma unroll
         for (int stage = 0; stage < STAGES; ++stage) {
             mbarrier_init(q_full(stage), 4);               // Q, dO, lse_log2, D
-            mbarrier_init(q_empty(stage), 4 * T::kConsumers);  // the consumers' warps
+            // Every consumer thread arrives: each orders its own reads of lse_log2 and D before the
+            // producer's next copies into the stage.
+            mbarrier_init(q_empty(stage), 128 * T::kConsumers);
         }
         mbarrier_init(dq_full, 4 * T::kConsumers);
         mbarrier_init(dq_empty, 1);
@@ -259,7 +261,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         constexpr int kHalf = HEADDIM / 2, HT = kHalf / 8;
         const int warp_key0 = key0 + 16 * (threadIdx.x / 32 % 4);
         const int lane_row = 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;  // a warp's first row + g
-        const bool arrives = threadIdx.x % 32 == 0;
         float acc_dk[1][HT][4], acc_dv[1][HT][4];
         zero(acc_dk);
         zero(acc_dv);
@@ -385,8 +386,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                     wgmma_wait<1>();  // dV and dK are done with Q and dO
                     fence_operands(flat(acc_dv));
                     fence_operands(flat(acc_dk));
-                    __syncwarp();  // every lane's reads before its warp's arrival releases the stage
-                    if (arrives) mbarrier_arrive(q_empty(stage));
+                    mbarrier_arrive(q_empty(stage));
                 }
                 wgmma_wait<0>();
                 fence_operands(flat(dq));
@@ -432,7 +432,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     } else {
         const int wg_key0 = 64 * consumer;                             // this consumer's keys in the block
         const int warp_key0 = key0 + wg_key0 + 16 * (threadIdx.x / 32 % 4);  // this warp's first key
-        const bool arrives = threadIdx.x % 32 == 0;  // one arrival per warp on q_empty
+        const bool arrives = threadIdx.x % 32 == 0;  // one arrival per warp on dq_full
 
         float acc_dk[1][DT][4], acc_dv[1][DT][4];
         zero(acc_dk);
@@ -564,8 +564,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             wgmma_wait<1>();  // dV and dK are done with Q and dO
             fence_operands(flat(acc_dv));
             fence_operands(flat(acc_dk));
-            __syncwarp();  // every lane's reads of lse_log2 and D before its warp's arrival releases them
-            if (arrives) mbarrier_arrive(q_empty(stage));
+            mbarrier_arrive(q_empty(stage));
             wgmma_wait<0>();
             fence_operands(flat(dq));
 

@@ -24,8 +24,8 @@ KERNEL_FAMILIES = (MMA_SYNC, WGMMA)
 #   fwd: (block_m + 2 block_n stages) row                                        (Q, K, V)
 #   bwd: 2 block_n row + stages (2 block_m row + 8 block_m) + 2 block_m row_bytes(block_n)
 # and it must fit the GPU family's opt-in limit (FAMILY_SMEM_LIMIT). 'bwd_options' is the backward
-# of the OPTIONS kernels (cuda_src/common/score.cuh; also every deterministic backward), whose
-# options need registers. Timings: bench/tiles.py on an H200, bf16, seqlen 1k-16k.
+# of the kernels with score options (features: cuda_src/common/score.cuh; also every deterministic
+# backward), whose options need registers. Timings: bench/tiles.py on an H200, bf16, seqlen 1k-16k.
 _DECODE = {hd: (16, 32 if hd <= 64 else 16, 4, 2) for hd in HEADDIMS if hd != 224}  # 4 warps, 2 stages (below)
 _SM90 = {
     "fwd": {

@@ -17,6 +17,10 @@ _HEADER = {"fwd": "sm80/fwd.cuh", "bwd": "sm80/bwd.cuh", "bwd_dot": "sm80/bwd.cu
            "decode": "sm80/decode.cuh", "decode_combine": "sm80/decode.cuh", "kvcache_append": "sm80/decode.cuh"}
 ROW_KERNELS = ("bwd_dot", "bwd_convert_dq", "decode_combine", "kvcache_append")  # no tile: ROW_KERNEL_THREADS each
 KVCACHE_PASSES = ("decode", "decode_combine", "kvcache_append")  # flash_attn_with_kvcache's (cuda_src/sm80/decode.cuh)
+# The score options a kernel can be compiled for, in order: the names of their bits in
+# cuda_src/common/score.cuh (namespace feature), and the `kernels` of their cupyflash.options entries.
+FEATURES = ("softcap", "alibi", "bias", "dropout")
+DECODE_FEATURES = ("softcap", "alibi")  # flash_attn_with_kvcache's
 # The wgmma kernels' (cuda_src/sm90/): header, tile traits, template, tensor maps, by pass.
 _WGMMA = {"fwd": ("sm90/fwd.cuh", "Sm90FwdTile", "flash_fwd_sm90", "FwdMaps"),
           "bwd": ("sm90/bwd.cuh", "Sm90BwdTile", "flash_bwd_sm90", "BwdMaps")}
@@ -28,27 +32,34 @@ class Kernel:
     the mma.sync kernels (cuda_src/sm80/) or the wgmma ones (cuda_src/sm90/: the forward and the
     backward; never even_k, as TMA zero-fills the columns past the head dim).
 
-    The flag combinations that exist (all_kernels lists exactly these):
-      fwd: plain, or options;
-      bwd: plain (tile table 'bwd'), options, or options and deterministic (both 'bwd_options');
-      decode: plain or options, never even_k.
-    A deterministic backward always runs the options kernels' tiles, so it is compiled as an
-    options kernel (with every option off unless the call sets some): no deterministic kernel
-    without options, and none for the forward, whose order of adds is fixed anyway.
+    `features` are the score options compiled in (a subsequence of FEATURES; DECODE_FEATURES for
+    decode): a call runs the kernel of exactly the options it uses, compiled on first use, so an
+    option costs only its own code. A backward with features or deterministic runs the tile table
+    'bwd_options'; the forward has no deterministic kernel, its order of adds being fixed anyway.
+    all_kernels lists the variants the compile checks build: each table's plain kernel and its
+    kernel with every feature, the heaviest code, which holds every subset's.
     """
     pass_: str                               # 'fwd', 'bwd', 'decode' or a row kernel (ROW_KERNELS)
     dtype: str                               # 'float16' or 'bfloat16'
     tile: Optional[_config.Tile] = None      # fwd, bwd and decode only
     local: bool = False                      # causal or sliding window: each row sees a bounded key range
     even_k: bool = False                     # caller's head dim == tile head dim: no column bounds
-    options: bool = False                    # the score options and dropout (cuda_src/common/score.cuh)
-    deterministic: bool = False              # bwd: dQ added in a fixed key-block order (requires options)
+    features: tuple = ()                     # the score options compiled in (FEATURES, in order)
+    deterministic: bool = False              # bwd: dQ added in a fixed key-block order
 
     def __post_init__(self):
-        if self.deterministic and not (self.pass_ == "bwd" and self.options):
-            raise ValueError("a deterministic kernel is a backward with options=True")
+        allowed = DECODE_FEATURES if self.pass_ == "decode" else FEATURES if self.tile is not None else ()
+        if tuple(f for f in allowed if f in self.features) != tuple(self.features):
+            raise ValueError(f"a {self.pass_} kernel's features are a subsequence of {allowed}, not {self.features}")
+        if self.deterministic and self.pass_ != "bwd":
+            raise ValueError("a deterministic kernel is a backward")
         if self.wgmma and (self.pass_ not in _WGMMA or self.even_k):
             raise ValueError("the wgmma kernels are forwards and backwards, without even_k")
+
+    @property
+    def options(self):
+        """Whether any score option is compiled in."""
+        return bool(self.features)
 
     @property
     def wgmma(self):
@@ -64,13 +75,18 @@ class Kernel:
         if self.wgmma:
             t = self.tile
             return (name + f"_wgmma_hd{t.headdim}_m{t.block_m}_n{t.block_n}_s{t.stages}"
-                    + "_local" * self.local + "_options" * self.options + "_deterministic" * self.deterministic)
+                    + "_local" * self.local + self._suffix())
         if self.tile is not None:
             t = self.tile
             name += f"_hd{t.headdim}_m{t.block_m}_n{t.block_n}_w{t.warps}_s{t.stages}"
-            name += ("_local" * self.local + "_evenk" * self.even_k + "_options" * self.options
-                     + "_deterministic" * self.deterministic)
+            name += "_local" * self.local + "_evenk" * self.even_k + self._suffix()
         return name
+
+    def _suffix(self):
+        return "".join("_" + f for f in self.features) + "_deterministic" * self.deterministic
+
+    def _features_argument(self):
+        return " | ".join(f"feature::{f}" for f in self.features) or "0"
 
     @property
     def threads(self):
@@ -87,8 +103,8 @@ class Kernel:
             header, traits, template, maps = _WGMMA[self.pass_]
             args = (f"{t.headdim}, {t.block_n}, {t.stages}, {t.block_m // 64}" if self.pass_ == "fwd"
                     else f"{t.headdim}, {t.block_m}, {t.block_n}, {t.stages}")
-            flags = [self.local, self.options] + [self.deterministic] * (self.pass_ == "bwd")
-            flags = ", ".join(_bool(f) for f in flags)
+            flags = [_bool(self.local), self._features_argument()] + [_bool(self.deterministic)] * (self.pass_ == "bwd")
+            flags = ", ".join(flags)
             return (_sources.translation_unit(header) + "\n" + _params.size_assert() + "\n"
                     + f"static_assert({traits}<{args}>::kSmemBytes == {self.smem_bytes} && "
                     + f"{traits}<{args}>::kThreads == {self.threads}, "
@@ -104,14 +120,15 @@ class Kernel:
         elif self.pass_ == "decode":
             t = self.tile
             args = f"{t.headdim}, {t.block_n}, {t.warps}, {t.stages}"
-            call = f"flash_decode<{args}, {bf16}, {_bool(self.local)}, {_bool(self.options)}>(p);"
+            call = f"flash_decode<{args}, {bf16}, {_bool(self.local)}, {self._features_argument()}>(p);"
             check = (f"static_assert(DecodeTile<{args}>::kSmemBytes == {self.smem_bytes} && "
                      f"DecodeTile<{args}>::kRows == {t.block_m}, \"the decode tile differs from cupyflash/_config.py\");\n")
         else:
             t = self.tile
             args = f"{t.headdim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}"
-            flags = [self.local, self.even_k, self.options] + [self.deterministic] * (self.pass_ == "bwd")
-            flags = ", ".join(_bool(f) for f in flags)
+            flags = ([_bool(self.local), _bool(self.even_k), self._features_argument()]
+                     + [_bool(self.deterministic)] * (self.pass_ == "bwd"))
+            flags = ", ".join(flags)
             call = f"flash_{self.pass_}<{args}, {bf16}, {flags}>(p);"
             traits = "FwdTile" if self.pass_ == "fwd" else "BwdTile"
             check = (f"static_assert({traits}<{args}>::kSmemBytes == {self.smem_bytes}, "
@@ -126,27 +143,32 @@ def _bool(flag):
     return "true" if flag else "false"
 
 
+# The (features, deterministic) pairs the compile checks build per tile table: the plain kernel and
+# the one with every feature (a call's own subset compiles on first use); and, for the hd128 tiles
+# (first dtype, LOCAL), each feature alone and the deterministic backward without any.
+_CHECKED_FLAGS = {"fwd": (((), False), (FEATURES, False)), "bwd": (((), False),),
+                  "bwd_options": ((FEATURES, False), (FEATURES, True)),
+                  "decode": (((), False), (DECODE_FEATURES, False)),
+                  "decode_paged": (((), False), (DECODE_FEATURES, False))}
+_SINGLE_FLAGS = {"fwd": tuple(((f,), False) for f in FEATURES),
+                 "bwd_options": tuple(((f,), False) for f in FEATURES) + (((), True),)}
+
+
 def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
-    """Every kernel variant of these GPU families' tile tables of a kernel family (the combinations
-    of Kernel's docstring)."""
-    if kernel_family == _config.WGMMA:
-        flags_of_table = {"fwd": ((False, False), (True, False)), "bwd": ((False, False),),
-                          "bwd_options": ((True, False), (True, True))}  # (options, deterministic)
-        return list(dict.fromkeys(
-            Kernel(_config.kernel_pass(table), dtype, tile, local, False, options, deterministic)
-            for (table, tile), dtype, local in itertools.product(
-                _config.all_tiles(families, kernel_family), DTYPES, (False, True))
-            for options, deterministic in flags_of_table[table]))
-    kernels = [Kernel(pass_, dtype) for pass_ in ROW_KERNELS for dtype in DTYPES]
-    flags_of_table = {"fwd": ((False, False), (True, False)), "bwd": ((False, False),),
-                      "bwd_options": ((True, False), (True, True)), "decode": ((False, False), (True, False)),
-                      "decode_paged": ((False, False), (True, False))}
+    """The kernel variants the compile checks build for these GPU families' tile tables of a kernel
+    family (_CHECKED_FLAGS, _SINGLE_FLAGS; the row kernels with the mma.sync family; never even_k for
+    wgmma or decode)."""
+    wgmma = kernel_family == _config.WGMMA
+    kernels = [] if wgmma else [Kernel(pass_, dtype) for pass_ in ROW_KERNELS for dtype in DTYPES]
     for (table, tile), dtype, local, even_k in itertools.product(
-            _config.all_tiles(families), DTYPES, (False, True), (False, True)):
-        if even_k and _config.kernel_pass(table) == "decode":
+            _config.all_tiles(families, kernel_family), DTYPES, (False, True), (False, True)):
+        if even_k and (wgmma or _config.kernel_pass(table) == "decode"):
             continue
-        for options, deterministic in flags_of_table[table]:  # (options, deterministic)
-            kernels.append(Kernel(_config.kernel_pass(table), dtype, tile, local, even_k, options, deterministic))
+        flags = _CHECKED_FLAGS[table]
+        if tile.headdim == 128 and dtype == DTYPES[0] and local and not even_k:
+            flags += _SINGLE_FLAGS.get(table, ())
+        for features, deterministic in flags:
+            kernels.append(Kernel(_config.kernel_pass(table), dtype, tile, local, even_k, features, deterministic))
     return list(dict.fromkeys(kernels))  # (a tile in two tables of one pass is one kernel)
 
 
@@ -161,7 +183,8 @@ def representative_jobs(jobs):
     cold run stays under half a minute on two cores, where the full sweep (`check --compile`, and
     the tests with CUPYFLASH_COMPILE_ALL=1, as CI runs them) takes minutes.
 
-    They cover every code path the sweep does, once: the wgmma kernels' tiles with their heaviest
+    They cover every code path the sweep does, once (a kernel with one feature runs a subset of the
+    code of the one with every feature): the wgmma kernels' tiles with their heaviest
     flags and every flag at hd128; on the newest mma.sync arch (which builds every table),
     one variant per tile of its own family's tables, so every head dim and block shape of each pass,
     with the heaviest flags (local masking, column bounds, the options); every flag of one forward
@@ -172,7 +195,7 @@ def representative_jobs(jobs):
 
     def tables(k):
         if k.pass_ == "bwd":
-            return ("bwd_options",) if k.options else ("bwd",)
+            return ("bwd_options",) if k.options or k.deterministic else ("bwd",)
         return tuple(t for t in _config.TABLES if _config.kernel_pass(t) == k.pass_)
 
     def native(arch, k):
@@ -187,6 +210,8 @@ def representative_jobs(jobs):
             k.pass_ == "bwd" and k.options))
 
     def keep(arch, k):
+        if k.features not in ((), FEATURES, DECODE_FEATURES) or (k.deterministic and not k.features):
+            return False  # (the sweep's single features: their code is the full set's, less)
         if k.wgmma:  # every tile with the heaviest flags, and every flag at hd128
             return k.dtype == DTYPES[0] and ((k.local and k.options and (k.deterministic or k.pass_ == "fwd"))
                                              or k.tile.headdim == 128)

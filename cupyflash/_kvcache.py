@@ -109,7 +109,7 @@ def _new_plan(call, cache, arrays):
     shape, caller = call.shape, call.caller
     device_id = caller.device_id
     tile = _schedule.tile("decode_paged" if cache.paged else "decode", shape.headdim, device_id)
-    kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.needs("score"))
+    kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features)
     group = shape.nheads // shape.nheads_k
     m_blocks = -(-shape.seqlen_q * group // tile.block_m)  # blocks of packed (query, head) rows
     ctas = m_blocks * shape.nheads_k * shape.batch

@@ -361,9 +361,9 @@ def _padded_rows(shape):
 
 
 def _with_options(pass_, call):
-    """Whether a call runs the OPTIONS kernels: where an option changes the scores or drops
-    probabilities, and for a deterministic backward, which is one of them."""
-    return call.needs("score") or call.needs("dropout") or (pass_ == "bwd" and call.needs("deterministic"))
+    """Whether a call's kernels compile in score options (features), or are a deterministic
+    backward: the backward's of both run the tile table 'bwd_options'."""
+    return bool(call.features) or (pass_ == "bwd" and call.needs("deterministic"))
 
 
 def _kernel(pass_, call, tile):
@@ -371,7 +371,7 @@ def _kernel(pass_, call, tile):
     is the tile's (the wgmma kernels have no such flag: TMA zero-fills the columns past the head dim)."""
     deterministic = pass_ == "bwd" and call.needs("deterministic")
     even_k = call.shape.headdim == tile.headdim and tile.kernel_family != _config.WGMMA
-    return _kernels.Kernel(pass_, call.dtype, tile, call.local, even_k, _with_options(pass_, call), deterministic)
+    return _kernels.Kernel(pass_, call.dtype, tile, call.local, even_k, call.features, deterministic)
 
 
 def _tensor_maps(call, inputs, strides, boxes):
@@ -466,7 +466,7 @@ def _backward_plan(call, inputs, return_dbias):
                                              call.local)
     kernel = _kernel("bwd", call, tile)
     params = _param_block(call, tile, strides, inputs, block_major, semaphore_blocks)
-    if not (call.local or kernel.options or varlen or kernel.wgmma):  # the kernels that may split their last wave
+    if not (call.local or kernel.options or kernel.deterministic or varlen or kernel.wgmma):  # those that may split (sm80/bwd.cuh, kMaySplit)
         grid = _split_last_wave(kernel, call.caller.device(), shape, grid, params, outputs)
     if return_dbias:
         finish = _add_dbias(call, params, outputs, inputs.get(options.DIFFERENTIABLE))

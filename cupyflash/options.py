@@ -43,7 +43,8 @@ class Option:
     doc: str
     check: Callable               # check(value, call) -> the value as the kernels and the reference take it
     fill: Callable = None         # fill(fields, value, call, inputs): its FlashParams fields, not pointers
-    kernels: str = ""             # what the kernels need when it is on: 'local', 'score', 'dropout', 'deterministic'
+    kernels: str = ""             # what the kernels need when it is on: 'local', 'deterministic', or the
+                                  # feature compiled in for it (cupyflash/_kernels.py, FEATURES)
     passes: tuple = ("fwd", "bwd")   # and "kvcache": flash_attn_with_kvcache takes it
     varlen: bool = True           # whether the varlen functions take it
     parts: tuple = ()             # a pair's two ints, as named in torch op schemas and JAX attributes
@@ -299,17 +300,17 @@ OPTIONS = (
            passes=("fwd", "bwd", "kvcache"),
            example=lambda rng, sizes, form: (3, 1)),
     Option("softcap", "real", 0.0, "> 0: scores become softcap * tanh(scores / softcap)",
-           _check_softcap, _fill_softcap, kernels="score", passes=("fwd", "bwd", "kvcache"),
+           _check_softcap, _fill_softcap, kernels="softcap", passes=("fwd", "bwd", "kvcache"),
            example=lambda rng, sizes, form: 1.5),
     Option("alibi_slopes", "array", None,
            "float32 (nheads,) or (batch, nheads): head h adds -slope * |i + seqlen_k - seqlen_q - j| (no gradient); "
            "seqlen_q + seqlen_k up to 2**23",
-           _check_alibi, _fill_alibi, kernels="score", passes=("fwd", "bwd", "kvcache"), example=_example_alibi,
+           _check_alibi, _fill_alibi, kernels="alibi", passes=("fwd", "bwd", "kvcache"), example=_example_alibi,
            forms=("batch", "heads")),
     Option("attn_bias", "array", None,
            "an additive bias broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k), float32 or q's "
            "dtype; its gradient is dbias",
-           _check_bias, _fill_bias, kernels="score", varlen=False, example=_example_bias, forms=("full", "heads", "keys"),
+           _check_bias, _fill_bias, kernels="bias", varlen=False, example=_example_bias, forms=("full", "heads", "keys"),
            gradient=True),
     Option("dropout_p", "real", 0.0,
            "probability of dropping an attention probability, in [0, 1), applied as a multiple of 2**-16 "

@@ -13,7 +13,7 @@ import threading
 
 import numpy
 
-from . import _arrays, _config, options
+from . import _arrays, _config, _kernels, options
 
 GPU_DTYPES = ("float16", "bfloat16")
 NUMPY_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -79,6 +79,11 @@ class Call:
     def needs(self, kernels):
         """Whether an option that is on needs `kernels` (options.Option.kernels)."""
         return any(o.kernels == kernels and self.on(o.name) for o in options.OPTIONS if o.name in self.checked)
+
+    @property
+    def features(self):
+        """The score options its kernels compile in (_kernels.FEATURES): those of its options that are on."""
+        return tuple(f for f in _kernels.FEATURES if self.needs(f))
 
 
 def lse_dtype(dtype):

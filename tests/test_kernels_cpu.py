@@ -117,10 +117,11 @@ def test_every_wgmma_variant_is_compiled_for_sm90a():
     jobs = [(arch, k) for arch, k in _kernels.compile_jobs() if k.wgmma]
     assert {arch for arch, _ in jobs} == {"90a"}
     flags = ((False, False), (True, False))  # (options, deterministic)
-    assert {(k.pass_, k.tile.headdim, k.dtype, k.local, k.options, k.deterministic) for _, k in jobs} == {
+    assert {(k.pass_, k.tile.headdim, k.dtype, k.local, k.options, k.deterministic) for _, k in jobs
+            if len(k.features) != 1} == {
         (pass_, hd, dtype, local, *f) for pass_, hd, dtype, local, f in itertools.product(
             ("fwd", "bwd"), (64, 128, 256), _kernels.DTYPES, (False, True), flags + ((True, True),))
-        if pass_ == "bwd" or f in flags}
+        if pass_ == "bwd" or f in flags} | {("bwd", 128, _kernels.DTYPES[0], True, False, True)}
     assert len({k.name for _, k in jobs}) == len(jobs)
     bwd_tile = next(k.tile for _, k in jobs if k.pass_ == "bwd")
     for kernel in (dict(pass_="decode", tile=bwd_tile), dict(pass_="fwd", tile=jobs[0][1].tile, even_k=True)):
@@ -165,16 +166,39 @@ def test_the_backward_splits_its_last_partial_wave_where_that_saves_time(units, 
 
 # ----------------------------------------------------------------------------- kernel variants
 
-def test_kernel_variants_are_the_flag_combinations_a_call_can_ask_for():
+def test_the_compile_checks_build_each_table_plain_with_every_feature_and_each_feature_alone():
     kernels = _kernels.all_kernels()
     assert len({kernel.name for kernel in kernels}) == len(kernels)
-    assert {(k.pass_, k.options, k.deterministic) for k in kernels if k.tile is not None} == {
-        ("fwd", False, False), ("fwd", True, False),
-        ("bwd", False, False), ("bwd", True, False), ("bwd", True, True), ("decode", False, False), ("decode", True, False)}
+    every, decode = _kernels.FEATURES, _kernels.DECODE_FEATURES
+    alone = {(pass_, (f,), False) for pass_ in ("fwd", "bwd") for f in every} | {("bwd", (), True)}
+    assert {(k.pass_, k.features, k.deterministic) for k in kernels if k.tile is not None} == {
+        ("fwd", (), False), ("fwd", every, False), ("bwd", (), False), ("bwd", every, False), ("bwd", every, True),
+        ("decode", (), False), ("decode", decode, False)} | alone
+    # each feature alone: at hd128, once per tile
+    assert {k.tile.headdim for k in kernels if len(k.features) == 1} == {128}
+
+
+def test_a_kernel_refuses_flags_no_call_asks_for():
     tile = _config.Tile(64, 64, 64, 4, 1)
-    for pass_, options in (("fwd", True), ("bwd", False)):
-        with pytest.raises(ValueError, match="deterministic"):
-            _kernels.Kernel(pass_, "float16", tile, options=options, deterministic=True)
+    with pytest.raises(ValueError, match="deterministic kernel is a backward"):
+        _kernels.Kernel("fwd", "float16", tile, features=("softcap",), deterministic=True)
+    for pass_, features in (("bwd", ("dropout", "softcap")), ("fwd", ("window",)), ("decode", ("bias",)),
+                            ("bwd_dot", ("softcap",))):
+        with pytest.raises(ValueError, match=r"features are a subsequence of \("):
+            _kernels.Kernel(pass_, "float16", None if pass_ == "bwd_dot" else tile, features=features)
+
+
+def test_every_kernel_feature_is_an_option_and_a_bit_of_the_kernels():
+    """The features are the `kernels` of the score options (cupyflash.options), each named in
+    cuda_src/common/score.cuh's namespace feature, where a kernel's FEATURES argument finds it."""
+    from cupyflash import options
+    named = {o.kernels for o in options.OPTIONS} - {"", "local", "deterministic"}
+    assert named == set(_kernels.FEATURES) and set(_kernels.DECODE_FEATURES) <= named
+    header = _sources.translation_unit("common/score.cuh")
+    bits = re.search(r"namespace feature \{\s*constexpr int ([^;]*);", header).group(1)
+    assert [part.split("=")[0].strip() for part in bits.split(",")] == list(_kernels.FEATURES)
+    kernel = _kernels.Kernel("bwd", "float16", _config.Tile(64, 64, 64, 4, 1), features=("alibi", "dropout"))
+    assert "feature::alibi | feature::dropout" in kernel.source() and kernel.name.endswith("_alibi_dropout")
 
 
 def test_score_modifiers_are_defined_once():
@@ -187,8 +211,8 @@ def test_score_modifiers_are_defined_once():
     headers = {path.relative_to(root).as_posix(): path.read_text() for path in root.rglob("*.cuh")}
     assert read.search(headers["common/score.cuh"])
     assert [name for name, text in headers.items() if name != "common/score.cuh" and read.search(text)] == []
-    for header in ("sm80/fwd.cuh", "sm80/bwd.cuh"):
-        assert "ScoreMods<BF16> mods(" in headers[header]
+    for header in ("sm80/fwd.cuh", "sm80/bwd.cuh", "sm90/fwd.cuh", "sm90/bwd.cuh"):
+        assert "ScoreMods<BF16, FEATURES> mods(" in headers[header]
 
 
 # -------------------------------------------------------------------------------- params struct

@@ -37,7 +37,7 @@ __device__ __forceinline__ void mask_fragment(float (&s)[MT][NT][4], const Flash
 template <bool BIAS_WORDS, int MT, int NT, typename Mods>
 __device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const Mods& mods, int row0, int col0) {
     mods.for_each([&](const auto& mod) {
-        if (mod.on() && !(BIAS_WORDS && added_as_words(s, mod, row0, col0))) {
+        if (!(BIAS_WORDS && added_as_words(s, mod, row0, col0))) {
             for_each_element<MT, NT>([&](int mt, int nt, int e) {
                 float grad = 1.f;  // the forward needs no gradient
                 s[mt][nt][e] = mod.apply(s[mt][nt][e], row0 + fragment_row(mt, e), col0 + fragment_col(nt, e), grad);

@@ -100,7 +100,7 @@ struct FlashParams {
     long long bias_head_stride;
     long long bias_row_stride;
     int bias_is_float32;            // else it has q's 16-bit dtype
-    float* dbias_accum;             // fp32, zeroed, with the bias strides below: += dS, by atomics
+    float* dbias_accum;             // fp32, zeroed, with the strides below: dS (common/score.cuh, BiasGradient)
     long long dbias_batch_stride;
     long long dbias_head_stride;
     long long dbias_row_stride;

@@ -3,15 +3,25 @@
 //     x = s * scale;   x = softcap * tanh(x / softcap);   x += alibi + attn_bias
 // on the raw score s = q . k itself, as x / scale: the kernels fold the scale into exp2 later.
 //
-// Each modifier is one functor, built per (batch, head): on() says whether the call uses it, and
-// apply(s, row, col, grad) returns the modified score and multiplies grad by d(result)/d(s). The
-// forward and the backward both call apply (the forward drops grad, which costs it nothing), so a
-// new modifier is one FlashParams field, one functor here and its place in ScoreMods::for_each.
+// Each modifier is one functor, built per (batch, head): on() says whether the call's parameters
+// turn it on, and apply(s, row, col, grad) returns the modified score and multiplies grad by
+// d(result)/d(s). The forward and the backward both call apply (the forward drops grad, which costs
+// it nothing), so a new modifier is one FlashParams field, one functor here, its bit in namespace
+// feature and its place in ScoreMods::for_each.
 #pragma once
 #include "fragment.cuh"
 #include "mask.cuh"
 #include "params.cuh"
 #include "ptx.cuh"
+
+// The score options a kernel is compiled for, one bit each (cupyflash/_kernels.py writes a kernel's
+// FEATURES by these names): a kernel holds only the code of the options its calls use, so each
+// option costs its own arithmetic and nothing for the others. A feature compiled in is still
+// switched by its parameters (on(), dropout_scale): one uniform branch, which also bounds ptxas's
+// schedule (straight-line, the hd128 kernels with every feature spill).
+namespace feature {
+constexpr int softcap = 1, alibi = 2, bias = 4, dropout = 8;
+}
 
 // tanh on the special-function unit: one MUFU op (relative error about 2^-11, fp16's rounding;
 // the suite's 2x and 3x rules hold with it), where 1 - 2 / (e^2x + 1) takes two; the forward's
@@ -126,8 +136,26 @@ __device__ __forceinline__ bool added_as_words(float (&s)[MT][NT][4], const Bias
     return true;
 }
 
-// Every modifier of a (batch, head), in the order they apply.
-template <bool BF16>
+// dbias of a (batch, head): dS into the fp32 accumulator, where the call asks for it. An accumulator
+// with a matrix per (batch, head) has one writer per element, which stores it; a broadcast one (a
+// zero batch or head stride) gathers several (batch, head)s' by atomics.
+struct BiasGradient {
+    float* matrix;  // null where the call returns no dbias
+    long long row_stride;
+    bool shared;
+    __device__ __forceinline__ BiasGradient(const FlashParams& p, int batch, int head)
+        : matrix(p.dbias_accum == nullptr ? nullptr
+                                          : p.dbias_accum + batch * p.dbias_batch_stride + head * p.dbias_head_stride),
+          row_stride(p.dbias_row_stride), shared(p.dbias_batch_stride == 0 || p.dbias_head_stride == 0) {}
+    __device__ __forceinline__ void add(int row, int col, float ds) const {
+        float* at = matrix + row * row_stride + col;
+        if (shared) atomicAdd(at, ds);
+        else *at = ds;
+    }
+};
+
+// The modifiers of a (batch, head) that FEATURES compiles in, in the order they apply.
+template <bool BF16, int FEATURES>
 struct ScoreMods {
     Softcap softcap;
     Alibi alibi;
@@ -136,19 +164,17 @@ struct ScoreMods {
     __device__ __forceinline__ ScoreMods(const FlashParams& p, const Sequence& seq, int batch, int head)
         : softcap(p, seq, batch, head), alibi(p, seq, batch, head), bias(p, seq, batch, head) {}
 
-    // Calls f(modifier) for each modifier, in order.
+    // Calls f(modifier) for each modifier compiled in and on, in order.
     template <typename F>
     __device__ __forceinline__ void for_each(F f) const {
-        f(softcap);
-        f(alibi);
-        f(bias);
+        if constexpr ((FEATURES & feature::softcap) != 0) if (softcap.on()) f(softcap);
+        if constexpr ((FEATURES & feature::alibi) != 0) if (alibi.on()) f(alibi);
+        if constexpr ((FEATURES & feature::bias) != 0) if (bias.on()) f(bias);
     }
 
     // The modified score at (row, col); grad is multiplied by d(result)/d(s).
     __device__ __forceinline__ float apply(float s, int row, int col, float& grad) const {
-        for_each([&](const auto& mod) {
-            if (mod.on()) s = mod.apply(s, row, col, grad);
-        });
+        for_each([&](const auto& mod) { s = mod.apply(s, row, col, grad); });
         return s;
     }
 };

@@ -12,8 +12,8 @@
 //                         The plain kernels may split the key blocks of the last partial wave over
 //                         several CTAs (TailSplit), which sum dK and dV in fp32.
 //   flash_bwd_convert_dq: dq = dq_accum * scale, in the input dtype.
-// As in the forward, LOCAL kernels bound each row's keys and OPTIONS kernels add the options of
-// common/score.cuh (and return dbias); DETERMINISTIC kernels add dQ in a fixed order.
+// As in the forward, LOCAL kernels bound each row's keys and FEATURES adds the options of
+// common/score.cuh (OPTIONS: any; they return dbias); DETERMINISTIC kernels add dQ in a fixed order.
 #pragma once
 #include "../common/mask.cuh"
 #include "../common/math.cuh"
@@ -42,14 +42,13 @@ struct BwdTile {
 // whose tile starts at (row0, col0): the score options, P, dropout, dS (and dbias). On return s
 // holds what dV needs (P, dropped and rescaled) and dp the gradient of the raw scores (dS times
 // the modifiers' d/ds). lse and dot point at the warp's first row.
-template <bool BF16, bool LOCAL, int MT, int NT>
+template <bool BF16, bool LOCAL, int FEATURES, int MT, int NT>
 __device__ __forceinline__ void options_probabilities(float (&s)[MT][NT][4], float (&dp)[MT][NT][4], const FlashParams& p,
                                                      const Sequence& seq, int batch, int head, int row0, int col0,
                                                      bool masked, const float* lse, const float* dot) {
-    const ScoreMods<BF16> mods(p, seq, batch, head);
-    float* dbias = p.dbias_accum == nullptr ? nullptr
-                   : p.dbias_accum + batch * p.dbias_batch_stride + head * p.dbias_head_stride;
-    const bool dropout = p.dropout_scale != 0.f;
+    const ScoreMods<BF16, FEATURES> mods(p, seq, batch, head);
+    const BiasGradient dbias(p, batch, head);
+    const bool dropout = (FEATURES & feature::dropout) != 0 && p.dropout_scale != 0.f;
     for_each_dropout_decision<MT, NT>(p, dropout, batch, head, row0, col0, [&](int mt, int nt, int e, bool kept) {
         const int r = fragment_row(mt, e), row = row0 + r, col = col0 + fragment_col(nt, e);
         const bool in_bounds = row < seq.seqlen_q && col < seq.seqlen_k;
@@ -60,16 +59,17 @@ __device__ __forceinline__ void options_probabilities(float (&s)[MT][NT][4], flo
         // Dropout: dV sees the kept P times p.dropout_scale, and the gradient reaching P is dP times the same.
         const float drop = !dropout ? 1.f : (kept ? p.dropout_scale : 0.f);
         const float ds = prob * (dp[mt][nt][e] * drop - dot[r]);
-        if (dbias != nullptr && in_bounds) atomicAdd(dbias + row * p.dbias_row_stride + col, ds);
+        if ((FEATURES & feature::bias) != 0 && dbias.matrix != nullptr && in_bounds) dbias.add(row, col, ds);
         s[mt][nt][e] = prob * drop;
         dp[mt][nt][e] = ds * grad;
     });
 }
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool LOCAL, bool EVEN_K,
-          bool OPTIONS, bool DETERMINISTIC>
+          int FEATURES, bool DETERMINISTIC>
 __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     typedef BwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS, STAGES> T;
+    constexpr bool OPTIONS = FEATURES != 0;
     typedef typename T::S GS;
     typedef typename T::KV GKV;
     typedef typename T::Q GQ;
@@ -172,7 +172,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         // but dO and dP - D are 0, so they add nothing to dV, dK or dQ.
         const bool masked = block_needs_mask<LOCAL>(p, seq, row0, key0, BLOCK_M, BLOCK_N);
         if constexpr (OPTIONS) {
-            options_probabilities<BF16, LOCAL, GS::MT, GS::NT>(s, dp, p, seq, batch, head, row0 + GS::row0(),
+            options_probabilities<BF16, LOCAL, FEATURES, GS::MT, GS::NT>(s, dp, p, seq, batch, head, row0 + GS::row0(),
                                                                key0 + GS::col0(), masked, s_lse(stage) + GS::row0(),
                                                                s_dot(stage) + GS::row0());
         } else {

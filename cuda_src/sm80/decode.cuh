@@ -112,7 +112,7 @@ struct DecodeTile {
     static_assert(STAGES >= 2, "a warp computes one buffer while the next loads");
 };
 
-template <int HEADDIM, int WARP_N, int WARPS, int STAGES, bool BF16, bool LOCAL, bool OPTIONS>
+template <int HEADDIM, int WARP_N, int WARPS, int STAGES, bool BF16, bool LOCAL, int FEATURES>
 __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     typedef DecodeTile<HEADDIM, WARP_N, WARPS, STAGES> T;
     typedef TileLayout<HEADDIM> L;
@@ -202,8 +202,9 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     // This thread's two fragment rows (g and g + 8): their queries, and the score options of their heads.
     const int packed[2] = {row0 + fragment_row(0, 0), row0 + fragment_row(0, 2)};
     const int query[2] = {packed[0] / group, packed[1] / group};
-    const ScoreMods<BF16> mods[2] = {ScoreMods<BF16>(p, keys, batch, head_k * group + packed[0] % group),
-                                     ScoreMods<BF16>(p, keys, batch, head_k * group + packed[1] % group)};
+    typedef ScoreMods<BF16, FEATURES> Mods;
+    const Mods mods[2] = {Mods(p, keys, batch, head_k * group + packed[0] % group),
+                          Mods(p, keys, batch, head_k * group + packed[1] % group)};
 
     float acc_o[1][DT][4];
     zero(acc_o);
@@ -223,7 +224,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         for_each_element<1, NT>([&](int, int nt, int e) {
             const int key = key0 + fragment_col(nt, e), half = e / 2;
             float x = s[0][nt][e], grad = 1.f;  // (the forward needs no gradient)
-            if (OPTIONS) x = mods[half].apply(x, query[half], key, grad);
+            x = mods[half].apply(x, query[half], key, grad);
             s[0][nt][e] = is_visible<LOCAL>(p, keys, query[half], key) ? x : -CUPYFLASH_INF;
         });
         softmax_step(s, acc_o, row_max, row_sum, p);

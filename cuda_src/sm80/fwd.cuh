@@ -9,8 +9,9 @@
 // Loads: with one stage, V(n) is loaded while S is computed and K(n-1) while P V(n) is (two
 // barriers per block); with two stages, K(n-1) and V(n-1) are loaded into the other buffer
 // while all of block n is computed (one barrier per block, twice the K/V shared memory).
-// LOCAL kernels bound each row's keys (causal, sliding window); OPTIONS kernels add the score
-// options of common/score.cuh (softcap, ALiBi, attn_bias) and dropout. Varlen is a run-time property.
+// LOCAL kernels bound each row's keys (causal, sliding window); FEATURES adds the score options of
+// common/score.cuh that a call uses (softcap, ALiBi, attn_bias, dropout; OPTIONS: any of them).
+// Varlen is a run-time property.
 #pragma once
 #include "../common/mask.cuh"
 #include "../common/math.cuh"
@@ -32,10 +33,14 @@ struct FwdTile {
 };
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF16, bool LOCAL, bool EVEN_K,
-          bool OPTIONS>
+          int FEATURES>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     typedef FwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS, STAGES> T;
+    constexpr bool OPTIONS = FEATURES != 0, DROPOUT = (FEATURES & feature::dropout) != 0;
     constexpr int MT = T::MT, NT = T::NT, DT = T::DT;
+    // A 16-bit bias read as words (common/score.cuh, added_as_words) holds 2 MT NT registers more:
+    // beside an O accumulator of 128 registers (hd128 x 32 rows, hd256 x 16) that spills.
+    constexpr bool kBiasWords = MT * DT * 4 < 128;
     // Every thread is active in the tile copies, without a test (not at hd256, whose LOCAL
     // kernels spill with it).
     if constexpr (HEADDIM != 256) __builtin_assume(threadIdx.x < T::kThreads);
@@ -87,7 +92,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                                                                     seq.seqlen_k - key0, p.headdim);
         cp_async_commit();
     }
-    const ScoreMods<BF16> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
+    const ScoreMods<BF16, FEATURES> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
 
     auto needs_mask = [&](int n_block) {
         return block_needs_mask<LOCAL>(p, seq, row0, n_block * BLOCK_N, BLOCK_M, BLOCK_N);
@@ -127,7 +132,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k_n, 0);
             // (A bias read as words is loaded here, not before the product: held across it, the
             // words spill at hd64 and hd256; other warps cover the loads' latency.)
-            if constexpr (OPTIONS) apply_score_mods<true>(s, mods, row0 + warp_row0, key0);
+            if constexpr (OPTIONS) apply_score_mods<kBiasWords>(s, mods, row0 + warp_row0, key0);
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
         }
 
@@ -145,9 +150,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
         // Dropout acts on the probabilities after the softmax: the sums above keep every element,
         // P V only the kept ones (scaled by p.dropout_scale at the end).
-        if constexpr (OPTIONS) {
-            if (p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
-        }
+        if (DROPOUT && p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
 
         uint32 p_frag[BLOCK_N / 16][MT][4];
 #pragma unroll
@@ -187,7 +190,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     }
 
     // A row that saw no key gets out = 0 and lse = -inf (the log of an empty sum).
-    const float out_scale = OPTIONS && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
+    const float out_scale = DROPOUT && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
     finish_rows(acc_o, row_max, row_sum, out_scale, p, p.lse + seq.stats_row0(p, batch, head), row0 + warp_row0,
                 seq.seqlen_q);
 

@@ -108,26 +108,23 @@ __device__ __forceinline__ uint32 transposed_dropout_bits(const FlashParams& p, 
 // The OPTIONS kernels' elementwise step on one 8-column tile of a consumer's S^T and dP^T
 // fragments (keys as rows from warp_key0, queries as columns from row0 + 8 nt; lse and dot indexed
 // by the column): s becomes P^T (dropped and rescaled where dropout is on: what dV needs) and dp
-// the gradient of the raw scores, dS^T times the modifiers' d/ds; dS^T is added to dbias where the
+// the gradient of the raw scores, dS^T times the modifiers' d/ds; dS^T goes to dbias (BiasGradient) where the
 // call returns it. `kept`: dropout's decisions of the tile's four elements (transposed_dropout_bits).
 // The modifiers are set up per tile from the parameters (a few integer operations): held through
 // the step, their pointers and strides make the hd128 kernel spill.
-template <bool BF16, bool LOCAL>
+template <bool BF16, bool LOCAL, int FEATURES>
 __device__ __forceinline__ void options_tile_transposed(float (&s)[4], float (&dp)[4], int nt, const FlashParams& p,
                                                         const Sequence& seq, int batch, int head, int row0,
                                                         int warp_key0, bool masked, const float* lse, const float* dot,
                                                         uint32 kept) {
-    const ScoreMods<BF16> mods(p, seq, batch, recomputed(head));
-    float* dbias = p.dbias_accum == nullptr ? nullptr
-                   : p.dbias_accum + batch * p.dbias_batch_stride + head * p.dbias_head_stride;
+    const ScoreMods<BF16, FEATURES> mods(p, seq, batch, recomputed(head));
+    const BiasGradient dbias(p, batch, head);
     // Modifier by modifier over the tile's four elements: one branch each, where per element ptxas
     // predicates all three modifiers' code at once.
     float grad[4] = {1.f, 1.f, 1.f, 1.f};
     mods.for_each([&](const auto& mod) {
-        if (mod.on()) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[e] = mod.apply(s[e], row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e), grad[e]);
-        }
+        for (int e = 0; e < 4; ++e) s[e] = mod.apply(s[e], row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e), grad[e]);
     });
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -135,18 +132,20 @@ __device__ __forceinline__ void options_tile_transposed(float (&s)[4], float (&d
         float prob = fast_exp2(fmaf(s[e], p.scale_log2, -lse[c]));
         if (masked && !is_visible<LOCAL>(p, seq, row, key)) prob = 0.f;
         // Dropout: dV sees the kept P times p.dropout_scale, and the gradient reaching P is dP times the same.
-        const float drop = p.dropout_scale == 0.f ? 1.f : ((kept >> e) & 1 ? p.dropout_scale : 0.f);
+        const float drop = (FEATURES & feature::dropout) == 0 || p.dropout_scale == 0.f ? 1.f
+                           : ((kept >> e) & 1 ? p.dropout_scale : 0.f);
         const float ds = prob * (dp[e] * drop - dot[c]);
-        if (dbias != nullptr && row < seq.seqlen_q && key < seq.seqlen_k)
-            atomicAdd(dbias + row * p.dbias_row_stride + key, ds);
+        if ((FEATURES & feature::bias) != 0 && dbias.matrix != nullptr && row < seq.seqlen_q && key < seq.seqlen_k)
+            dbias.add(row, key, ds);
         s[e] = prob * drop;
         dp[e] = ds * grad[e];
     }
 }
 
-template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, bool OPTIONS, bool DETERMINISTIC>
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, int FEATURES, bool DETERMINISTIC>
 __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMaps& maps) {
     typedef Sm90BwdTile<HEADDIM, BLOCK_M, BLOCK_N, STAGES> T;
+    constexpr bool OPTIONS = FEATURES != 0, DROPOUT = (FEATURES & feature::dropout) != 0;  // (as in sm80/fwd.cuh)
     constexpr int DT = HEADDIM / 8, MT = BLOCK_M / 8;  // accumulator column tiles: of dK/dV, of S^T
     static_assert(Sequence::kPaddedRows % BLOCK_M == 0,
                   "a query block's padded rows are one aligned piece of dq_accum, lse_log2 and D");
@@ -310,7 +309,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 uint32 kept = 0;  // dropout's decisions of tiles nt and nt + 1, drawn at even nt
 #pragma unroll
                 for (int nt = 0; nt < MT; ++nt) {
-                    if (OPTIONS && nt % 2 == 0 && p.dropout_scale != 0.f)
+                    if (DROPOUT && nt % 2 == 0 && p.dropout_scale != 0.f)
                         kept = transposed_dropout_bits(p, dropout_seed(p), batch, head, row0, nt / 2, warp_key0);
                     float dp[4];
 #pragma unroll
@@ -320,7 +319,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                         dp[2 * half + 1] = pair.y;
                     }
                     if constexpr (OPTIONS) {  // x becomes P^T, dp dS^T
-                        options_tile_transposed<BF16, LOCAL>(x[0][nt], dp, nt, p, seq, batch, head, row0, warp_key0,
+                        options_tile_transposed<BF16, LOCAL, FEATURES>(x[0][nt], dp, nt, p, seq, batch, head, row0, warp_key0,
                                                              masked, lse, dot, kept >> (4 * (nt % 2)));
                     } else {
 #pragma unroll
@@ -496,13 +495,13 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
 #pragma unroll
             for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
                 uint32 kept = 0;  // dropout's decisions of tiles 2 kk and 2 kk + 1
-                if (OPTIONS && p.dropout_scale != 0.f)
+                if (DROPOUT && p.dropout_scale != 0.f)
                     kept = transposed_dropout_bits(p, dropout_seed(p), batch, head, row0, kk, warp_key0);
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int nt = 2 * kk + half;
                     if constexpr (OPTIONS)
-                        options_tile_transposed<BF16, LOCAL>(s[0][nt], dp[0][nt], nt, p, seq, batch, head, row0,
+                        options_tile_transposed<BF16, LOCAL, FEATURES>(s[0][nt], dp[0][nt], nt, p, seq, batch, head, row0,
                                                              warp_key0, masked, lse, dot, kept >> (4 * half));
                     float ds[4];
 #pragma unroll

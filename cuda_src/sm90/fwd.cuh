@@ -86,9 +86,10 @@ __device__ __forceinline__ FwdTileSlot fwd_tile(const FlashParams& p, int t, int
     return FwdTileSlot{m_blocks - 1 - block, rest - batch * p.nheads, batch};
 }
 
-template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool BF16, bool LOCAL, bool OPTIONS>
+template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool BF16, bool LOCAL, int FEATURES>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
     typedef Sm90FwdTile<HEADDIM, BLOCK_N, STAGES, CONSUMERS> T;
+    constexpr bool OPTIONS = FEATURES != 0, DROPOUT = (FEATURES & feature::dropout) != 0;  // (as in sm80/fwd.cuh)
     constexpr int BLOCK_M = T::kBlockM, NT = BLOCK_N / 8, DT = HEADDIM / 8;
     constexpr int kOWidth = HEADDIM == 64 ? 64 : 128;  // columns of O per P V wgmma
 
@@ -197,7 +198,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         const FwdTileSlot tile = fwd_tile<LOCAL>(p, t, m_blocks);
         const Sequence seq(p, tile.batch);
         const int row0 = tile.m_block * BLOCK_M + warp_row0;
-        const float out_scale = OPTIONS && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
+        const float out_scale = DROPOUT && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
         finish_rows(acc_o, row_max, row_sum, out_scale, p, p.lse + seq.stats_row0(p, tile.batch, tile.head), row0,
                     seq.seqlen_q);
         uint16* out = static_cast<uint16*>(p.out) + tile.batch * p.out_batch_stride + tile.head * p.out_head_stride
@@ -225,7 +226,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         const BlockRange blocks = key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N);
         zero(acc_o);
         float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
-        const ScoreMods<BF16> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
+        const ScoreMods<BF16, FEATURES> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
 
         // Every block is computed by every consumer, even one whose keys a warpgroup's rows do
         // not see (its scores are all masked, so its P is zero): a branch around the products
@@ -271,9 +272,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             const SoftmaxStep<1> step = new_row_max(s, row_max, row_sum, p);
             exponentiate(s, row_sum, step, p);
             // Dropout acts on the probabilities after the softmax: the sums keep every element.
-            if constexpr (OPTIONS) {
-                if (p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
-            }
+            if (DROPOUT && p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
             if (!first) complete_pv();
             rescale(acc_o, step);
 #pragma unroll

@@ -59,10 +59,13 @@ def test_forward_with_more_tiles_than_sms(case):
     _assert_ok(_check.run_gpu_case(case, _seed(case), backward=False))
 
 
-def _needs_hopper():
+def _needs_hopper(monkeypatch):
+    """Skips off compute capability 9.0; there, the device's own choice of family, whatever family
+    the run forces (CUPYFLASH_FAMILY)."""
     import cupy
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma kernels run on compute capability 9.0")
+    monkeypatch.delenv("CUPYFLASH_FAMILY", raising=False)
 
 
 @pytest.mark.parametrize("family", ["wgmma", "mma_sync"])
@@ -71,7 +74,7 @@ def test_the_kernel_family_on_hopper(family, headdim, monkeypatch):
     """On compute capability 9.0 the forward and the plain backward run on the wgmma kernels, unless
     CUPYFLASH_FAMILY=mma_sync forces the older family (as the suite's second run on an H200 does
     throughout); both pass."""
-    _needs_hopper()
+    _needs_hopper(monkeypatch)
     from cupyflash import _plan
     monkeypatch.setattr(_plan, "_plans", {})
     monkeypatch.setenv("CUPYFLASH_FAMILY", family)
@@ -93,7 +96,7 @@ def test_the_kernel_family_on_hopper(family, headdim, monkeypatch):
 def test_the_options_backward_family_on_hopper(case, monkeypatch):
     """On compute capability 9.0 the options' backward (dbias, dropout and the deterministic order
     included) runs on the wgmma kernels."""
-    _needs_hopper()
+    _needs_hopper(monkeypatch)
     from cupyflash import _plan
     monkeypatch.setattr(_plan, "_plans", {})
     _assert_ok(_check.run_gpu_case(case, _seed(case)))
@@ -103,7 +106,7 @@ def test_the_options_backward_family_on_hopper(case, monkeypatch):
 def test_a_cached_wgmma_plan_reads_each_calls_arrays(monkeypatch):
     """The tensor maps are encoded once per plan and aimed at each call's arrays: calls with other
     arrays of the same layout reuse the plan and read their own inputs."""
-    _needs_hopper()
+    _needs_hopper(monkeypatch)
     from cupyflash import _plan
     monkeypatch.setattr(_plan, "_plans", {})
     case = Case(257, 300, 64, "float16", False, nheads=4, nheads_k=1)

@@ -495,21 +495,28 @@ def _split_last_wave(kernel, device, shape, grid, params, outputs):
 
 
 def _add_dbias(call, params, outputs, bias):
-    """Adds the dbias accumulator to a backward plan; returns its finish: (dq, dk, dv, dbias).
+    """Adds dbias to a backward plan; returns its finish: (dq, dk, dv, dbias).
 
-    The kernel adds dS into a zeroed float32 array by atomics, with stride 0 along the bias's
-    broadcast dimensions. Without atomics colliding that is exact and deterministic; where a
-    deterministic backward would have them collide (a broadcast bias), it writes the full
-    (batch, nheads, seqlen_q, seqlen_k) instead and sums it in a fixed order afterwards."""
+    A bias that is not broadcast gets its gradient straight from the kernel, in its own dtype: each
+    element has one writer (zeroed first only where a causal or window mask skips blocks). A
+    broadcast one's dS goes into a zeroed float32 array with stride 0 along the broadcast
+    dimensions, added by atomics; where a deterministic backward would have them collide, the
+    kernel writes the full (batch, nheads, seqlen_q, seqlen_k) instead, summed afterwards in a fixed
+    order (common/score.cuh, BiasGradient)."""
     if bias is None:
         return lambda o: (o["dq"], o["dk"], o["dv"], None)
     shape = call.shape
     full = (shape.batch, shape.nheads, shape.seqlen_q, shape.seqlen_k)
     bias4 = (1,) * (4 - len(bias.shape)) + tuple(bias.shape)
-    accum_shape = full if call.needs("deterministic") and bias4 != full else bias4
-    accum_strides = options.broadcast_strides(accum_shape, _contiguous_strides(accum_shape))
-    params["dbias_batch_stride"], params["dbias_head_stride"], params["dbias_row_stride"] = accum_strides[:3]
-    outputs.append(_Output("dbias_accum", accum_shape, "float32", True))
-    axes = tuple(axis for axis in range(4) if accum_shape[axis] != bias4[axis])
     bias_dtype, bias_shape, caller = _arrays.dtype_name(bias), tuple(bias.shape), call.caller
-    return lambda o: (o["dq"], o["dk"], o["dv"], caller.reduce(o["dbias_accum"], axes, bias_shape, bias_dtype))
+    direct = bias4 == full
+    dbias_shape = full if direct or call.needs("deterministic") else bias4
+    strides = options.broadcast_strides(dbias_shape, _contiguous_strides(dbias_shape))
+    params["dbias_batch_stride"], params["dbias_head_stride"], params["dbias_row_stride"] = strides[:3]
+    params["dbias_is_float32"] = int(not direct or bias_dtype == "float32")
+    if direct:
+        outputs.append(_Output("dbias", full, bias_dtype, call.local))
+        return lambda o: (o["dq"], o["dk"], o["dv"], o["dbias"].reshape(bias_shape))
+    outputs.append(_Output("dbias", dbias_shape, "float32", True))
+    axes = tuple(axis for axis in range(4) if dbias_shape[axis] != bias4[axis])
+    return lambda o: (o["dq"], o["dk"], o["dv"], caller.reduce(o["dbias"], axes, bias_shape, bias_dtype))

@@ -100,7 +100,8 @@ struct FlashParams {
     long long bias_head_stride;
     long long bias_row_stride;
     int bias_is_float32;            // else it has q's 16-bit dtype
-    float* dbias_accum;             // fp32, zeroed, with the strides below: dS (common/score.cuh, BiasGradient)
+    void* dbias;                    // dS, with the strides below (common/score.cuh, BiasGradient); null: not asked
+    int dbias_is_float32;           // else it has q's 16-bit dtype (a bias of that dtype, not broadcast)
     long long dbias_batch_stride;
     long long dbias_head_stride;
     long long dbias_row_stride;

@@ -78,6 +78,11 @@ __device__ __forceinline__ uint32 pack_pair(float lo, float hi) {
 }
 
 template <bool BF16>
+__device__ __forceinline__ uint16 to_16bit(float x) {
+    return static_cast<uint16>(pack_pair<BF16>(x, 0.f) & 0xffffu);
+}
+
+template <bool BF16>
 __device__ __forceinline__ float to_float(uint16 x) {
     if (BF16) return __uint_as_float(static_cast<uint32>(x) << 16);
     float f;

@@ -136,21 +136,28 @@ __device__ __forceinline__ bool added_as_words(float (&s)[MT][NT][4], const Bias
     return true;
 }
 
-// dbias of a (batch, head): dS into the fp32 accumulator, where the call asks for it. An accumulator
-// with a matrix per (batch, head) has one writer per element, which stores it; a broadcast one (a
-// zero batch or head stride) gathers several (batch, head)s' by atomics.
+// dbias of a (batch, head), where the call asks for it. A bias that is not broadcast gets its
+// gradient in its own dtype, one writer per element, stored; otherwise dS goes to an fp32 matrix,
+// stored where it has a matrix per (batch, head) (a deterministic call's), else (a zero batch or head
+// stride) added by atomics, and the host sums it over the broadcast dimensions.
+template <bool BF16>
 struct BiasGradient {
-    float* matrix;  // null where the call returns no dbias
+    void* matrix;  // null where the call returns no dbias
     long long row_stride;
-    bool shared;
+    bool shared, fp32;
     __device__ __forceinline__ BiasGradient(const FlashParams& p, int batch, int head)
-        : matrix(p.dbias_accum == nullptr ? nullptr
-                                          : p.dbias_accum + batch * p.dbias_batch_stride + head * p.dbias_head_stride),
-          row_stride(p.dbias_row_stride), shared(p.dbias_batch_stride == 0 || p.dbias_head_stride == 0) {}
+        : matrix(p.dbias), row_stride(p.dbias_row_stride),
+          shared(p.dbias_batch_stride == 0 || p.dbias_head_stride == 0), fp32(p.dbias_is_float32 != 0) {
+        const long long offset = batch * p.dbias_batch_stride + head * p.dbias_head_stride;
+        if (matrix != nullptr)
+            matrix = fp32 ? static_cast<void*>(static_cast<float*>(matrix) + offset)
+                          : static_cast<void*>(static_cast<uint16*>(matrix) + offset);
+    }
     __device__ __forceinline__ void add(int row, int col, float ds) const {
-        float* at = matrix + row * row_stride + col;
-        if (shared) atomicAdd(at, ds);
-        else *at = ds;
+        const long long at = row * row_stride + col;
+        if (!fp32) static_cast<uint16*>(matrix)[at] = to_16bit<BF16>(ds);
+        else if (shared) atomicAdd(static_cast<float*>(matrix) + at, ds);
+        else static_cast<float*>(matrix)[at] = ds;
     }
 };
 

@@ -47,7 +47,7 @@ __device__ __forceinline__ void options_probabilities(float (&s)[MT][NT][4], flo
                                                      const Sequence& seq, int batch, int head, int row0, int col0,
                                                      bool masked, const float* lse, const float* dot) {
     const ScoreMods<BF16, FEATURES> mods(p, seq, batch, head);
-    const BiasGradient dbias(p, batch, head);
+    const BiasGradient<BF16> dbias(p, batch, head);
     const bool dropout = (FEATURES & feature::dropout) != 0 && p.dropout_scale != 0.f;
     for_each_dropout_decision<MT, NT>(p, dropout, batch, head, row0, col0, [&](int mt, int nt, int e, bool kept) {
         const int r = fragment_row(mt, e), row = row0 + r, col = col0 + fragment_col(nt, e);

@@ -67,11 +67,6 @@ __device__ __forceinline__ int rotary_partner(const FlashParams& p, int d, float
     return d < half ? d + half : d - half;
 }
 
-template <bool BF16>
-__device__ __forceinline__ uint16 to_16bit(float x) {
-    return static_cast<uint16>(pack_pair<BF16>(x, 0.f) & 0xffffu);
-}
-
 // One CTA per (new token, batch entry): K (rotated in fp32, then rounded) and V into the caches.
 template <bool BF16>
 __device__ __forceinline__ void flash_kvcache_append(const FlashParams& p) {

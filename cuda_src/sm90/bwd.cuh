@@ -118,7 +118,7 @@ __device__ __forceinline__ void options_tile_transposed(float (&s)[4], float (&d
                                                         int warp_key0, bool masked, const float* lse, const float* dot,
                                                         uint32 kept) {
     const ScoreMods<BF16, FEATURES> mods(p, seq, batch, recomputed(head));
-    const BiasGradient dbias(p, batch, head);
+    const BiasGradient<BF16> dbias(p, batch, head);
     // Modifier by modifier over the tile's four elements: one branch each, where per element ptxas
     // predicates all three modifiers' code at once.
     float grad[4] = {1.f, 1.f, 1.f, 1.f};

@@ -89,7 +89,7 @@ struct FlashParams {
     int window_left;
     int window_right;
 
-    // The options of the OPTIONS kernels (score.cuh), each off when zero / null.
+    // The score options (score.cuh; a kernel compiles in those its call uses), each off when zero / null.
     float softcap_inner;            // softcap: raw scores s become softcap_outer * tanh(s * softcap_inner),
     float softcap_outer;            //   inner = scale / softcap (0: off), outer = softcap / scale
     float inv_softmax_scale;        // 1 / softmax_scale: the kernels keep scores in raw units (q . k)

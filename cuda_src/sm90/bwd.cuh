@@ -1,7 +1,8 @@
 // Backward pass on Hopper (sm_90a): what sm80/bwd.cuh's flash_bwd computes, on wgmma and TMA,
-// between the same row kernels (flash_bwd_dot before it, flash_bwd_convert_dq after). OPTIONS
-// kernels add the score modifiers and dropout of common/score.cuh (softcap, ALiBi, attn_bias with
-// dbias); DETERMINISTIC kernels add dQ in key-block order (a counter per query block, as sm80's).
+// between the same row kernels (flash_bwd_dot before it, flash_bwd_convert_dq after). FEATURES
+// adds the score options of common/score.cuh that a call uses (softcap, ALiBi, attn_bias with
+// dbias, dropout; OPTIONS: any of them); DETERMINISTIC kernels add dQ in key-block order (a counter
+// per query block, as sm80's).
 //
 // One CTA per (key block of BLOCK_N keys, kv head, batch), in grid_slot's order. (hd256 splits
 // the work between its consumers otherwise: see the hd256 branch of the consumers below.) The first

@@ -34,7 +34,8 @@ class Kernel:
 
     `features` are the score options compiled in (a subsequence of FEATURES; DECODE_FEATURES for
     decode): a call runs the kernel of exactly the options it uses, compiled on first use, so an
-    option costs only its own code. A backward with features or deterministic runs the tile table
+    option costs only its own code (where that kernel spills, the one with every feature instead:
+    _compile.spill_free). A backward with features or deterministic runs the tile table
     'bwd_options'; the forward has no deterministic kernel, its order of adds being fixed anyway.
     all_kernels lists the variants the compile checks build: each table's plain kernel and its
     kernel with every feature, the heaviest code, which holds every subset's.
@@ -60,6 +61,12 @@ class Kernel:
     def options(self):
         """Whether any score option is compiled in."""
         return bool(self.features)
+
+    def with_every_feature(self):
+        """The same kernel with every feature its pass can take, where it has any (_compile.spill_free)."""
+        if not self.features:
+            return self
+        return dataclasses.replace(self, features=DECODE_FEATURES if self.pass_ == "decode" else FEATURES)
 
     @property
     def wgmma(self):

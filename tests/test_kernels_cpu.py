@@ -188,6 +188,23 @@ def test_a_kernel_refuses_flags_no_call_asks_for():
             _kernels.Kernel(pass_, "float16", None if pass_ == "bwd_dot" else tile, features=features)
 
 
+@pytest.mark.parametrize("spilling, runs", [((), "subset"), (("subset",), "whole"), (("subset", "whole"), "whole")])
+def test_a_kernel_whose_own_features_spill_runs_the_one_with_every_feature(spilling, runs, tmp_path, monkeypatch):
+    tile = _config.Tile(64, 64, 64, 4, 1)
+    kernels = {"subset": _kernels.Kernel("bwd", "float16", tile, True, features=("dropout",), deterministic=True)}
+    kernels["whole"] = kernels["subset"].with_every_feature()
+    assert kernels["whole"].features == _kernels.FEATURES and kernels["whole"].deterministic
+    names = {kernel.name: role for role, kernel in kernels.items()}
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    monkeypatch.setattr(_compile, "compile_kernel", lambda kernel, arch: (tmp_path / kernel.name, names[kernel.name]))
+    monkeypatch.setattr(_compile, "resource_report", lambda cubin, role: _compile.ResourceReport(
+        200, 8 * (role in spilling), 8 * (role in spilling), 8 * (role in spilling)))
+    assert _compile.spill_free(kernels["subset"], "90") == (kernels[runs], tmp_path / kernels[runs].name)
+    plain = _kernels.Kernel("bwd", "float16", tile)
+    assert plain.with_every_feature() == plain
+
+
 def test_every_kernel_feature_is_an_option_and_a_bit_of_the_kernels():
     """The features are the `kernels` of the score options (cupyflash.options), each named in
     cuda_src/common/score.cuh's namespace feature, where a kernel's FEATURES argument finds it."""

@@ -143,6 +143,34 @@ __device__ __forceinline__ void options_tile_transposed(float (&s)[4], float (&d
     }
 }
 
+// dK (times the softmax scale) and dV from a consumer's accumulators, straight from the registers:
+// its warp's keys from warp_key0, TILES column tiles from col0.
+template <bool BF16, int TILES>
+__device__ __forceinline__ void store_dk_dv(const FlashParams& p, const Sequence& seq, int batch, int head_k,
+                                            int warp_key0, int col0, const float (&acc_dk)[1][TILES][4],
+                                            const float (&acc_dv)[1][TILES][4]) {
+    uint16* dk = static_cast<uint16*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride
+                 + seq.first_row_k * p.dk_row_stride;
+    uint16* dv = static_cast<uint16*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride
+                 + seq.first_row_k * p.dv_row_stride;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int key = warp_key0 + fragment_row(0, 2 * half);
+        if (key < seq.seqlen_k) {
+#pragma unroll
+            for (int dt = 0; dt < TILES; ++dt) {
+                const int col = col0 + fragment_col(dt, 0);
+                if (col < p.headdim) {
+                    *reinterpret_cast<uint32*>(dk + key * p.dk_row_stride + col) = pack_pair<BF16>(
+                        acc_dk[0][dt][2 * half] * p.softmax_scale, acc_dk[0][dt][2 * half + 1] * p.softmax_scale);
+                    *reinterpret_cast<uint32*>(dv + key * p.dv_row_stride + col) =
+                        pack_pair<BF16>(acc_dv[0][dt][2 * half], acc_dv[0][dt][2 * half + 1]);
+                }
+            }
+        }
+    }
+}
+
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, int FEATURES, bool DETERMINISTIC>
 __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMaps& maps) {
     typedef Sm90BwdTile<HEADDIM, BLOCK_M, BLOCK_N, STAGES> T;
@@ -264,9 +292,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         float acc_dk[1][HT][4], acc_dv[1][HT][4];
         zero(acc_dk);
         zero(acc_dv);
-        auto flat = [](auto& acc) -> auto& {
-            return reinterpret_cast<float(&)[sizeof(acc) / sizeof(float)]>(acc);
-        };
         mbarrier_wait(kv_full, 0);
         int head = first_head, row0 = first_row0;
         for (int step = 0; step < steps; ++step, advance(head, row0)) {
@@ -408,27 +433,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             if (consumer == 1 && step + 1 < steps) consumers_arrive(3);
         }
 
-        // dK (times the softmax scale) and dV of this consumer's columns, straight from the registers.
-        uint16* dk = static_cast<uint16*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride
-                     + seq.first_row_k * p.dk_row_stride;
-        uint16* dv = static_cast<uint16*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride
-                     + seq.first_row_k * p.dv_row_stride;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int key = warp_key0 + fragment_row(0, 2 * half);
-            if (key < seq.seqlen_k) {
-#pragma unroll
-                for (int dt = 0; dt < HT; ++dt) {
-                    const int col = kHalf * consumer + fragment_col(dt, 0);
-                    if (col < p.headdim) {
-                        *reinterpret_cast<uint32*>(dk + key * p.dk_row_stride + col) = pack_pair<BF16>(
-                            acc_dk[0][dt][2 * half] * p.softmax_scale, acc_dk[0][dt][2 * half + 1] * p.softmax_scale);
-                        *reinterpret_cast<uint32*>(dv + key * p.dv_row_stride + col) =
-                            pack_pair<BF16>(acc_dv[0][dt][2 * half], acc_dv[0][dt][2 * half + 1]);
-                    }
-                }
-            }
-        }
+        store_dk_dv<BF16>(p, seq, batch, head_k, warp_key0, kHalf * consumer, acc_dk, acc_dv);  // its columns
     } else {
         const int wg_key0 = 64 * consumer;                             // this consumer's keys in the block
         const int warp_key0 = key0 + wg_key0 + 16 * (threadIdx.x / 32 % 4);  // this warp's first key
@@ -437,9 +442,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         float acc_dk[1][DT][4], acc_dv[1][DT][4];
         zero(acc_dk);
         zero(acc_dv);
-        auto flat = [](auto& acc) -> auto& {
-            return reinterpret_cast<float(&)[sizeof(acc) / sizeof(float)]>(acc);
-        };
         mbarrier_wait(kv_full, 0);
 
         int head = first_head, row0 = first_row0;
@@ -589,26 +591,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             if (arrives) mbarrier_arrive(dq_full);
         }
 
-        // dK (times the softmax scale) and dV, straight from the registers.
-        uint16* dk = static_cast<uint16*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride
-                     + seq.first_row_k * p.dk_row_stride;
-        uint16* dv = static_cast<uint16*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride
-                     + seq.first_row_k * p.dv_row_stride;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int key = warp_key0 + fragment_row(0, 2 * half);
-            if (key < seq.seqlen_k) {
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    const int col = fragment_col(dt, 0);
-                    if (col < p.headdim) {
-                        *reinterpret_cast<uint32*>(dk + key * p.dk_row_stride + col) =
-                            pack_pair<BF16>(acc_dk[0][dt][2 * half] * p.softmax_scale, acc_dk[0][dt][2 * half + 1] * p.softmax_scale);
-                        *reinterpret_cast<uint32*>(dv + key * p.dv_row_stride + col) =
-                            pack_pair<BF16>(acc_dv[0][dt][2 * half], acc_dv[0][dt][2 * half + 1]);
-                    }
-                }
-            }
-        }
+        store_dk_dv<BF16>(p, seq, batch, head_k, warp_key0, 0, acc_dk, acc_dv);
     }
 }

@@ -188,7 +188,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     };
     auto complete_pv = [&]() {
         wgmma_wait<0>();
-        fence_operands(reinterpret_cast<float(&)[HEADDIM / 2]>(acc_o));
+        fence_operands(flat(acc_o));
         if (arrives) mbarrier_arrive(v_empty(pending_stage()));
     };
 
@@ -250,7 +250,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             const uint64 k_desc = k_major_descriptor(s_k(stage), 0, BLOCK_N);
             static_for<HEADDIM / 16>([&](auto kk_) {
                 constexpr int kk = decltype(kk_)::value;
-                wgmma_ss<BLOCK_N, BF16>(reinterpret_cast<float(&)[BLOCK_N / 2]>(s),
+                wgmma_ss<BLOCK_N, BF16>(flat(s),
                                         descriptor_plus<k_major_offset(kk, BLOCK_M), T::kDescriptorsInOrder>(q_desc),
                                         descriptor_plus<k_major_offset(kk, BLOCK_N), T::kDescriptorsInOrder>(k_desc), kk > 0);
             });
@@ -262,7 +262,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             } else {
                 wgmma_wait<1>();  // S is ready; P V runs on
             }
-            fence_operands(reinterpret_cast<float(&)[BLOCK_N / 2]>(s));
+            fence_operands(flat(s));
             if (arrives) {
                 mbarrier_arrive(k_empty(stage));
                 if (n_block == blocks.first) mbarrier_arrive(q_empty);

@@ -152,6 +152,12 @@ __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.
 template <int REGISTERS>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGISTERS)); }
 
+// An accumulator fragment array (say float[1][MT][4]) as the flat registers the wrappers take.
+template <typename Fragments>
+__device__ __forceinline__ auto& flat(Fragments& acc) {
+    return reinterpret_cast<float(&)[sizeof(Fragments) / sizeof(float)]>(acc);
+}
+
 // Pins accumulator registers in the instruction order: the compiler does not see that a wgmma
 // writes them only by its wgmma_wait, and would otherwise move their reads (or a rescale's
 // writes) across the wait, which makes ptxas serialise the products.

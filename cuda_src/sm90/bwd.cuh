@@ -1,7 +1,7 @@
 // Backward pass on Hopper (sm_90a): what sm80/bwd.cuh's flash_bwd computes, on wgmma and TMA,
 // between the same row kernels (flash_bwd_dot before it, flash_bwd_convert_dq after). FEATURES
 // adds the score options of common/score.cuh that a call uses (softcap, ALiBi, attn_bias with
-// dbias, dropout; OPTIONS: any of them); DETERMINISTIC kernels add dQ in key-block order (a counter
+// dbias, dropout); DETERMINISTIC kernels add dQ in key-block order (a counter
 // per query block, as sm80's).
 //
 // One CTA per (key block of BLOCK_N keys, kv head, batch), in grid_slot's order. (hd256 splits
@@ -65,11 +65,14 @@ struct Sm90BwdTile {
     // What the consumers trade per step: two dS^T buffers and dQ (split keys), or P^T, dS^T and
     // dP^T (hd256, whose dQ goes to dq_accum by reductions from registers).
     static constexpr int kTradeBytes = kSplitKeys ? 2 * kDSBytes + kDQPieces * kDQBytes : 2 * kDSBytes + kDPBytes;
+    // Dropout's decisions of a step, a word per consumer thread, wait in shared memory for dS^T
+    // (split keys): kept in a register through the step, the LOCAL kernels spill.
+    static constexpr int kKeptBytes = 128 * kConsumers * 4;
     static constexpr int kBarrierBytes = 8 * (3 + 2 * STAGES);
     // Tiles first (each a multiple of 1024 bytes, as the swizzle needs), then the rows' floats and
     // the barriers; the dynamic shared memory's start is aligned up to 1024 bytes in the kernel.
     static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + STAGES * 2 * kQBytes + kTradeBytes
-                                      + STAGES * 2 * kRowBytes + kBarrierBytes;
+                                      + STAGES * 2 * kRowBytes + kKeptBytes + kBarrierBytes;
     static_assert(kSplitKeys ? (HEADDIM == 64 || HEADDIM == 128) && BLOCK_N == 128 : HEADDIM == 256 && BLOCK_N == 64,
                   "64 keys by HEADDIM (split keys) or by HEADDIM / 2 (hd256) of dK and dV per consumer");
     static_assert(BLOCK_M == 64, "S^T is 64 keys by 64 queries per consumer");
@@ -106,39 +109,71 @@ __device__ __forceinline__ uint32 transposed_dropout_bits(const FlashParams& p, 
     return bits;
 }
 
-// The OPTIONS kernels' elementwise step on one 8-column tile of a consumer's S^T and dP^T
-// fragments (keys as rows from warp_key0, queries as columns from row0 + 8 nt; lse and dot indexed
-// by the column): s becomes P^T (dropped and rescaled where dropout is on: what dV needs) and dp
-// the gradient of the raw scores, dS^T times the modifiers' d/ds; dS^T goes to dbias (BiasGradient) where the
-// call returns it. `kept`: dropout's decisions of the tile's four elements (transposed_dropout_bits).
-// The modifiers are set up per tile from the parameters (a few integer operations): held through
-// the step, their pointers and strides make the hd128 kernel spill.
-template <bool BF16, bool LOCAL, int FEATURES>
-__device__ __forceinline__ void options_tile_transposed(float (&s)[4], float (&dp)[4], int nt, const FlashParams& p,
-                                                        const Sequence& seq, int batch, int head, int row0,
-                                                        int warp_key0, bool masked, const float* lse, const float* dot,
-                                                        uint32 kept) {
-    const ScoreMods<BF16, FEATURES> mods(p, seq, batch, recomputed(head));
-    const BiasGradient<BF16> dbias(p, batch, head);
-    // Modifier by modifier over the tile's four elements: one branch each, where per element ptxas
-    // predicates all three modifiers' code at once.
-    float grad[4] = {1.f, 1.f, 1.f, 1.f};
-    mods.for_each([&](const auto& mod) {
+// Dropout's decisions of a consumer thread's whole step of S^T (BLOCK_M / 8 tiles of 8 query
+// columns, 4 bits each: tile nt at bit 4 nt), one word: drawn while the step's products run, the
+// Philox calls beside the tensor cores, and none of their temporaries live through the step.
+template <int BLOCK_M>
+__device__ __forceinline__ uint32 step_dropout_bits(const FlashParams& p, int batch, int head, int row0, int warp_key0) {
+    static_assert(BLOCK_M / 8 * 4 <= 32, "a step's decisions are one word");
+    const unsigned long long seed = dropout_seed(p);
+    uint32 bits = 0;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[e] = mod.apply(s[e], row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e), grad[e]);
+    for (int k = 0; k < BLOCK_M / 16; ++k)
+        bits |= transposed_dropout_bits(p, seed, batch, head, row0, k, warp_key0) << (8 * k);
+    return bits;
+}
+
+// P^T of COUNT 8-column tiles from nt0 of a consumer's S^T (keys as rows from warp_key0, queries as
+// columns from row0; lse indexed by the column): the modifiers applied (grad times their d/ds),
+// exponentiated, masked.
+template <bool BF16, bool LOCAL, int FEATURES, int COUNT, int MT>
+__device__ __forceinline__ void probabilities_transposed(float (&s)[MT][4], float (&grad)[COUNT][4], int nt0,
+                                                         const FlashParams& p, const Sequence& seq, int batch, int head,
+                                                         int row0, int warp_key0, bool masked, const float* lse) {
+    if constexpr (FEATURES != 0) {
+        // Modifier by modifier: one branch each, where per element ptxas predicates every
+        // modifier's code at once. Set up from the parameters here (a few integer operations):
+        // held through the step, their pointers and strides make the hd128 kernel spill.
+        const ScoreMods<BF16, FEATURES> mods(p, seq, batch, recomputed(head));
+        mods.for_each([&](const auto& mod) {
+            for_each_element<1, COUNT>([&](int, int c, int e) {
+                const int nt = nt0 + c;
+                s[nt][e] = mod.apply(s[nt][e], row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e), grad[c][e]);
+            });
+        });
+    }
+    for_each_element<1, COUNT>([&](int, int c, int e) {
+        const int nt = nt0 + c;
+        s[nt][e] = fast_exp2(fmaf(s[nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
     });
+    if (masked) {
+        for_each_element<1, COUNT>([&](int, int c, int e) {
+            const int nt = nt0 + c;
+            if (!is_visible<LOCAL>(p, seq, row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e))) s[nt][e] = 0.f;
+        });
+    }
+}
+
+// dS^T of one tile from its P^T (s) and dP^T (dp; dot indexed by the column): dp becomes the
+// gradient of the raw scores, dS^T times the modifiers' d/ds (grad), and s the P^T that dV needs
+// (dropped and rescaled where dropout is on: `kept`, the tile's four decisions); dS^T goes to dbias
+// (BiasGradient) where the call returns it.
+template <bool BF16, int FEATURES>
+__device__ __forceinline__ void gradients_transposed(float (&s)[4], float (&dp)[4], const float (&grad)[4], int nt,
+                                                     const FlashParams& p, const Sequence& seq, int batch, int head,
+                                                     int row0, int warp_key0, const float* dot, uint32 kept) {
+    const float keep_scale = p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
+    const BiasGradient<BF16> dbias(p, batch, head);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        const int c = fragment_col(nt, e), row = row0 + c, key = warp_key0 + fragment_row(0, e);
-        float prob = fast_exp2(fmaf(s[e], p.scale_log2, -lse[c]));
-        if (masked && !is_visible<LOCAL>(p, seq, row, key)) prob = 0.f;
         // Dropout: dV sees the kept P times p.dropout_scale, and the gradient reaching P is dP times the same.
-        const float drop = (FEATURES & feature::dropout) == 0 || p.dropout_scale == 0.f ? 1.f
-                           : ((kept >> e) & 1 ? p.dropout_scale : 0.f);
-        const float ds = prob * (dp[e] * drop - dot[c]);
-        if ((FEATURES & feature::bias) != 0 && dbias.matrix != nullptr && row < seq.seqlen_q && key < seq.seqlen_k)
-            dbias.add(row, key, ds);
-        s[e] = prob * drop;
+        const float drop = (FEATURES & feature::dropout) == 0 ? 1.f : ((kept >> e) & 1 ? keep_scale : 0.f);
+        const float ds = s[e] * (dp[e] * drop - dot[fragment_col(nt, e)]);
+        if constexpr ((FEATURES & feature::bias) != 0) {
+            const int row = row0 + fragment_col(nt, e), key = warp_key0 + fragment_row(0, e);
+            if (dbias.matrix != nullptr && row < seq.seqlen_q && key < seq.seqlen_k) dbias.add(row, key, ds);
+        }
+        s[e] *= drop;
         dp[e] = ds * grad[e];
     }
 }
@@ -174,7 +209,11 @@ __device__ __forceinline__ void store_dk_dv(const FlashParams& p, const Sequence
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, int FEATURES, bool DETERMINISTIC>
 __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMaps& maps) {
     typedef Sm90BwdTile<HEADDIM, BLOCK_M, BLOCK_N, STAGES> T;
-    constexpr bool OPTIONS = FEATURES != 0, DROPOUT = (FEATURES & feature::dropout) != 0;  // (as in sm80/fwd.cuh)
+    constexpr bool DROPOUT = (FEATURES & feature::dropout) != 0;
+    // P^T is computed while dP^T's product runs (its elements then wait for dP^T); softcap's d/ds
+    // would wait with them, and the bias's pointers beside dP^T's accumulators spill (LOCAL hd128):
+    // with either, each tile's P^T, d/ds and dS^T in one pass after both products.
+    constexpr bool kEarlyProbabilities = (FEATURES & (feature::softcap | feature::bias)) == 0;
     constexpr int DT = HEADDIM / 8, MT = BLOCK_M / 8;  // accumulator column tiles: of dK/dV, of S^T
     static_assert(Sequence::kPaddedRows % BLOCK_M == 0,
                   "a query block's padded rows are one aligned piece of dq_accum, lse_log2 and D");
@@ -189,7 +228,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     const uint32 s_dq = s_ds(2), s_dp = s_ds(2);  // (split keys: dQ; hd256: dP^T)
     auto s_lse = [&](int stage) { return s_rows + stage * 2 * T::kRowBytes; };
     auto s_dot = [&](int stage) { return s_lse(stage) + T::kRowBytes; };
-    const uint32 kv_full = s_rows + STAGES * 2 * T::kRowBytes;
+    const uint32 s_kept = s_rows + STAGES * 2 * T::kRowBytes + 4 * (threadIdx.x - 128);  // (a consumer thread's)
+    const uint32 kv_full = s_rows + STAGES * 2 * T::kRowBytes + T::kKeptBytes;
     auto q_full = [&](int stage) { return kv_full + 8 * (1 + stage); };
     auto q_empty = [&](int stage) { return kv_full + 8 * (1 + STAGES + stage); };
     const uint32 dq_full = kv_full + 8 * (1 + 2 * STAGES), dq_empty = dq_full + 8;
@@ -322,35 +362,30 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 const float* lse = reinterpret_cast<const float*>(smem_raw + (s_lse(stage) - smem_address(smem_raw)));
                 const float* dot = reinterpret_cast<const float*>(smem_raw + (s_dot(stage) - smem_address(smem_raw)));
                 const bool masked = block_needs_mask<LOCAL>(p, seq, row0, key0, BLOCK_M, BLOCK_N);
-                if constexpr (!OPTIONS) {  // P^T while consumer 1 stores dP^T (the options need both at once)
-                    for_each_element<1, MT>([&](int, int nt, int e) {
-                        float prob = fast_exp2(fmaf(x[0][nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
-                        if (masked && !is_visible<LOCAL>(p, seq, row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e)))
-                            prob = 0.f;
-                        x[0][nt][e] = prob;
-                    });
+                uint32 kept = ~0u;  // dropout's decisions: tile nt's at bit 4 nt (all kept where dropout is off)
+                if constexpr (kEarlyProbabilities) {  // P^T while consumer 1 stores dP^T
+                    float no_grad[MT][4];
+                    for_each_element<1, MT>([&](int, int nt, int e) { no_grad[nt][e] = 1.f; });
+                    probabilities_transposed<BF16, LOCAL, FEATURES>(x[0], no_grad, 0, p, seq, batch, head, row0, warp_key0,
+                                                                    masked, lse);
                 }
+                if (DROPOUT && p.dropout_scale != 0.f) kept = step_dropout_bits<BLOCK_M>(p, batch, head, row0, warp_key0);
                 consumers_sync(1);  // dP^T is stored
                 if (step > 0) consumers_sync(3);  // consumer 1 is done with the last step's P^T and dS^T
-                uint32 kept = 0;  // dropout's decisions of tiles nt and nt + 1, drawn at even nt
 #pragma unroll
                 for (int nt = 0; nt < MT; ++nt) {
-                    if (DROPOUT && nt % 2 == 0 && p.dropout_scale != 0.f)
-                        kept = transposed_dropout_bits(p, dropout_seed(p), batch, head, row0, nt / 2, warp_key0);
-                    float dp[4];
+                    float dp[4], grad[1][4] = {{1.f, 1.f, 1.f, 1.f}};
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const float2 pair = *reinterpret_cast<const float2*>(dp_slot + 256 * (2 * nt + half));
                         dp[2 * half] = pair.x;
                         dp[2 * half + 1] = pair.y;
                     }
-                    if constexpr (OPTIONS) {  // x becomes P^T, dp dS^T
-                        options_tile_transposed<BF16, LOCAL, FEATURES>(x[0][nt], dp, nt, p, seq, batch, head, row0, warp_key0,
-                                                             masked, lse, dot, kept >> (4 * (nt % 2)));
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) dp[e] = x[0][nt][e] * (dp[e] - dot[fragment_col(nt, e)]);
-                    }
+                    if constexpr (!kEarlyProbabilities)  // the modifiers' d/ds live for one tile only
+                        probabilities_transposed<BF16, LOCAL, FEATURES>(x[0], grad, nt, p, seq, batch, head, row0,
+                                                                        warp_key0, masked, lse);
+                    gradients_transposed<BF16, FEATURES>(x[0][nt], dp, grad[0], nt, p, seq, batch, head, row0, warp_key0, dot,
+                                                         kept >> (4 * nt));
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const uint32 offset = swizzled_offset(lane_row + 8 * half, fragment_col(nt, 0), BLOCK_N);
@@ -473,48 +508,42 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             const float* lse = reinterpret_cast<const float*>(smem_raw + (s_lse(stage) - smem_address(smem_raw)));
             const float* dot = reinterpret_cast<const float*>(smem_raw + (s_dot(stage) - smem_address(smem_raw)));
             const bool masked = block_needs_mask<LOCAL>(p, seq, row0, key0 + wg_key0, BLOCK_M, 64);
-            if constexpr (OPTIONS) {  // one pass over both, below (the modifiers' d/ds would otherwise be kept)
-                wgmma_wait<0>();
-                fence_operands(flat(s));
-                fence_operands(flat(dp));
-            } else {
+            // Dropout's decisions (tile nt's at bit 4 nt), drawn while the products run.
+            if (DROPOUT && p.dropout_scale != 0.f) {
+                const uint32 bits = step_dropout_bits<BLOCK_M>(p, batch, head, row0, warp_key0);
+                asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(s_kept), "r"(bits) : "memory");
+            }
+            if constexpr (kEarlyProbabilities) {
                 wgmma_wait<1>();
                 fence_operands(flat(s));
-                for_each_element<1, MT>([&](int, int nt, int e) {
-                    s[0][nt][e] = fast_exp2(fmaf(s[0][nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
-                });
-                if (masked) {
-                    for_each_element<1, MT>([&](int, int nt, int e) {
-                        if (!is_visible<LOCAL>(p, seq, row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e)))
-                            s[0][nt][e] = 0.f;
-                    });
-                }
+                float no_grad[MT][4];
+                for_each_element<1, MT>([&](int, int nt, int e) { no_grad[nt][e] = 1.f; });
+                probabilities_transposed<BF16, LOCAL, FEATURES>(s[0], no_grad, 0, p, seq, batch, head, row0, warp_key0,
+                                                                masked, lse);
                 wgmma_wait<0>();
-                fence_operands(flat(dp));
+            } else {
+                wgmma_wait<0>();
+                fence_operands(flat(s));
             }
+            fence_operands(flat(dp));
             // dS^T = P^T (dP^T - D), and both as A fragments (k-slice kk: queries 16 kk .. 16 kk + 15),
             // tile by tile, so that the fp32 fragments are freed as the packed ones fill.
             uint32 p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
+            uint32 kept = ~0u;  // dropout's decisions: tile nt's at bit 4 nt (all kept where dropout is off)
+            if (DROPOUT && p.dropout_scale != 0.f)
+                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(kept) : "r"(s_kept) : "memory");
 #pragma unroll
-            for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-                uint32 kept = 0;  // dropout's decisions of tiles 2 kk and 2 kk + 1
-                if (DROPOUT && p.dropout_scale != 0.f)
-                    kept = transposed_dropout_bits(p, dropout_seed(p), batch, head, row0, kk, warp_key0);
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int nt = 2 * kk + half;
-                    if constexpr (OPTIONS)
-                        options_tile_transposed<BF16, LOCAL, FEATURES>(s[0][nt], dp[0][nt], nt, p, seq, batch, head, row0,
-                                                             warp_key0, masked, lse, dot, kept >> (4 * half));
-                    float ds[4];
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        ds[e] = OPTIONS ? dp[0][nt][e] : s[0][nt][e] * (dp[0][nt][e] - dot[fragment_col(nt, e)]);
-                    p_frag[kk][2 * half] = pack_pair<BF16>(s[0][nt][0], s[0][nt][1]);
-                    p_frag[kk][2 * half + 1] = pack_pair<BF16>(s[0][nt][2], s[0][nt][3]);
-                    ds_frag[kk][2 * half] = pack_pair<BF16>(ds[0], ds[1]);
-                    ds_frag[kk][2 * half + 1] = pack_pair<BF16>(ds[2], ds[3]);
-                }
+            for (int nt = 0; nt < MT; ++nt) {
+                float grad[1][4] = {{1.f, 1.f, 1.f, 1.f}};
+                if constexpr (!kEarlyProbabilities)  // the modifiers' d/ds live for one tile only
+                    probabilities_transposed<BF16, LOCAL, FEATURES>(s[0], grad, nt, p, seq, batch, head, row0, warp_key0,
+                                                                    masked, lse);
+                gradients_transposed<BF16, FEATURES>(s[0][nt], dp[0][nt], grad[0], nt, p, seq, batch, head, row0, warp_key0,
+                                                     dot, kept >> (4 * nt));
+                p_frag[nt / 2][2 * (nt % 2)] = pack_pair<BF16>(s[0][nt][0], s[0][nt][1]);
+                p_frag[nt / 2][2 * (nt % 2) + 1] = pack_pair<BF16>(s[0][nt][2], s[0][nt][3]);
+                ds_frag[nt / 2][2 * (nt % 2)] = pack_pair<BF16>(dp[0][nt][0], dp[0][nt][1]);
+                ds_frag[nt / 2][2 * (nt % 2) + 1] = pack_pair<BF16>(dp[0][nt][2], dp[0][nt][3]);
             }
             // dS^T to shared memory, keys as rows (its 64 query columns are one swizzled column block).
             {

@@ -32,6 +32,9 @@ CASES = [Case(113, 113, 72, "float16", True, batch=1),
          # the wgmma backward's options (H200): softcap, ALiBi and a full bias with dbias, GQA
          Case(70, 90, 64, "float16", False, batch=2, nheads=2, nheads_k=1, softcap=2.0, alibi_slopes=True,
               attn_bias="full"),
+         # dropout alone: its decisions drawn beside the products (wgmma fwd and bwd, hd128 and hd256)
+         Case(130, 150, 128, "bfloat16", True, batch=1, nheads=2, dropout_p=0.15),
+         Case(70, 90, 256, "float16", False, batch=1, nheads=2, dropout_p=0.15),
          # a varlen plain backward with an empty sequence (wgmma on H200: TMA over the packed rows)
          Case.packed((0, 37, 5), (9, 0, 70), 64, "bfloat16", True, nheads=2, nheads_k=1),
          # more query tiles than an H200 has SMs: the wgmma forward's persistent CTAs take several

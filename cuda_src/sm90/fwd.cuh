@@ -54,32 +54,9 @@ struct Sm90FwdTile {
     // registers each, spill with the code for it. The words load just before they join the scores:
     // loaded before Q K^T, to hide their latency under it, their registers slowed dropout by a fifth.
     static constexpr bool kBiasWords = CONSUMERS == 2;
-    // Dropout's decisions are drawn while Q K^T runs, so the Philox calls overlap the tensor cores,
-    // where the consumers have room for them through the softmax (two words): three spill.
-    static constexpr bool kEarlyDropout = CONSUMERS == 2;
     static_assert(HEADDIM % 64 == 0 && HEADDIM <= 256, "tiles are whole 64-wide column blocks");
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "S is one wgmma wide");
 };
-
-// apply_dropout (common/online_softmax.cuh) in two parts, so that the Philox calls can run beside
-// the tensor cores before the scores exist: dropout_words draws a thread's decisions for a
-// fragment of one row tile (element e of tile nt at bit 4 nt + e), apply_dropout_words drops by them.
-template <int NT>
-__device__ __forceinline__ void dropout_words(uint32 (&words)[(NT + 7) / 8], const FlashParams& p, int batch, int head,
-                                              int row0, int col0) {
-#pragma unroll
-    for (int w = 0; w < (NT + 7) / 8; ++w) words[w] = 0;
-    for_each_dropout_decision<1, NT>(p, true, batch, head, row0, col0, [&](int, int nt, int e, bool kept) {
-        words[nt / 8] |= uint32(kept) << (4 * (nt % 8) + e);
-    });
-}
-
-template <int NT>
-__device__ __forceinline__ void apply_dropout_words(float (&s)[1][NT][4], const uint32 (&words)[(NT + 7) / 8]) {
-    for_each_element<1, NT>([&](int, int nt, int e) {
-        if (((words[nt / 8] >> (4 * (nt % 8) + e)) & 1) == 0) s[0][nt][e] = 0.f;
-    });
-}
 
 // Tile t: the blocks are walked from the last (under a causal mask the heaviest) to the first,
 // and, as grid_slot orders them, block-major (every head's heavy blocks first) where
@@ -280,9 +257,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             wgmma_commit();
             if (!first) issue_pv();
             pass_turn();
-            uint32 kept[(NT + 7) / 8];
-            if (T::kEarlyDropout && DROPOUT && p.dropout_scale != 0.f)
-                dropout_words<NT>(kept, p, batch, head, row0 + warp_row0, key0);
             if (first || kSerial) {
                 wgmma_wait<0>();
             } else {
@@ -298,10 +272,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             const SoftmaxStep<1> step = new_row_max(s, row_max, row_sum, p);
             exponentiate(s, row_sum, step, p);
             // Dropout acts on the probabilities after the softmax: the sums keep every element.
-            if (DROPOUT && p.dropout_scale != 0.f) {
-                if constexpr (T::kEarlyDropout) apply_dropout_words<NT>(s, kept);
-                else apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
-            }
+            if (DROPOUT && p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
             if (!first) complete_pv();
             rescale(acc_o, step);
 #pragma unroll

@@ -148,14 +148,15 @@ class Tile:
             return (1024 + 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n)
                     + 8 * (2 + 4 * self.stages))
         if self.kernel_family == WGMMA:
-            # alignment, K, V, (Q, dO) x stages, what the consumers trade, (lse, D) x stages, a
-            # dropout word per consumer thread, barriers
+            # alignment, K, V, (Q, dO) x stages, what the consumers trade, (lse, D) x stages, (split
+            # keys) a dropout word per consumer thread, barriers
             if self.headdim <= 128:  # dS^T x 2, dQ (in one or two pieces)
-                trade = 4 * self.block_n * self.block_m + 4 * (1 if self.headdim == 128 else 2) * self.block_m * self.headdim
+                trade = (4 * self.block_n * self.block_m + 4 * (1 if self.headdim == 128 else 2) * self.block_m * self.headdim
+                         + 4 * (self.threads - 128))
             else:  # P^T, dS^T, dP^T (fp32)
                 trade = 8 * self.block_n * self.block_m
             return (1024 + 2 * self.headdim * (2 * self.block_n + 2 * self.stages * self.block_m) + trade
-                    + 8 * self.stages * self.block_m + 4 * (self.threads - 128) + 8 * (3 + 2 * self.stages))
+                    + 8 * self.stages * self.block_m + 8 * (3 + 2 * self.stages))
         row = row_bytes(self.headdim)
         if kernel_pass(pass_) == "decode":  # Q, then per warp (K, V) x stages
             return (self.block_m + 2 * self.stages * self.block_n * self.warps) * row

@@ -66,8 +66,9 @@ struct Sm90BwdTile {
     // dP^T (hd256, whose dQ goes to dq_accum by reductions from registers).
     static constexpr int kTradeBytes = kSplitKeys ? 2 * kDSBytes + kDQPieces * kDQBytes : 2 * kDSBytes + kDPBytes;
     // Dropout's decisions of a step, a word per consumer thread, wait in shared memory for dS^T
-    // (split keys): kept in a register through the step, the LOCAL kernels spill.
-    static constexpr int kKeptBytes = 128 * kConsumers * 4;
+    // (split keys): kept in a register through the step, the LOCAL kernels spill. (hd256 keeps
+    // them in a register, and its tile fills the 227 KiB.)
+    static constexpr int kKeptBytes = kSplitKeys ? 128 * kConsumers * 4 : 0;
     static constexpr int kBarrierBytes = 8 * (3 + 2 * STAGES);
     // Tiles first (each a multiple of 1024 bytes, as the swizzle needs), then the rows' floats and
     // the barriers; the dynamic shared memory's start is aligned up to 1024 bytes in the kernel.

@@ -90,6 +90,23 @@ struct Bias {
         return on() && !p.bias_is_float32
                && ((reinterpret_cast<unsigned long long>(matrix) | 2 * p.bias_row_stride) & 3) == 0;
     }
+    // Asks L1 for a warpgroup's tile of the bias (ROWS rows from row0 by COLS columns from col0, a
+    // 128-byte piece per thread and turn), so that the reads of apply wait on L1, not on DRAM:
+    // issued before the products whose scores they join.
+    template <int ROWS, int COLS>
+    __device__ __forceinline__ void prefetch(int row0, int col0) const {
+        if (!on() || seq.seqlen_q == 0) return;
+        const int columns_per_piece = p.bias_is_float32 ? 32 : 64, pieces = (COLS + columns_per_piece - 1) / columns_per_piece;
+        for (int i = threadIdx.x % 128; i < ROWS * pieces; i += 128) {
+            const int row = min(row0 + i / pieces, seq.seqlen_q - 1), col = col0 + i % pieces * columns_per_piece;
+            if (col < seq.seqlen_k) {
+                const long long at = row * p.bias_row_stride + col;
+                const void* address = p.bias_is_float32 ? static_cast<const void*>(static_cast<const float*>(matrix) + at)
+                                                        : static_cast<const void*>(static_cast<const uint16*>(matrix) + at);
+                asm volatile("prefetch.global.L1 [%0];\n" :: "l"(address));
+            }
+        }
+    }
     __device__ __forceinline__ float apply(float s, int row, int col, float&) const {
         if (row < seq.seqlen_q && col < seq.seqlen_k) {
             const long long at = row * p.bias_row_stride + col;

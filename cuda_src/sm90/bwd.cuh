@@ -337,6 +337,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         int head = first_head, row0 = first_row0;
         for (int step = 0; step < steps; ++step, advance(head, row0)) {
             const int stage = step % STAGES;
+            if ((FEATURES & feature::bias) != 0 && consumer == 0)  // the step's bias reads then wait on L1
+                Bias<BF16>(p, seq, batch, recomputed(head)).prefetch<BLOCK_M, BLOCK_N>(row0, key0);
             mbarrier_wait(q_full(stage), (step / STAGES) & 1);
             float x[1][MT][4];  // S^T (consumer 0) or dP^T (consumer 1)
             wgmma_fence();
@@ -483,6 +485,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         int head = first_head, row0 = first_row0;
         for (int step = 0; step < steps; ++step, advance(head, row0)) {
             const int stage = step % STAGES, buffer = step % 2;
+            if constexpr ((FEATURES & feature::bias) != 0)  // the step's bias reads then wait on L1
+                Bias<BF16>(p, seq, batch, recomputed(head)).prefetch<BLOCK_M, 64>(row0, key0 + wg_key0);
             mbarrier_wait(q_full(stage), (step / STAGES) & 1);
 
             // S^T = K Q^T and dP^T = V dO^T, two groups: P^T is computed while dP^T runs.

@@ -50,9 +50,10 @@ struct Sm90FwdTile {
     // Three consumers have 160 registers each: the operand descriptors that ptxas would compute
     // ahead of their products (two registers each) spill there. Two consumers have room for them.
     static constexpr bool kDescriptorsInOrder = CONSUMERS == 3;
-    // A 16-bit bias is read as words (common/score.cuh, added_as_words) by two consumers; three, at 160
-    // registers each, spill with the code for it. The words load just before they join the scores:
-    // loaded before Q K^T, to hide their latency under it, their registers slowed dropout by a fifth.
+    // A 16-bit bias is read as words (common/score.cuh, added_as_words), and a block's bias asked of
+    // L1 before its Q K^T, by two consumers; three, at 160 registers each, spill with the code for
+    // it. The words load just before they join the scores: loaded before Q K^T, to hide their
+    // latency under it, their registers slowed dropout by a fifth.
     static constexpr bool kBiasWords = CONSUMERS == 2;
     static_assert(HEADDIM % 64 == 0 && HEADDIM <= 256, "tiles are whole 64-wide column blocks");
     static_assert(BLOCK_N == 64 || BLOCK_N == 128, "S is one wgmma wide");
@@ -242,6 +243,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                                 || (MASKING == kPerBlock
                                     && block_needs_mask<LOCAL>(p, seq, row0 + wg_row0, key0, 64, BLOCK_N));
             float s[1][NT][4];
+            if constexpr ((FEATURES & feature::bias) != 0 && T::kBiasWords)  // the block's bias reads then wait on L1
+                mods.bias.template prefetch<64, BLOCK_N>(row0 + wg_row0, key0);
             mbarrier_wait(k_full(stage), phase);
             if (!first) mbarrier_wait(v_full(pending_stage()), pending_phase());
             take_turn();

@@ -148,9 +148,8 @@ class Tile:
             return (1024 + 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n)
                     + 8 * (2 + 4 * self.stages))
         if self.kernel_family == WGMMA:
-            # alignment, K, V, (Q, dO) x stages, what the consumers trade, (lse, D) x stages, (split
-            # keys) a dropout word per consumer thread, barriers
-            if self.headdim <= 128:  # dS^T x 2, dQ (in one or two pieces)
+            # alignment, K, V, (Q, dO) x stages, what the consumers trade, (lse, D) x stages, barriers
+            if self.headdim <= 128:  # dS^T x 2, dQ (in one or two pieces), a dropout word per consumer thread
                 trade = (4 * self.block_n * self.block_m + 4 * (1 if self.headdim == 128 else 2) * self.block_m * self.headdim
                          + 4 * (self.threads - 128))
             else:  # P^T, dS^T, dP^T (fp32)

@@ -150,6 +150,12 @@ def _bool(flag):
     return "true" if flag else "false"
 
 
+def backward_table(features, deterministic):
+    """The tile table a backward runs: 'bwd_options' where it compiles in score options or is
+    deterministic (their code needs the registers), else 'bwd'."""
+    return "bwd_options" if features or deterministic else "bwd"
+
+
 # The (features, deterministic) pairs the compile checks build per tile table: the plain kernel and
 # the one with every feature (a call's own subset compiles on first use); and, for the hd128 tiles
 # (first dtype, LOCAL), each feature alone and the deterministic backward without any.
@@ -202,7 +208,7 @@ def representative_jobs(jobs):
 
     def tables(k):
         if k.pass_ == "bwd":
-            return ("bwd_options",) if k.options or k.deterministic else ("bwd",)
+            return (backward_table(k.features, k.deterministic),)
         return tuple(t for t in _config.TABLES if _config.kernel_pass(t) == k.pass_)
 
     def native(arch, k):

@@ -360,12 +360,6 @@ def _padded_rows(shape):
     return pad(shape.total_q) + _PADDED_ROWS * (shape.batch + 1) if shape.varlen else pad(shape.seqlen_q)
 
 
-def _with_options(pass_, call):
-    """Whether a call's kernels compile in score options (features), or are a deterministic
-    backward: the backward's of both run the tile table 'bwd_options'."""
-    return bool(call.features) or (pass_ == "bwd" and call.needs("deterministic"))
-
-
 def _kernel(pass_, call, tile):
     """The kernel variant of a forward or backward call on `tile`. EVEN_K where the caller's head dim
     is the tile's (the wgmma kernels have no such flag: TMA zero-fills the columns past the head dim)."""
@@ -439,7 +433,7 @@ def _wgmma_forward_plan(call, inputs, strides):
 
 def _backward_plan(call, inputs, return_dbias):
     shape, varlen, device_id = call.shape, call.varlen is not None, call.caller.device_id
-    table = "bwd_options" if _with_options("bwd", call) else "bwd"
+    table = _kernels.backward_table(call.features, call.needs("deterministic"))
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     strides = {name: _tensor_strides(_arrays.element_strides(inputs[name]), varlen)
                for name in ("dout", "q", "k", "v", "out")}

@@ -118,6 +118,30 @@ struct Bias {
     }
 };
 
+// ALiBi over a warp's fragment tile at (row0, col0), where apply would convert each element's
+// distance to the diagonal: a row's distance at its first column is converted once, and each
+// element's is that plus its column offset (8 nt + j, a constant), exact below 2^24, so an element
+// costs an add and an FMA (|x| an operand modifier). Returns false for the other modifiers.
+template <int MT, int NT, typename Mod>
+__device__ __forceinline__ bool added_by_rows(float (&)[MT][NT][4], const Mod&, int, int) { return false; }
+template <int MT, int NT>
+__device__ __forceinline__ bool added_by_rows(float (&s)[MT][NT][4], const Alibi& alibi, int row0, int col0) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + fragment_row(mt, 2 * half);
+            const float distance0 = static_cast<float>(col0 + fragment_col(0, 0) - alibi.seq.diagonal(row));
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                    s[mt][nt][2 * half + j] = fmaf(-alibi.slope, fabsf(distance0 + static_cast<float>(8 * nt + j)),
+                                                   s[mt][nt][2 * half + j]);
+        }
+    return true;
+}
+
 // A forward's modifier read as words where it can be (only a bias in_words): adds it to a warp's
 // fragment tile at (row0, col0), one word per two neighbouring columns, and returns true; else
 // returns false and leaves it to apply. The loads are issued first, then joined to the scores.

@@ -90,14 +90,14 @@ struct Bias {
         return on() && !p.bias_is_float32
                && ((reinterpret_cast<unsigned long long>(matrix) | 2 * p.bias_row_stride) & 3) == 0;
     }
-    // Asks L1 for a warpgroup's tile of the bias (ROWS rows from row0 by COLS columns from col0, a
-    // 128-byte piece per thread and turn), so that the reads of apply wait on L1, not on DRAM:
+    // Asks L1 for a tile of the bias (ROWS rows from row0 by COLS columns from col0, a 128-byte
+    // piece per thread of THREADS and turn), so that the reads of apply wait on L1, not on DRAM:
     // issued before the products whose scores they join.
-    template <int ROWS, int COLS>
+    template <int ROWS, int COLS, int THREADS = 128>
     __device__ __forceinline__ void prefetch(int row0, int col0) const {
         if (!on() || seq.seqlen_q == 0) return;
         const int columns_per_piece = p.bias_is_float32 ? 32 : 64, pieces = (COLS + columns_per_piece - 1) / columns_per_piece;
-        for (int i = threadIdx.x % 128; i < ROWS * pieces; i += 128) {
+        for (int i = threadIdx.x % THREADS; i < ROWS * pieces; i += THREADS) {
             const int row = min(row0 + i / pieces, seq.seqlen_q - 1), col = col0 + i % pieces * columns_per_piece;
             if (col < seq.seqlen_k) {
                 const long long at = row * p.bias_row_stride + col;

@@ -32,12 +32,13 @@ __device__ __forceinline__ void mask_fragment(float (&s)[MT][NT][4], const Flash
 }
 
 // The score modifiers over a warp's S fragment (tile at row0, col0), one modifier at a time: each
-// pass is a branch-free unrolled loop, where per-element branches would stall the schedule. With
-// BIAS_WORDS, a modifier that can be read as words is (common/score.cuh, added_as_words).
+// pass is a branch-free unrolled loop, where per-element branches would stall the schedule. ALiBi
+// goes by rows (common/score.cuh, added_by_rows); with BIAS_WORDS, a modifier that can be read as
+// words is (added_as_words).
 template <bool BIAS_WORDS, int MT, int NT, typename Mods>
 __device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const Mods& mods, int row0, int col0) {
     mods.for_each([&](const auto& mod) {
-        if (!(BIAS_WORDS && added_as_words(s, mod, row0, col0))) {
+        if (!added_by_rows(s, mod, row0, col0) && !(BIAS_WORDS && added_as_words(s, mod, row0, col0))) {
             for_each_element<MT, NT>([&](int mt, int nt, int e) {
                 float grad = 1.f;  // the forward needs no gradient
                 s[mt][nt][e] = mod.apply(s[mt][nt][e], row0 + fragment_row(mt, e), col0 + fragment_col(nt, e), grad);

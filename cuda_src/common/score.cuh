@@ -90,14 +90,14 @@ struct Bias {
         return on() && !p.bias_is_float32
                && ((reinterpret_cast<unsigned long long>(matrix) | 2 * p.bias_row_stride) & 3) == 0;
     }
-    // Asks L1 for a warpgroup's tile of the bias (ROWS rows from row0 by COLS columns from col0, a
-    // 128-byte piece per thread and turn), so that the reads of apply wait on L1, not on DRAM:
+    // Asks L1 for a tile of the bias (ROWS rows from row0 by COLS columns from col0, a 128-byte
+    // piece per thread of THREADS and turn), so that the reads of apply wait on L1, not on DRAM:
     // issued before the products whose scores they join.
-    template <int ROWS, int COLS>
+    template <int ROWS, int COLS, int THREADS = 128>
     __device__ __forceinline__ void prefetch(int row0, int col0) const {
         if (!on() || seq.seqlen_q == 0) return;
         const int columns_per_piece = p.bias_is_float32 ? 32 : 64, pieces = (COLS + columns_per_piece - 1) / columns_per_piece;
-        for (int i = threadIdx.x % 128; i < ROWS * pieces; i += 128) {
+        for (int i = threadIdx.x % THREADS; i < ROWS * pieces; i += THREADS) {
             const int row = min(row0 + i / pieces, seq.seqlen_q - 1), col = col0 + i % pieces * columns_per_piece;
             if (col < seq.seqlen_k) {
                 const long long at = row * p.bias_row_stride + col;
@@ -117,6 +117,30 @@ struct Bias {
         return s;
     }
 };
+
+// ALiBi over a warp's fragment tile at (row0, col0), where apply would convert each element's
+// distance to the diagonal: a row's distance at its first column is converted once, and each
+// element's is that plus its column offset (8 nt + j, a constant), exact below 2^24, so an element
+// costs an add and an FMA (|x| an operand modifier). Returns false for the other modifiers.
+template <int MT, int NT, typename Mod>
+__device__ __forceinline__ bool added_by_rows(float (&)[MT][NT][4], const Mod&, int, int) { return false; }
+template <int MT, int NT>
+__device__ __forceinline__ bool added_by_rows(float (&s)[MT][NT][4], const Alibi& alibi, int row0, int col0) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + fragment_row(mt, 2 * half);
+            const float distance0 = static_cast<float>(col0 + fragment_col(0, 0) - alibi.seq.diagonal(row));
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                    s[mt][nt][2 * half + j] = fmaf(-alibi.slope, fabsf(distance0 + static_cast<float>(8 * nt + j)),
+                                                   s[mt][nt][2 * half + j]);
+        }
+    return true;
+}
 
 // A forward's modifier read as words where it can be (only a bias in_words): adds it to a warp's
 // fragment tile at (row0, col0), one word per two neighbouring columns, and returns true; else

@@ -158,6 +158,8 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         __syncthreads();  // this step's Q, dO, lse, D (and K, V) have landed; every warp is done with the last step
         if (STAGES == 2 && step + 1 < steps) load_step(next_head, next_row0, stage ^ 1);
         cp_async_commit();
+        if constexpr ((FEATURES & feature::bias) != 0)  // the step's bias reads then wait on L1
+            Bias<BF16>(p, seq, batch, recomputed(head)).prefetch<BLOCK_M, BLOCK_N, T::kThreads>(row0, key0);
         const uint16* sq = s_q(stage);
         const uint16* sdo = s_do(stage);
 

@@ -34,9 +34,18 @@ __device__ __forceinline__ void mask_fragment(float (&s)[MT][NT][4], const Flash
 // The score modifiers over a warp's S fragment (tile at row0, col0), one modifier at a time: each
 // pass is a branch-free unrolled loop, where per-element branches would stall the schedule. ALiBi
 // goes by rows (common/score.cuh, added_by_rows); with BIAS_WORDS, a modifier that can be read as
-// words is (added_as_words).
-template <bool BIAS_WORDS, int MT, int NT, typename Mods>
-__device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const Mods& mods, int row0, int col0) {
+// words is (added_as_words). Softcap alone leaves its outer factor to the softmax's scale
+// (common/score.cuh, score_unit).
+template <bool BIAS_WORDS, int MT, int NT, bool BF16, int FEATURES>
+__device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const ScoreMods<BF16, FEATURES>& mods,
+                                                 int row0, int col0) {
+    if constexpr (softcap_folds<FEATURES>()) {
+        if (mods.softcap.on())
+            for_each_element<MT, NT>([&](int mt, int nt, int e) {
+                s[mt][nt][e] = fast_tanh(s[mt][nt][e] * mods.softcap.p.softcap_inner);
+            });
+        return;
+    }
     mods.for_each([&](const auto& mod) {
         if (!added_by_rows(s, mod, row0, col0) && !(BIAS_WORDS && added_as_words(s, mod, row0, col0))) {
             for_each_element<MT, NT>([&](int mt, int nt, int e) {
@@ -58,7 +67,9 @@ __device__ __forceinline__ void apply_dropout(float (&s)[MT][NT][4], const Flash
 }
 
 // The online softmax of one key block in base 2: s becomes p = 2^(s * scale_log2 - max * scale_log2),
-// one FFMA per element, row_sum gains it, and O is rescaled where a row's maximum moved. It comes
+// one FFMA per element, row_sum gains it, and O is rescaled where a row's maximum moved. Scores come
+// in units of `unit` (common/score.cuh, score_unit; 1 but where softcap folds), multiplied in
+// before scale_log2, so that a unit of 1 leaves the plain kernels' code as it was. It comes
 // in three steps (new_row_max, rescale, exponentiate) so that a kernel whose P V product runs
 // asynchronously can exponentiate while it runs and rescale O after it; softmax_step does all three.
 // A row with nothing visible yet keeps max = -inf; its offset is 0 so every p is 0, not NaN.
@@ -73,7 +84,7 @@ struct SoftmaxStep {
 
 template <int MT, int NT>
 __device__ __forceinline__ SoftmaxStep<MT> new_row_max(const float (&s)[MT][NT][4], float (&row_max)[MT][2],
-                                                       float (&row_sum)[MT][2], const FlashParams& p) {
+                                                       float (&row_sum)[MT][2], const FlashParams& p, float unit) {
     constexpr float kSlack = 8.f;
     SoftmaxStep<MT> step;
     bool max_moved = false;
@@ -87,10 +98,10 @@ __device__ __forceinline__ SoftmaxStep<MT> new_row_max(const float (&s)[MT][NT][
                 block_max = fmaxf(block_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
             block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
             block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
-            const bool moves = block_max * p.scale_log2 > row_max[mt][half] * p.scale_log2 + kSlack;
+            const bool moves = block_max * unit * p.scale_log2 > row_max[mt][half] * unit * p.scale_log2 + kSlack;
             const float new_max = moves ? block_max : row_max[mt][half];
-            step.offset[mt][half] = new_max == -CUPYFLASH_INF ? 0.f : new_max * p.scale_log2;
-            step.correction[mt][half] = moves ? fast_exp2(row_max[mt][half] * p.scale_log2 - step.offset[mt][half]) : 1.f;
+            step.offset[mt][half] = new_max == -CUPYFLASH_INF ? 0.f : new_max * unit * p.scale_log2;
+            step.correction[mt][half] = moves ? fast_exp2(row_max[mt][half] * unit * p.scale_log2 - step.offset[mt][half]) : 1.f;
             max_moved |= moves;
             row_max[mt][half] = new_max;
             row_sum[mt][half] *= step.correction[mt][half];
@@ -107,19 +118,19 @@ __device__ __forceinline__ void rescale(float (&acc_o)[MT][DT][4], const Softmax
 
 template <int MT, int NT>
 __device__ __forceinline__ void exponentiate(float (&s)[MT][NT][4], float (&row_sum)[MT][2], const SoftmaxStep<MT>& step,
-                                             const FlashParams& p) {
+                                             const FlashParams& p, float unit) {
     for_each_element<MT, NT>([&](int mt, int nt, int e) {
-        s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -step.offset[mt][e / 2]));
+        s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2 * unit, -step.offset[mt][e / 2]));
         row_sum[mt][e / 2] += s[mt][nt][e];
     });
 }
 
 template <int MT, int NT, int DT>
 __device__ __forceinline__ void softmax_step(float (&s)[MT][NT][4], float (&acc_o)[MT][DT][4], float (&row_max)[MT][2],
-                                             float (&row_sum)[MT][2], const FlashParams& p) {
-    const SoftmaxStep<MT> step = new_row_max(s, row_max, row_sum, p);
+                                             float (&row_sum)[MT][2], const FlashParams& p, float unit) {
+    const SoftmaxStep<MT> step = new_row_max(s, row_max, row_sum, p, unit);
     rescale(acc_o, step);
-    exponentiate(s, row_sum, step, p);
+    exponentiate(s, row_sum, step, p, unit);
 }
 
 // After the last key block: O divided by each row's sum (times out_scale), and lse[row] written
@@ -128,7 +139,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[MT][NT][4], float (&acc_
 template <int MT, int DT>
 __device__ __forceinline__ void finish_rows(float (&acc_o)[MT][DT][4], const float (&row_max)[MT][2],
                                             const float (&row_sum)[MT][2], float out_scale, const FlashParams& p,
-                                            float* lse, int row0, int seqlen_q) {
+                                            float unit, float* lse, int row0, int seqlen_q) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -144,6 +155,6 @@ __device__ __forceinline__ void finish_rows(float (&acc_o)[MT][DT][4], const flo
             }
             const int row = row0 + fragment_row(mt, 2 * half);
             if (threadIdx.x % 4 == 0 && row < seqlen_q)
-                lse[row] = sum > 0.f ? row_max[mt][half] * p.softmax_scale + logf(sum) : -CUPYFLASH_INF;
+                lse[row] = sum > 0.f ? row_max[mt][half] * unit * p.softmax_scale + logf(sum) : -CUPYFLASH_INF;
         }
 }

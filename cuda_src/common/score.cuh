@@ -46,6 +46,19 @@ struct Softcap {
     }
 };
 
+// A forward whose only score modifier is softcap keeps its scores as tanh(s * softcap_inner) and
+// multiplies the softmax's scale by softcap_outer instead (common/online_softmax.cuh takes the
+// scores' unit): a multiply fewer per element. Other modifiers add to the capped score, so with
+// them the forward applies softcap whole. The unit is 1 where nothing folds.
+template <int FEATURES>
+__device__ __forceinline__ constexpr bool softcap_folds() {
+    return (FEATURES & (feature::softcap | feature::alibi | feature::bias)) == feature::softcap;
+}
+template <int FEATURES>
+__device__ __forceinline__ float score_unit(const FlashParams& p) {
+    return softcap_folds<FEATURES>() && p.softcap_inner != 0.f ? p.softcap_outer : 1.f;
+}
+
 // 0 <= n < 2^23 as a float, on the full-rate integer and FMA pipes: n added to the bits of 2^23,
 // whose last mantissa bit is worth 1, minus 2^23. An int-to-float conversion runs at the
 // special-function unit's rate, which the forward's exponentials already fill. (ALiBi calls keep

@@ -222,7 +222,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
             x = mods[half].apply(x, query[half], key, grad);
             s[0][nt][e] = is_visible<LOCAL>(p, keys, query[half], key) ? x : -CUPYFLASH_INF;
         });
-        softmax_step(s, acc_o, row_max, row_sum, p);
+        softmax_step(s, acc_o, row_max, row_sum, p, 1.f);
         uint32 p_frag[WARP_N / 16][1][4];
 #pragma unroll
         for (int kk = 0; kk < WARP_N / 16; ++kk) {

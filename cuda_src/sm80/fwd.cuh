@@ -146,7 +146,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         }
         if (warp_skips) return;
 
-        softmax_step(s, acc_o, row_max, row_sum, p);
+        softmax_step(s, acc_o, row_max, row_sum, p, score_unit<FEATURES>(p));
 
         // Dropout acts on the probabilities after the softmax: the sums above keep every element,
         // P V only the kept ones (scaled by p.dropout_scale at the end).
@@ -191,8 +191,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
     // A row that saw no key gets out = 0 and lse = -inf (the log of an empty sum).
     const float out_scale = DROPOUT && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
-    finish_rows(acc_o, row_max, row_sum, out_scale, p, p.lse + seq.stats_row0(p, batch, head), row0 + warp_row0,
-                seq.seqlen_q);
+    finish_rows(acc_o, row_max, row_sum, out_scale, p, score_unit<FEATURES>(p), p.lse + seq.stats_row0(p, batch, head),
+                row0 + warp_row0, seq.seqlen_q);
 
     // O leaves through shared memory (the Q tile, no longer needed) for 16-byte coalesced stores.
     cp_async_wait<0>();

@@ -200,8 +200,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         const Sequence seq(p, tile.batch);
         const int row0 = tile.m_block * BLOCK_M + warp_row0;
         const float out_scale = DROPOUT && p.dropout_scale != 0.f ? p.dropout_scale : 1.f;
-        finish_rows(acc_o, row_max, row_sum, out_scale, p, p.lse + seq.stats_row0(p, tile.batch, tile.head), row0,
-                    seq.seqlen_q);
+        finish_rows(acc_o, row_max, row_sum, out_scale, p, score_unit<FEATURES>(p),
+                    p.lse + seq.stats_row0(p, tile.batch, tile.head), row0, seq.seqlen_q);
         uint16* out = static_cast<uint16*>(p.out) + tile.batch * p.out_batch_stride + tile.head * p.out_head_stride
                       + seq.first_row_q * p.out_row_stride;
 #pragma unroll
@@ -272,8 +272,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             }
             if constexpr (OPTIONS) apply_score_mods<T::kBiasWords>(s, mods, row0 + warp_row0, key0);
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
-            const SoftmaxStep<1> step = new_row_max(s, row_max, row_sum, p);
-            exponentiate(s, row_sum, step, p);
+            const SoftmaxStep<1> step = new_row_max(s, row_max, row_sum, p, score_unit<FEATURES>(p));
+            exponentiate(s, row_sum, step, p, score_unit<FEATURES>(p));
             // Dropout acts on the probabilities after the softmax: the sums keep every element.
             if (DROPOUT && p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
             if (!first) complete_pv();

@@ -42,7 +42,7 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const Sc
     if constexpr (softcap_folds<FEATURES>()) {
         if (mods.softcap.on())
             for_each_element<MT, NT>([&](int mt, int nt, int e) {
-                s[mt][nt][e] = fast_tanh(s[mt][nt][e] * mods.softcap.p.softcap_inner);
+                s[mt][nt][e] = mods.softcap.tanh_part(s[mt][nt][e]);
             });
         return;
     }

@@ -94,13 +94,14 @@ struct Bias {
     const void* matrix;  // this (batch, head)'s bias, or null
     __device__ __forceinline__ Bias(const FlashParams& params, const Sequence& sequence, int batch, int head)
         : p(params), seq(sequence), matrix(nullptr) {
-        if (p.attn_bias != nullptr) {
-            const long long offset = batch * p.bias_batch_stride + head * p.bias_head_stride;
-            matrix = p.bias_is_float32 ? static_cast<const void*>(static_cast<const float*>(p.attn_bias) + offset)
-                                       : static_cast<const void*>(static_cast<const uint16*>(p.attn_bias) + offset);
-        }
+        if (p.attn_bias != nullptr) matrix = advanced(p.attn_bias, batch * p.bias_batch_stride + head * p.bias_head_stride);
     }
     __device__ __forceinline__ bool on() const { return matrix != nullptr; }
+    // `base` moved on by n elements of the bias's dtype.
+    __device__ __forceinline__ const void* advanced(const void* base, long long n) const {
+        return p.bias_is_float32 ? static_cast<const void*>(static_cast<const float*>(base) + n)
+                                 : static_cast<const void*>(static_cast<const uint16*>(base) + n);
+    }
     // (A method, not a member set above: kernels that never read words then hold nothing for it.)
     __device__ __forceinline__ bool in_words() const {
         return on() && !p.bias_is_float32
@@ -115,12 +116,8 @@ struct Bias {
         const int columns_per_piece = p.bias_is_float32 ? 32 : 64, pieces = (COLS + columns_per_piece - 1) / columns_per_piece;
         for (int i = threadIdx.x % THREADS; i < ROWS * pieces; i += THREADS) {
             const int row = min(row0 + i / pieces, seq.seqlen_q - 1), col = col0 + i % pieces * columns_per_piece;
-            if (col < seq.seqlen_k) {
-                const long long at = row * p.bias_row_stride + col;
-                const void* address = p.bias_is_float32 ? static_cast<const void*>(static_cast<const float*>(matrix) + at)
-                                                        : static_cast<const void*>(static_cast<const uint16*>(matrix) + at);
-                asm volatile("prefetch.global.L1 [%0];\n" :: "l"(address));
-            }
+            if (col < seq.seqlen_k)
+                asm volatile("prefetch.global.L1 [%0];\n" :: "l"(advanced(matrix, row * p.bias_row_stride + col)));
         }
     }
     __device__ __forceinline__ float apply(float s, int row, int col, float&) const {

@@ -101,7 +101,8 @@ __device__ __forceinline__ SoftmaxStep<MT> new_row_max(const float (&s)[MT][NT][
             const bool moves = block_max * unit * p.scale_log2 > row_max[mt][half] * unit * p.scale_log2 + kSlack;
             const float new_max = moves ? block_max : row_max[mt][half];
             step.offset[mt][half] = new_max == -CUPYFLASH_INF ? 0.f : new_max * unit * p.scale_log2;
-            step.correction[mt][half] = moves ? fast_exp2(row_max[mt][half] * unit * p.scale_log2 - step.offset[mt][half]) : 1.f;
+            step.correction[mt][half] =
+                moves ? fast_exp2(row_max[mt][half] * unit * p.scale_log2 - step.offset[mt][half]) : 1.f;
             max_moved |= moves;
             row_max[mt][half] = new_max;
             row_sum[mt][half] *= step.correction[mt][half];

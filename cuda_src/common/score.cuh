@@ -94,7 +94,8 @@ struct Bias {
     const void* matrix;  // this (batch, head)'s bias, or null
     __device__ __forceinline__ Bias(const FlashParams& params, const Sequence& sequence, int batch, int head)
         : p(params), seq(sequence), matrix(nullptr) {
-        if (p.attn_bias != nullptr) matrix = advanced(p.attn_bias, batch * p.bias_batch_stride + head * p.bias_head_stride);
+        if (p.attn_bias != nullptr)
+            matrix = advanced(p.attn_bias, batch * p.bias_batch_stride + head * p.bias_head_stride);
     }
     __device__ __forceinline__ bool on() const { return matrix != nullptr; }
     // `base` moved on by n elements of the bias's dtype.

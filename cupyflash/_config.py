@@ -103,7 +103,9 @@ TILES = {
 # The wgmma kernels, head dims 64, 128 and 256 only (their tiles are whole 64-wide swizzled column
 # blocks). Forward: block_m / 64 consumer warpgroups of 64 query rows and a producer warpgroup
 # (warps = 4 (1 + block_m / 64)); `stages` K/V buffers. hd64 takes three consumers (192 rows,
-# measured 8-19% faster than two from 4k tokens on, 10% slower at 1k causal). Backward (every
+# measured 8-19% faster than two from 4k tokens on, 10% slower at 1k causal; two on 176 or 192 keys
+# 6-10% slower from 4k on). Wider key blocks at hd128 (176, 192: two stages) gain at most 1-5% from
+# 4k on and lose 5-11% at 1k, so it keeps 128 keys on three stages (v26). Backward (every
 # option): two consumer warpgroups of 64 keys each (hd256: both on 64 keys, dK's and dV's columns
 # split) and a producer; `stages` buffers of a query block's Q, dO, lse_log2 and D. Shared memory: Tile.smem_bytes
 # (cuda_src/sm90/fwd.cuh Sm90FwdTile, bwd.cuh Sm90BwdTile).
@@ -111,7 +113,7 @@ TILES[WGMMA] = {"sm90": {
     "fwd": {
         64: (192, 128, 16, 2),
         128: (128, 128, 12, 3),
-        256: (128, 64, 12, 2),
+        256: (128, 80, 12, 2),  # faster than 128 x 64 by 2-5% from 4k on, 3% slower at 1k causal (v26)
     },
     "bwd": {
         64: (64, 128, 12, 2),

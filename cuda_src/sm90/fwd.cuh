@@ -56,7 +56,7 @@ struct Sm90FwdTile {
     // latency under it, their registers slowed dropout by a fifth.
     static constexpr bool kBiasWords = CONSUMERS == 2;
     static_assert(HEADDIM % 64 == 0 && HEADDIM <= 256, "tiles are whole 64-wide column blocks");
-    static_assert(BLOCK_N == 64 || BLOCK_N == 128, "S is one wgmma wide");
+    static_assert(BLOCK_N % 16 == 0, "S is one wgmma wide (wgmma_ss), P V takes whole 16-key steps");
 };
 
 // Tile t: the blocks are walked from the last (under a causal mask the heaviest) to the first,

@@ -83,6 +83,19 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64 desc_a
 }
 #undef CUPYFLASH_WGMMA_SS
 
+// d (64 x 80 fp32) (+)= A (64 x 16, shared, descriptor) * B (80 x 16, shared, descriptor)^T.
+#define CUPYFLASH_WGMMA_SS(TYPES)                                                                    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"                                              \
+                 "wgmma.mma_async.sync.aligned.m64n80k16.f32." TYPES " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, %43, %44;\n}\n" \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]) \
+                 : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(int(TRANS_A)), "n"(int(TRANS_B)))
+template <bool BF16, bool TRANS_A, bool TRANS_B>
+__device__ __forceinline__ void wgmma_m64n80k16_ss(float (&d)[40], uint64 desc_a, uint64 desc_b, bool accumulate) {
+    if (BF16) CUPYFLASH_WGMMA_SS("bf16.bf16");
+    else CUPYFLASH_WGMMA_SS("f16.f16");
+}
+#undef CUPYFLASH_WGMMA_SS
+
 // d (64 x 128 fp32, this warpgroup's) (+)= A (64 x 16, shared, descriptor) * B (128 x 16, shared, descriptor)^T.
 #define CUPYFLASH_WGMMA_SS(TYPES)                                                                    \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                              \
@@ -124,11 +137,12 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
 }
 #undef CUPYFLASH_WGMMA_RS
 
-// By the column count N (64 or 128) of the 64 x N accumulator.
+// By the column count N (64, 80 or 128) of the 64 x N accumulator.
 template <int N, bool BF16, bool TRANS_A = false, bool TRANS_B = false>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64 desc_a, uint64 desc_b, bool accumulate) {
-    static_assert(N == 64 || N == 128, "wgmma_ss is written for N = 64 and 128");
+    static_assert(N == 64 || N == 80 || N == 128, "wgmma_ss is written for N = 64, 80 and 128");
     if constexpr (N == 64) wgmma_m64n64k16_ss<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+    else if constexpr (N == 80) wgmma_m64n80k16_ss<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
     else wgmma_m64n128k16_ss<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
 }
 // B N-major (as V is stored).

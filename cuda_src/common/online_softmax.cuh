@@ -33,12 +33,13 @@ __device__ __forceinline__ void mask_fragment(float (&s)[MT][NT][4], const Flash
 
 // The score modifiers over a warp's S fragment (tile at row0, col0), one modifier at a time: each
 // pass is a branch-free unrolled loop, where per-element branches would stall the schedule. ALiBi
-// goes by rows (common/score.cuh, added_by_rows); with BIAS_WORDS, a modifier that can be read as
-// words is (added_as_words). Softcap alone leaves its outer factor to the softmax's scale
-// (common/score.cuh, score_unit).
-template <bool BIAS_WORDS, int MT, int NT, bool BF16, int FEATURES>
+// goes by columns where a tile's keys sit on one side of the diagonal, its per-row term left in
+// `shift` to the softmax (common/score.cuh, alibi_by_columns; with a RowShift, which the caller
+// zeroes), else by rows (added_by_rows); with BIAS_WORDS, a modifier that can be read as words is
+// (added_as_words). Softcap alone leaves its outer factor to the softmax's scale (score_unit).
+template <bool BIAS_WORDS, int MT, int NT, bool BF16, int FEATURES, typename Shift>
 __device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const ScoreMods<BF16, FEATURES>& mods,
-                                                 int row0, int col0) {
+                                                 int row0, int col0, Shift& shift) {
     if constexpr (softcap_folds<FEATURES>()) {
         if (mods.softcap.on())
             for_each_element<MT, NT>([&](int mt, int nt, int e) {
@@ -47,7 +48,8 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const Sc
         return;
     }
     mods.for_each([&](const auto& mod) {
-        if (!added_by_rows(s, mod, row0, col0) && !(BIAS_WORDS && added_as_words(s, mod, row0, col0))) {
+        if (!alibi_by_columns(s, mod, row0, col0, shift) && !added_by_rows(s, mod, row0, col0)
+            && !(BIAS_WORDS && added_as_words(s, mod, row0, col0))) {
             for_each_element<MT, NT>([&](int mt, int nt, int e) {
                 float grad = 1.f;  // the forward needs no gradient
                 s[mt][nt][e] = mod.apply(s[mt][nt][e], row0 + fragment_row(mt, e), col0 + fragment_col(nt, e), grad);
@@ -73,6 +75,7 @@ __device__ __forceinline__ void apply_dropout(float (&s)[MT][NT][4], const Flash
 // in three steps (new_row_max, rescale, exponentiate) so that a kernel whose P V product runs
 // asynchronously can exponentiate while it runs and rescale O after it; softmax_step does all three.
 // A row with nothing visible yet keeps max = -inf; its offset is 0 so every p is 0, not NaN.
+// A RowShift (common/score.cuh) adds its rows' terms to the block's maxima and to the exponents.
 // A row's maximum moves only when a block's is more than kSlack above it (in the exponent):
 // till then p may reach 2^kSlack = 256, harmless in the fp32 sums and in 16-bit P, and O
 // keeps its scale. O is rescaled only when a row of the warp moved, rare after the first blocks.
@@ -82,9 +85,10 @@ struct SoftmaxStep {
     bool max_moved;  // in any row of the warp
 };
 
-template <int MT, int NT>
+template <int MT, int NT, typename Shift = NoRowShift>
 __device__ __forceinline__ SoftmaxStep<MT> new_row_max(const float (&s)[MT][NT][4], float (&row_max)[MT][2],
-                                                       float (&row_sum)[MT][2], const FlashParams& p, float unit) {
+                                                       float (&row_sum)[MT][2], const FlashParams& p, float unit,
+                                                       const Shift& shift = Shift()) {
     constexpr float kSlack = 8.f;
     SoftmaxStep<MT> step;
     bool max_moved = false;
@@ -96,6 +100,8 @@ __device__ __forceinline__ SoftmaxStep<MT> new_row_max(const float (&s)[MT][NT][
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
                 block_max = fmaxf(block_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+            // (A thread's shift holds its own columns' part: added before the quad's reduction.)
+            if constexpr (Shift::kOn) block_max += shift.value[mt][half];
             block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
             block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 2));
             const bool moves = block_max * unit * p.scale_log2 > row_max[mt][half] * unit * p.scale_log2 + kSlack;
@@ -117,21 +123,24 @@ __device__ __forceinline__ void rescale(float (&acc_o)[MT][DT][4], const Softmax
         for_each_element<MT, DT>([&](int mt, int dt, int e) { acc_o[mt][dt][e] *= step.correction[mt][e / 2]; });
 }
 
-template <int MT, int NT>
+template <int MT, int NT, typename Shift = NoRowShift>
 __device__ __forceinline__ void exponentiate(float (&s)[MT][NT][4], float (&row_sum)[MT][2], const SoftmaxStep<MT>& step,
-                                             const FlashParams& p, float unit) {
+                                             const FlashParams& p, float unit, const Shift& shift = Shift()) {
     for_each_element<MT, NT>([&](int mt, int nt, int e) {
-        s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2 * unit, -step.offset[mt][e / 2]));
+        float offset = -step.offset[mt][e / 2];
+        if constexpr (Shift::kOn) offset = fmaf(shift.value[mt][e / 2], p.scale_log2 * unit, offset);
+        s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2 * unit, offset));
         row_sum[mt][e / 2] += s[mt][nt][e];
     });
 }
 
-template <int MT, int NT, int DT>
+template <int MT, int NT, int DT, typename Shift = NoRowShift>
 __device__ __forceinline__ void softmax_step(float (&s)[MT][NT][4], float (&acc_o)[MT][DT][4], float (&row_max)[MT][2],
-                                             float (&row_sum)[MT][2], const FlashParams& p, float unit) {
-    const SoftmaxStep<MT> step = new_row_max(s, row_max, row_sum, p, unit);
+                                             float (&row_sum)[MT][2], const FlashParams& p, float unit,
+                                             const Shift& shift = Shift()) {
+    const SoftmaxStep<MT> step = new_row_max(s, row_max, row_sum, p, unit, shift);
     rescale(acc_o, step);
-    exponentiate(s, row_sum, step, p, unit);
+    exponentiate(s, row_sum, step, p, unit, shift);
 }
 
 // After the last key block: O divided by each row's sum (times out_scale), and lse[row] written

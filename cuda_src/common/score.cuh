@@ -156,6 +156,54 @@ __device__ __forceinline__ bool added_by_rows(float (&s)[MT][NT][4], const Alibi
     return true;
 }
 
+// A per-row term of the scores that a forward leaves to its softmax (raw units): added once per
+// row to the block's maximum and to the exponent's offset (common/online_softmax.cuh) instead of
+// to every element. ALiBi leaves one (alibi_by_columns); NoRowShift is the other kernels'.
+template <int MT>
+struct RowShift {
+    static constexpr bool kOn = true;
+    float value[MT][2];
+};
+struct NoRowShift {
+    static constexpr bool kOn = false;
+};
+template <int MT, bool ALIBI>
+struct RowShiftFor {  // the shift a forward keeps per key block
+    typedef NoRowShift type;
+};
+template <int MT>
+struct RowShiftFor<MT, true> {
+    typedef RowShift<MT> type;
+};
+
+// ALiBi over a warp's fragment tile at (row0, col0) whose keys all sit on one side of each row's
+// diagonal, as under a causal mask every block but the diagonal's: there -slope |col - diagonal(row)|
+// is k (col - diagonal(row)), k = slope left of it and -slope right, which splits into k (8 nt + j),
+// a constant per element (one FFMA), and k (the thread's first column - diagonal(row)), left in
+// `shift` (per thread: its quad's columns differ). Returns false, touching nothing, where a row's
+// diagonal falls inside the tile.
+template <int MT, int NT, typename Mod, typename Shift>
+__device__ __forceinline__ bool alibi_by_columns(float (&)[MT][NT][4], const Mod&, int, int, Shift&) { return false; }
+template <int MT, int NT>
+__device__ __forceinline__ bool alibi_by_columns(float (&s)[MT][NT][4], const Alibi& alibi, int row0, int col0,
+                                                 RowShift<MT>& shift) {
+    float k;
+    if (col0 + 8 * NT - 1 <= alibi.seq.diagonal(row0)) k = alibi.slope;
+    else if (col0 >= alibi.seq.diagonal(row0 + 16 * MT - 1)) k = -alibi.slope;
+    else return false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + fragment_row(mt, 2 * half);
+            shift.value[mt][half] = k * static_cast<float>(col0 + fragment_col(0, 0) - alibi.seq.diagonal(row));
+        }
+    for_each_element<MT, NT>([&](int mt, int nt, int e) {
+        s[mt][nt][e] = fmaf(k, static_cast<float>(8 * nt + e % 2), s[mt][nt][e]);
+    });
+    return true;
+}
+
 // A forward's modifier read as words where it can be (only a bias in_words): adds it to a warp's
 // fragment tile at (row0, col0), one word per two neighbouring columns, and returns true; else
 // returns false and leaves it to apply. The loads are issued first, then joined to the scores.

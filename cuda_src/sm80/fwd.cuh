@@ -127,12 +127,13 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
         const bool warp_skips = LOCAL && MASKING == kAll && (n_block < warp_blocks.first || n_block >= warp_blocks.end);
         float s[MT][NT][4];
+        typename RowShiftFor<MT, (FEATURES & feature::alibi) != 0>::type shift = {};
         if (!warp_skips) {
             zero(s);
             warp_gemm<BF16, MT, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, warp_row0, s_k_n, 0);
             // (A bias read as words is loaded here, not before the product: held across it, the
             // words spill at hd64 and hd256; other warps cover the loads' latency.)
-            if constexpr (OPTIONS) apply_score_mods<kBiasWords>(s, mods, row0 + warp_row0, key0);
+            if constexpr (OPTIONS) apply_score_mods<kBiasWords>(s, mods, row0 + warp_row0, key0, shift);
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
         }
 
@@ -146,7 +147,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         }
         if (warp_skips) return;
 
-        softmax_step(s, acc_o, row_max, row_sum, p, score_unit<FEATURES>(p));
+        softmax_step(s, acc_o, row_max, row_sum, p, score_unit<FEATURES>(p), shift);
 
         // Dropout acts on the probabilities after the softmax: the sums above keep every element,
         // P V only the kept ones (scaled by p.dropout_scale at the end).

@@ -270,10 +270,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 mbarrier_arrive(k_empty(stage));
                 if (n_block == blocks.first) mbarrier_arrive(q_empty);
             }
-            if constexpr (OPTIONS) apply_score_mods<T::kBiasWords>(s, mods, row0 + warp_row0, key0);
+            // (The serial kernels, short of registers, leave ALiBi by rows: by columns some spill.)
+            typename RowShiftFor<1, (FEATURES & feature::alibi) != 0 && !kSerial>::type shift = {};
+            if constexpr (OPTIONS) apply_score_mods<T::kBiasWords>(s, mods, row0 + warp_row0, key0, shift);
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
-            const SoftmaxStep<1> step = new_row_max(s, row_max, row_sum, p, score_unit<FEATURES>(p));
-            exponentiate(s, row_sum, step, p, score_unit<FEATURES>(p));
+            const SoftmaxStep<1> step = new_row_max(s, row_max, row_sum, p, score_unit<FEATURES>(p), shift);
+            exponentiate(s, row_sum, step, p, score_unit<FEATURES>(p), shift);
             // Dropout acts on the probabilities after the softmax: the sums keep every element.
             if (DROPOUT && p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
             if (!first) complete_pv();

@@ -10,6 +10,7 @@ import ctypes
 import dataclasses
 import math
 import threading
+import typing
 
 import numpy
 
@@ -154,14 +155,25 @@ _KEPT_SCRATCH_BYTES = 32 << 20
 _MAX_KEPT_SCRATCH = 64  # streams seen by one plan; past this its kept workspaces start afresh
 
 
+class _Workspace(typing.NamedTuple):
+    """One buffer of a plan's scratch, carved into the scratch outputs of one kind (plain or zeroed)."""
+    allocate: object  # a function of a call's arrays that returns a new one
+    offsets: list     # (parameter slot, byte offset) of each scratch output in it
+    kept: bool        # kept per stream (Plan._scratch)
+    nbytes: int
+    zeroed: bool
+
+
 class Plan:
     """The launches of one call signature, with the parameter block ready but for its pointers.
 
-    `run(arrays, seed, into, stream)` allocates the outputs (but those `into` gives as addresses),
-    writes the inputs' (arrays or addresses) and outputs' addresses (and an int dropout seed; a
-    seed array is an input) into the block, launches every kernel on `stream` (the caller's current
-    one by default) and returns `finish(outputs)`; it returns None when an input's address is not
-    aligned as the kernels need (then the caller's slow path copies it)."""
+    `run(arrays, seed, into, stream, workspaces=...)` allocates the outputs (but those `into` gives
+    as addresses) and the scratch (but where `workspaces` gives its buffers' addresses, of at least
+    `scratch_sizes` bytes: the caller's, such as XLA's), writes the inputs' (arrays or addresses)
+    and outputs' addresses (and an int dropout seed; a seed array is an input) into the block,
+    launches every kernel on `stream` (the caller's current one by default) and returns
+    `finish(outputs)`; it returns None when an input's address is not aligned as the kernels need
+    (then the caller's slow path copies it)."""
 
     def __init__(self, caller, params, inputs, outputs, launches, finish, maps=None):
         import cupy
@@ -176,6 +188,7 @@ class Plan:
             functions = [load(l.kernel, caller.device()).kernel.ptr for l in launches]
             self.context = cupy.cuda.driver.ctxGetCurrent()
         self.launch_kernel, self.current_context = cupy.cuda.driver.launchKernel, cupy.cuda.driver.ctxGetCurrent
+        self.memset = cupy.cuda.runtime.memsetAsync
         self.words = (ctypes.c_uint64 * (params.nbytes // 8)).from_buffer(params)
         self.params = params  # owns the words
         slot = lambda name: params.dtype.fields[_FIELDS.get(name, name)][1] // 8  # noqa: E731
@@ -197,7 +210,10 @@ class Plan:
                     size += -(-o.nbytes // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT
             if offsets:
                 kept = not zeroed and size <= _KEPT_SCRATCH_BYTES and self.keeps_buffers
-                self.workspaces.append((caller.allocator((size,), "uint8", zeroed), offsets, kept))
+                self.workspaces.append(_Workspace(caller.allocator((size,), "uint8", zeroed), offsets, kept, size,
+                                                  zeroed))
+        # A caller's workspace may start anywhere XLA aligns its buffers (less than the offsets' alignment).
+        self.scratch_sizes = tuple(w.nbytes + _SCRATCH_ALIGNMENT for w in self.workspaces)
         self.scratch_by_stream = {}  # (stream, workspace index) -> the workspace kept for that stream
         self.pointer_of, self.stream_of = caller.pointer_reader(), caller.stream_reader()
         dropout = params["dropout_scale"][0] != 0
@@ -216,7 +232,7 @@ class Plan:
         self.captured_scratch = []  # of CuPy graph captures, which replays still write
         self.sinks = {}  # result name -> the array of the calls that drop it
 
-    def run(self, arrays, seed, into=None, stream=None, dropped=()):
+    def run(self, arrays, seed, into=None, stream=None, dropped=(), workspaces=None):
         pointer_of = self.pointer_of
         pointers = []
         for name, alignment in self.inputs:
@@ -232,7 +248,7 @@ class Plan:
             # thread, such as autograd's, whose first CUDA call this may be).
             with self.caller.device():
                 self.set_device(self.device_id)
-                return self.run(arrays, seed, into, stream, dropped)
+                return self.run(arrays, seed, into, stream, dropped, workspaces)
         outputs, slots = {}, list(self.input_slots)
         for name, slot, allocate in self.results:
             if into and name in into:
@@ -245,14 +261,21 @@ class Plan:
             slots.append(slot)
             pointers.append(array if type(array) is int else pointer_of(array))
         stream = self.stream_of() if stream is None else stream
+        zeroing = []
         if self.workspaces:
-            for workspace, offsets in self._scratch(arrays, stream):
-                base = pointer_of(workspace)
-                for slot, offset in offsets:
+            if workspaces is None:
+                bases = [pointer_of(workspace) for workspace in self._scratch(arrays, stream)]
+            else:  # the caller's, aligned up; a zeroed one is zeroed on the stream (capturable, unlike an allocation)
+                bases = [-(-address // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT for address in workspaces]
+                zeroing = [(base, w.nbytes) for w, base in zip(self.workspaces, bases) if w.zeroed]
+            for workspace, base in zip(self.workspaces, bases):
+                for slot, offset in workspace.offsets:
                     slots.append(slot)
                     pointers.append(base + offset)
         words = self.words
         with self.lock:  # the launch copies the parameter block, so it is free again after it
+            for base, nbytes in zeroing:
+                self.memset(base, 0, nbytes, stream)
             for slot, pointer in zip(slots, pointers):
                 words[slot] = pointer
             if self.seed_slot is not None:
@@ -267,14 +290,14 @@ class Plan:
         return results
 
     def _scratch(self, arrays, stream):
-        """[(workspace, its offsets)] of a call on `stream`. A small plain workspace is kept per
+        """The workspaces (arrays) of a call on `stream`. A small plain workspace is kept per
         stream and reused by the plan's calls on it: the stream runs them one after another (a
         call's launches are enqueued together, under the lock), so none reads another's scratch,
         and the call spends no allocation. The rest, and every workspace of a call under graph
         capture (whose replays may run beside other calls), are allocated per call."""
         capturing = self.keeps_buffers and self.caller.capturing()
         result = []
-        for index, (allocate, offsets, kept) in enumerate(self.workspaces):
+        for index, (allocate, _, kept, _, _) in enumerate(self.workspaces):
             workspace = self.scratch_by_stream.get((stream, index)) if kept and not capturing else None
             if workspace is None:
                 workspace = allocate(arrays)
@@ -282,17 +305,17 @@ class Plan:
                     if len(self.scratch_by_stream) >= _MAX_KEPT_SCRATCH:
                         self.scratch_by_stream.clear()
                     self.scratch_by_stream[stream, index] = workspace
-            result.append((workspace, offsets))
+            result.append(workspace)
         if capturing:  # CuPy's pool would hand these to later arrays while replays still write them
-            self.captured_scratch.append([workspace for workspace, _ in result])
+            self.captured_scratch.append(result)
         return result
 
     def allocates_on(self, stream, names):
-        """Whether a run on `stream` with results `names` given by address (`into`) allocates: a
-        result not among them, or scratch that is not kept for the stream."""
+        """Whether a run on `stream` with results `names` given by address (`into`) and the plan's
+        own scratch allocates: a result not among them, or scratch that is not kept for the stream."""
         return (any(name not in names for name, _, _ in self.results)
-                or any(not kept or (stream, index) not in self.scratch_by_stream
-                       for index, (_, _, kept) in enumerate(self.workspaces)))
+                or any(not w.kept or (stream, index) not in self.scratch_by_stream
+                       for index, w in enumerate(self.workspaces)))
 
     def _sink(self, name, allocate, arrays):
         """The array of a result the caller drops: one per plan, which every such call writes (the

@@ -11,7 +11,9 @@ used here. tests/test_jax_ffi.py checks these layouts against the installed head
 A handler is called in two ways:
   * at registration, with a metadata extension in `extension_start`: it must answer the API
     version it was written for (XLA refuses versions outside its supported range) and its
-    traits (none: not safe to capture into a CUDA graph, since the backward allocates through CuPy);
+    traits, which XLA reads only there (JAX's CUDA plugin takes none at registration):
+    COMMAND_BUFFER_COMPATIBLE lets XLA trace the handler into a command buffer (a CUDA graph),
+    for the targets whose calls launch the same kernels every time and allocate nothing;
   * at execution (stage EXECUTE), with its buffers, attributes and a context from which the
     CUDA stream and device ordinal are read.
 A Python exception becomes an XLA_FFI_Error carrying its message, which JAX raises.
@@ -32,6 +34,7 @@ import numpy
 API_VERSION = (0, 3)
 
 _EXTENSION_METADATA = 1
+COMMAND_BUFFER_COMPATIBLE = 1  # XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE
 _STAGE_EXECUTE = 3
 _ARG_BUFFER = _RET_BUFFER = 1
 _ATTR_SCALAR = 3
@@ -112,6 +115,7 @@ _Handler = ctypes.CFUNCTYPE(c_void_p, c_void_p)  # the frame as an address: no c
 def _dtypes():
     import ml_dtypes
     return {4: numpy.dtype(numpy.int32), 8: numpy.dtype(numpy.uint32),  # cu_seqlens, dropout seeds
+            6: numpy.dtype(numpy.uint8),  # scratch
             10: numpy.dtype(numpy.float16), 11: numpy.dtype(numpy.float32),
             12: numpy.dtype(numpy.float64), 16: numpy.dtype(ml_dtypes.bfloat16)}
 
@@ -271,13 +275,13 @@ def _api_function(api, name):
     return function
 
 
-def _answer_metadata(frame):
+def _answer_metadata(frame, traits):
     extension = ctypes.cast(frame.extension_start, ctypes.POINTER(MetadataExtension)).contents
     metadata = extension.metadata.contents
     framework = frame.api.contents.api_version
     version = min(API_VERSION, (framework.major_version, framework.minor_version))
     metadata.api_version = ApiVersion(ctypes.sizeof(ApiVersion), None, *version)
-    metadata.traits = 0
+    metadata.traits = traits
 
 
 def _error(frame, message):
@@ -286,7 +290,7 @@ def _error(frame, message):
     return frame.api.contents.Error_Create(ctypes.byref(args))
 
 
-def _run(function, address):
+def _run(function, traits, address):
     try:
         if _load(address).value < CALL_FRAME_SIZE:  # struct_size
             return _error(CallFrame.from_address(address),
@@ -294,7 +298,7 @@ def _run(function, address):
         call = Call(address)
         extension = call.words[_EXT]
         if extension and ExtensionBase.from_address(extension).type == _EXTENSION_METADATA:
-            _answer_metadata(call.frame)
+            _answer_metadata(call.frame, traits)
             return None
         if call.words[_STAGE] & 0xFFFFFFFF != _STAGE_EXECUTE:
             return None  # only an execute handler is registered; nothing to do at other stages
@@ -310,9 +314,10 @@ def _run(function, address):
 _keep_alive = []  # the callbacks must outlive every XLA executable that may call them
 
 
-def handler_capsule(function):
-    """A PyCapsule holding a C function pointer that runs `function(Call)` at execution."""
-    callback = _Handler(lambda address: _run(function, address))
+def handler_capsule(function, traits=0):
+    """A PyCapsule holding a C function pointer that runs `function(Call)` at execution and answers
+    `traits` (XLA_FFI_Handler_Traits bits) at registration."""
+    callback = _Handler(lambda address: _run(function, traits, address))
     _keep_alive.append(callback)
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype = ctypes.py_object

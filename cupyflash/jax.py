@@ -26,16 +26,28 @@ device, so a repeated call reads the buffers' addresses and the stream from the 
 launches. Two cases copy: a head dim that is not a multiple of 8 (the core pads it), and dbias,
 which CuPy reduces from the kernels' float32 accumulator and copies into XLA's buffer.
 
-GPU memory: the backward's scratch (and the padded head dims' arrays) come from CuPy's memory
-pool, beside XLA's own, with XLA's stream current in CuPy while the plan runs, so a freed block is
-reused in stream order; a small scratch is kept per plan and stream (Plan._scratch), so repeated
-calls allocate nothing. README's JAX section says what that means for XLA's preallocation.
+CUDA graphs: each attention target has a graph twin (`_GRAPH`) whose handler declares XLA's
+command-buffer trait, so that XLA may trace its calls into a command buffer (a CUDA graph, where
+custom calls are enabled: --xla_gpu_enable_command_buffer with CUSTOM_CALL). A call traced for a
+CUDA device goes to the twin wherever it runs without allocating or copying (the kernels'
+dtypes, no padded head dim, no dbias): its launch is built while tracing, since XLA records a
+command buffer by stream capture, which may come at the program's first execution (XLA 0.11 on
+the H200 runs it eagerly once first, then replays without calling the handler); and the
+backward's workspaces are extra uint8 results of the custom call, which the JAX side drops.
+
+GPU memory: a graph twin's backward has its scratch from XLA, among the program's temporary
+buffers. Elsewhere the backward's scratch (and the padded head dims' arrays) come from CuPy's
+memory pool, beside XLA's own, with XLA's stream current in CuPy while the plan runs, so a freed
+block is reused in stream order; a small scratch is kept per plan and stream (Plan._scratch), so
+repeated calls allocate nothing. README's JAX section says what that means for XLA's preallocation.
 
 jax.experimental.buffer_callback (JAX >= 0.7) hands a Python callback the same buffers without
 the ctypes structures of _xla_ffi.py; bench/jax_handlers.py compares the two mechanisms' host time
 per call, and bench/notes/jax-handlers.md says why the typed FFI stays.
 """
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -52,6 +64,7 @@ __all__ = ["flash_attn", "flash_attn_varlen", "forward_with_lse", "varlen_forwar
 _FORWARD, _BACKWARD = "cupyflash_flash_attn_fwd", "cupyflash_flash_attn_bwd"
 _KVCACHE = "cupyflash_flash_attn_with_kvcache"
 _VARLEN_FORWARD, _VARLEN_BACKWARD = "cupyflash_flash_attn_varlen_fwd", "cupyflash_flash_attn_varlen_bwd"
+_GRAPH = "_graph"  # each attention target's twin that XLA may capture into a CUDA graph (_attention_call)
 
 # JAX's name of the seed option (a key array rather than the core's int).
 _PUBLIC_NAMES = {"seed": "dropout_seed"}
@@ -129,9 +142,8 @@ def backward_with_stats(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
     the keys gives that part's share of the whole softmax's gradients (ring attention)."""
     static, operands = _prepare(q, k, v, softmax_scale, causal, given, "backward_with_stats")
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
-    return tuple(_custom_call(static.targets[1], results, [dout.astype(q.dtype), q, k, v, out, lse,
-                                                           *_operand_list(operands, static)],
-                              static.attributes("bwd")))
+    return tuple(_attention_call(static, "bwd", results, [dout.astype(q.dtype), q, k, v, out, lse,
+                                                          *_operand_list(operands, static)]))
 
 
 @_takes_options(varlen=True)
@@ -299,9 +311,8 @@ def _flash_attn_bwd(static, residuals, dout):
         return None, None, None, {name: None for name in operands}
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     results += [jax.ShapeDtypeStruct(operands[name].shape, operands[name].dtype) for name in wanted.names]
-    grads = _custom_call(static.targets[1], results, [dout.astype(q.dtype), q, k, v, out, lse,
-                                                      *_operand_list(operands, static)],
-                         static.attributes("bwd", return_dbias=bool(wanted.names)))
+    grads = _attention_call(static, "bwd", results, [dout.astype(q.dtype), q, k, v, out, lse,
+                                                     *_operand_list(operands, static)], bool(wanted.names))
     # Cotangents of the operands: their gradient where it was wanted; none (zero) for the rest.
     by_name = dict(zip(wanted.names, grads[3:]))
     return (*grads[:3], {name: by_name.get(name) for name in operands})
@@ -315,19 +326,93 @@ def _forward(q, k, v, operands, static):
     stats = (nheads, q.shape[0]) if static.max_seqlens is not None else (q.shape[0], nheads, q.shape[1])
     lse_dtype = validate.lse_dtype(numpy.dtype(q.dtype).name)
     results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(stats, lse_dtype))
-    return tuple(_custom_call(static.targets[0], results, [q, k, v, *_operand_list(operands, static)],
-                              static.attributes("fwd")))
+    return tuple(_attention_call(static, "fwd", results, [q, k, v, *_operand_list(operands, static)]))
 
 
-def _custom_call(target, results, operands, attrs):
-    """The custom call's results, its signature added to its attributes. Inside jax.shard_map they
-    vary over the manual axes any operand varies over (XLA runs the call on each device's own
-    values; typed as invariant, a result used as a residual would reach the backward as one
-    device's copy)."""
-    attrs[_SIGNATURE] = numpy.int64(_signature(target, attrs, operands, results))
-    outputs = jax.ffi.ffi_call(target, results, vmap_method="sequential")(*operands, **attrs)
+def _attention_call(static, pass_, results, operands, return_dbias=False):
+    """The results of a forward's or backward's custom call. Traced for a CUDA device, a call that
+    can run without allocating or copying (the kernels' dtypes, a head dim the core does not pad, no
+    dbias) goes to its target's graph twin, which XLA may capture into a CUDA graph: its launch is
+    built now, outside any capture, and the backward's scratch comes from XLA as extra results."""
+    target = static.targets[pass_ == "bwd"]
+    attrs = static.attributes(pass_, return_dbias)
+    q = operands[_LEADING[pass_].index("q")]
+    device = None
+    if not return_dbias and numpy.dtype(q.dtype).name in validate.GPU_DTYPES:
+        device = _trace_device(operands)
+    if device is not None:
+        signature = _signature(target + _GRAPH, attrs, operands, results)
+        launch = _traced_launch(signature, target + _GRAPH, pass_, static, attrs, operands, device)
+        if launch.plan is not None:  # (none: a head dim the core pads)
+            return _custom_call(target + _GRAPH, results, operands, attrs, signature, launch.plan.scratch_sizes)
+    return _custom_call(target, results, operands, attrs)
+
+
+def _custom_call(target, results, operands, attrs, signature=None, scratch=()):
+    """The custom call's results, its signature added to its attributes; `scratch` are the byte sizes
+    of workspaces XLA gives the kernels as extra uint8 results, dropped here. Inside jax.shard_map
+    the results vary over the manual axes any operand varies over (XLA runs the call on each
+    device's own values; typed as invariant, a result used as a residual would reach the backward
+    as one device's copy)."""
+    if signature is None:
+        signature = _signature(target, attrs, operands, results)
+    attrs[_SIGNATURE] = numpy.int64(signature)
+    workspaces = [jax.ShapeDtypeStruct((size,), jnp.uint8) for size in scratch]
+    outputs = jax.ffi.ffi_call(target, (*results, *workspaces), vmap_method="sequential")(*operands, **attrs)
     axes = frozenset().union(*(varying_axes(x) for x in operands))
-    return type(outputs)(varying(x, axes) for x in outputs)
+    return type(outputs)(varying(x, axes) for x in outputs[:len(results)])
+
+
+def _trace_device(operands):
+    """The CUDA device (CuPy's id) a call traced now is to run on: a concrete operand's (an eager
+    call), else JAX's default device; None where that is no GPU (the CPU backend runs the NumPy
+    reference, which allocates)."""
+    device = next((next(iter(x.devices())) for x in operands
+                   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)), None)
+    if device is None:
+        device = jax.config.jax_default_device
+        if device is None or isinstance(device, str):
+            device = jax.local_devices(backend=device)[0]
+    return device.local_hardware_id if device.platform == "gpu" else None
+
+
+def _traced_launch(signature, target, pass_, static, attrs, operands, device):
+    """The launch of a graph target's call on `device`, built while tracing (planning compiles and
+    loads kernels, which a CUDA graph capture would not allow) and kept where the CUDA handler
+    finds it by the call's signature."""
+    key = (signature, device, _config.forced_choices())
+    launch = _launches.get(key)
+    if launch is None:
+        request = _Request.of_attributes(attrs, target, pass_, static.max_seqlens is not None)
+        launch = _new_launch(request, _placeholders(operands, device), device)
+        if launch.plan is not None:
+            launch = _Launch(dataclasses.replace(request, scratch=launch.plan.scratch_sizes), launch.plan)
+        _remember(key, launch)
+    return launch
+
+
+_placeholder_memory = {}  # device -> the allocation every placeholder of a traced launch points at
+
+
+def _placeholders(operands, device):
+    """CuPy arrays of the operands' shapes and dtypes, contiguous as XLA's buffers are, all at one
+    small allocation: planning reads their layouts (and aims TMA descriptors, re-aimed by every
+    call), never their memory."""
+    import cupy
+    with cupy.cuda.Device(device):
+        memory = _placeholder_memory.get(device)
+        if memory is None:
+            memory = _placeholder_memory[device] = cupy.cuda.alloc(_PLACEHOLDER_BYTES)
+        views = []
+        for x in operands:
+            dtype = numpy.dtype(x.dtype)
+            size = int(numpy.prod(x.shape, dtype=numpy.int64)) * dtype.itemsize
+            pointer = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(memory.ptr, size, memory, device), 0)
+            views.append(cupy.ndarray(x.shape, dtype, pointer))
+    return views
+
+
+_PLACEHOLDER_BYTES = 512
 
 
 def varying_axes(x):
@@ -434,7 +519,8 @@ _RESULTS = {"fwd": ("out", "lse"), "bwd": ("dq", "dk", "dv")}  # Plan.run's name
 
 @dataclasses.dataclass
 class _Request:
-    """What one custom call asks for, from its attributes: the operands' names and the core's arguments."""
+    """What one custom call asks for, from its attributes: the operands' names and the core's
+    arguments; for a graph target's, the byte sizes of the scratch results XLA gives it."""
     target: str
     pass_: str
     names: list
@@ -443,10 +529,10 @@ class _Request:
     values: dict
     max_seqlens: tuple
     return_dbias: bool
+    scratch: tuple = ()
 
     @classmethod
-    def of(cls, call, target, pass_, varlen):
-        attrs = call.attrs
+    def of_attributes(cls, attrs, target, pass_, varlen):
         names = list(_LEADING[pass_])
         if varlen:
             names += ["cu_seqlens_q", "cu_seqlens_k"]
@@ -461,19 +547,27 @@ class _Request:
         # A seed operand comes last, there whenever an option that needs it is on.
         names += [o.name for o in taken if o.kind == "seed" and any(
             o.name in other.needs and other.is_on(values.get(other.name)) for other in taken)]
-        if len(names) != len(call.args):
-            raise ValueError(f"the custom call has {len(call.args)} operands, expected {len(names)}: "
-                             f"{', '.join(names)}")
-        return_dbias = bool(attrs.get("return_dbias", False))
-        results = len(_RESULTS[pass_]) + return_dbias
-        if len(call.rets) != results:
-            raise ValueError(f"the custom call has {len(call.rets)} results, expected {results}")
-        signature = attrs.get(_SIGNATURE)
-        if signature is not None and signature != _signature(target, attrs, call.args, call.rets):
-            raise ValueError(f"{target}: the {_SIGNATURE} attribute does not match the call")
         max_seqlens = (int(attrs["max_seqlen_q"]), int(attrs["max_seqlen_k"])) if varlen else None
         return cls(target, pass_, names, float(attrs["softmax_scale"]), bool(attrs["causal"]), values, max_seqlens,
-                   return_dbias)
+                   bool(attrs.get("return_dbias", False)))
+
+    @classmethod
+    def of(cls, call, target, pass_, varlen):
+        """The request of a call frame, checked against its operands, results and signature."""
+        attrs = call.attrs
+        request = cls.of_attributes(attrs, target, pass_, varlen)
+        if len(request.names) != len(call.args):
+            raise ValueError(f"the custom call has {len(call.args)} operands, expected {len(request.names)}: "
+                             f"{', '.join(request.names)}")
+        results = len(_RESULTS[pass_]) + request.return_dbias
+        scratch = call.rets[results:] if target.endswith(_GRAPH) else ()
+        if len(call.rets) - len(scratch) != results:
+            raise ValueError(f"the custom call has {len(call.rets)} results, expected {results}")
+        signature = attrs.get(_SIGNATURE)
+        if signature is not None and signature != _signature(target, attrs, call.args, call.rets[:results]):
+            raise ValueError(f"{target}: the {_SIGNATURE} attribute does not match the call")
+        request.scratch = tuple(ret.nbytes for ret in scratch)
+        return request
 
     def core_call(self, operands):
         """api._call's and api.plan_of's arguments for the operands (NumPy or CuPy arrays, in
@@ -492,12 +586,16 @@ class _Request:
         """The core's results for the operands: (out, lse), or (dq, dk, dv) and dbias if asked for."""
         return api._call(*self.core_call(operands))
 
+    def outputs(self, rets):
+        """The results among a frame's (all but the scratch)."""
+        return rets[:len(rets) - len(self.scratch)]
+
 
 def _cpu_handler(target, pass_, varlen):
     def handler(call):
         request = _Request.of(call, target, pass_, varlen)
         results = request.run([a.numpy() for a in call.args])
-        for ret, result in zip(call.rets, results, strict=True):
+        for ret, result in zip(request.outputs(call.rets), results, strict=True):
             numpy.copyto(ret.numpy(), result)
     return handler
 
@@ -507,22 +605,31 @@ def _cpu_handler(target, pass_, varlen):
 class _Launch:
     """A CUDA custom call's cached launch (per signature and device): the core's plan and how the
     frame's buffers map to its names. `plan` is None where none runs the call (a head dim that is
-    not a multiple of 8: the core pads and cuts, and the results are copied)."""
+    not a multiple of 8: the core pads and cuts, and the results are copied). A graph target's
+    plan takes its workspaces from XLA's scratch results, which hold them unless the program was
+    traced for another kind of GPU (then it allocates, as other targets do, but never under a capture)."""
 
     def __init__(self, request, plan):
         self.request, self.plan, self.names = request, plan, request.names
         self.results = _RESULTS[request.pass_]
         self.dbias = request.return_dbias
+        self.graph = request.target.endswith(_GRAPH)
+        self.xla_scratch = self.graph and plan is not None and _holds(request.scratch, plan.scratch_sizes)
 
     def run(self, call, device, stream):
         """Runs the plan on the call's buffers; False where it cannot (an address not aligned as
-        the kernels need). A call that allocates (the backward's scratch, where the plan keeps none
-        for XLA's stream yet, and dbias) runs with XLA's stream current in CuPy, whose pool reuses
-        a block on the stream that was current when it was freed."""
+        the kernels need). A call that allocates (the backward's scratch, where XLA gives none and
+        the plan keeps none for XLA's stream yet, and dbias) runs with XLA's stream current in CuPy,
+        whose pool reuses a block on the stream that was current when it was freed."""
         plan, rets = self.plan, call.ret_pointers()
         arrays, into = dict(zip(self.names, call.arg_pointers())), dict(zip(self.results, rets))
+        if self.xla_scratch:
+            return plan.run(arrays, None, into, stream, workspaces=rets[len(self.results):]) is not None
         if not (self.dbias or plan.allocates_on(stream, self.results)):
             return plan.run(arrays, None, into, stream) is not None
+        if self.graph:
+            _refuse_under_capture(stream, "its scratch results were sized for another GPU (trace the program "
+                                          "with the GPU that runs it as JAX's default device)")
         import cupy
         with cupy.cuda.Device(device), _arrays.external_stream(stream, device):
             results = plan.run(arrays, None, into, stream)
@@ -531,15 +638,31 @@ class _Launch:
         return results is not None
 
 
+def _holds(given, needed):
+    """Whether scratch results of the `given` byte sizes hold workspaces of the `needed` ones."""
+    return len(given) == len(needed) and all(g >= n for g, n in zip(given, needed))
+
+
 _launches = {}  # (signature, device, CUPYFLASH_TILES and _FAMILY) -> _Launch
 _MAX_LAUNCHES = 4096  # custom calls seen by one process; past this the cache starts afresh
+
+
+def _remember(key, launch):
+    if len(_launches) >= _MAX_LAUNCHES:
+        _launches.clear()
+    _launches[key] = launch
 
 
 def _cuda_handler(target, pass_, varlen):
     """Runs the kernels on XLA's device and stream, writing XLA's result buffers. A repeated call
     (its signature attribute seen before on this device) reads its buffers' addresses and the
     stream from the frame and runs the cached plan: nothing is decoded, allocated (but the
-    backward's scratch) or read from the device."""
+    backward's scratch where XLA gives none) or read from the device. XLA may record a graph
+    target's first call on a device into a command buffer by stream capture; a launch that tracing
+    did not build (for another device, say) is then built on a thread of its own, which CUDA's
+    thread-local capture mode leaves free to load kernels."""
+    graph = target.endswith(_GRAPH)
+
     def handler(call):
         signature = call.first_scalar(_SIGNATURE_BYTES)
         device = _device(call)
@@ -547,12 +670,13 @@ def _cuda_handler(target, pass_, varlen):
         launch = _launches.get(key)
         stream = call.cuda_stream()
         if launch is None:
-            launch = _new_launch(call, target, pass_, varlen, device, stream)
+            build = functools.partial(_launch_of, call, target, pass_, varlen, device, stream)
+            launch = _on_another_thread(build) if graph and _capturing(stream) else build()
             if signature is not None:
-                if len(_launches) >= _MAX_LAUNCHES:
-                    _launches.clear()
-                _launches[key] = launch
+                _remember(key, launch)
         if launch.plan is None or not launch.run(call, device, stream):
+            if graph:
+                _refuse_under_capture(stream, "the call copies (an address the kernels cannot take)")
             _run_copying(launch.request, call, device, stream)
     return handler
 
@@ -560,12 +684,38 @@ def _cuda_handler(target, pass_, varlen):
 _SIGNATURE_BYTES = _SIGNATURE.encode()
 
 
-def _new_launch(call, target, pass_, varlen, device, stream):
+def _launch_of(call, target, pass_, varlen, device, stream):
+    return _new_launch(_Request.of(call, target, pass_, varlen), [a.cupy(device) for a in call.args], device, stream)
+
+
+def _new_launch(request, operands, device, stream=None):
+    """The launch of a request on `device` from CuPy arrays with its operands' layouts (XLA's
+    buffers, or placeholders while tracing), checked and planned as the core does."""
     import cupy
-    request = _Request.of(call, target, pass_, varlen)
-    with cupy.cuda.Device(device), _arrays.external_stream(stream, device), validate.no_host_sync():
-        plan = api.plan_of(*request.core_call([a.cupy(device) for a in call.args]))
+    with contextlib.ExitStack() as context:
+        context.enter_context(cupy.cuda.Device(device))
+        if stream is not None:
+            context.enter_context(_arrays.external_stream(stream, device))
+        context.enter_context(validate.no_host_sync())
+        plan = api.plan_of(*request.core_call(operands))
     return _Launch(request, plan)
+
+
+def _capturing(stream):
+    import cupy
+    return cupy.cuda.runtime.streamIsCapturing(stream) != 0  # not cudaStreamCaptureStatusNone
+
+
+def _refuse_under_capture(stream, why):
+    """Raises where XLA is capturing the call into a CUDA graph: CuPy's pool would hand a block
+    allocated now to other arrays while the graph's replays still write it."""
+    if _capturing(stream):
+        raise RuntimeError(f"cupyflash: this call cannot run inside a CUDA graph capture: {why}")
+
+
+def _on_another_thread(function):
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(function).result()
 
 
 def _run_copying(request, call, device, stream):
@@ -574,7 +724,7 @@ def _run_copying(request, call, device, stream):
     import cupy
     with cupy.cuda.Device(device), _arrays.external_stream(stream, device), validate.no_host_sync():
         results = request.run([a.cupy(device) for a in call.args])
-        for ret, result in zip(call.ret_pointers(), results, strict=True):
+        for ret, result in zip(request.outputs(call.ret_pointers()), results, strict=True):
             _copy(ret, cupy.ascontiguousarray(result), stream)
 
 
@@ -595,14 +745,25 @@ def _device(call):
     return 0 if _one_device() else call.device_ordinal()
 
 
+_handlers = {}  # (target, platform) -> the capsule XLA was given (tests ask it for its metadata)
+
+
 def _register():
+    """Every target on both platforms; each attention target with its graph twin, which tells XLA
+    that it may trace it into a command buffer."""
     targets = {(_FORWARD, "fwd", False), (_BACKWARD, "bwd", False), (_VARLEN_FORWARD, "fwd", True),
                (_VARLEN_BACKWARD, "bwd", True)}
     for name, pass_, varlen in sorted(targets):
-        for platform, make in (("cpu", _cpu_handler), ("CUDA", _cuda_handler)):
-            jax.ffi.register_ffi_target(name, _xla_ffi.handler_capsule(make(name, pass_, varlen)), platform=platform)
+        for target, traits in ((name, 0), (name + _GRAPH, _xla_ffi.COMMAND_BUFFER_COMPATIBLE)):
+            for platform, make in (("cpu", _cpu_handler), ("CUDA", _cuda_handler)):
+                _register_target(target, platform, make(target, pass_, varlen), traits)
     for platform in ("cpu", "CUDA"):
-        jax.ffi.register_ffi_target(_KVCACHE, _xla_ffi.handler_capsule(_kvcache_handler(platform)), platform=platform)
+        _register_target(_KVCACHE, platform, _kvcache_handler(platform))
+
+
+def _register_target(target, platform, handler, traits=0):
+    capsule = _handlers[target, platform] = _xla_ffi.handler_capsule(handler, traits)
+    jax.ffi.register_ffi_target(target, capsule, platform=platform)
 
 
 _register()  # once per process: the module is imported once

@@ -1,14 +1,19 @@
 """cupyflash.jax, the XLA typed FFI: the ctypes structures against the installed jaxlib's header, the
 custom calls and their attributes in the lowered program, handler errors reaching Python, the API
 functions reached from a probe target, and float16/bfloat16 buffers crossing the FFI (CPU backend);
-the signature attribute; the CUDA handlers' plumbing with the GPU parts stubbed.
+the signature attribute; the traits each handler answers at registration, and the graph twins'
+calls (the target, the scratch results, the results unchanged) with the GPU planning stubbed; the
+CUDA handlers' plumbing with the GPU parts stubbed.
 (The test_jax_*.py files are split by concern; test_jax_grad.py lists them.)
 """
 
 import contextlib
+import ctypes
 import functools
 import os
 import re
+import threading
+import types
 
 import numpy
 import pytest
@@ -74,8 +79,10 @@ def test_ctypes_structures_follow_the_installed_header():
                         ("XLA_FFI_ArgType_BUFFER", 1), ("XLA_FFI_RetType_BUFFER", 1), ("XLA_FFI_AttrType_SCALAR", 3),
                         ("XLA_FFI_DataType_F16", 10), ("XLA_FFI_DataType_F32", 11), ("XLA_FFI_DataType_F64", 12),
                         ("XLA_FFI_DataType_BF16", 16), ("XLA_FFI_DataType_PRED", 1), ("XLA_FFI_DataType_S32", 4),
-                        ("XLA_FFI_DataType_U32", 8), ("XLA_FFI_Error_Code_INTERNAL", 13)]:
+                        ("XLA_FFI_DataType_U32", 8), ("XLA_FFI_DataType_U8", 6), ("XLA_FFI_Error_Code_INTERNAL", 13)]:
         assert _header_constant(text, name) == value, name
+    bit = re.search(r"\bXLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE\s*=\s*1u?\s*<<\s*(\d+)", text)
+    assert bit and _xla_ffi.COMMAND_BUFFER_COMPATIBLE == 1 << int(bit.group(1))
 
 
 def test_cpu_program_calls_the_ffi_targets(on_cpu):
@@ -221,21 +228,169 @@ def test_cpu_signature_is_checked(on_cpu):
         jax.block_until_ready(call(q, q, q, **attrs, _signature=numpy.int64(causal)))  # the causal call's
 
 
+def _metadata_of(capsule):
+    """(API version, traits) a handler answers when XLA asks for its metadata, as at registration."""
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
+    handler = _xla_ffi._Handler(get_pointer(capsule, None))
+    metadata = _xla_ffi.Metadata(ctypes.sizeof(_xla_ffi.Metadata))
+    base = _xla_ffi.ExtensionBase(ctypes.sizeof(_xla_ffi.MetadataExtension), 1, None)  # XLA_FFI_Extension_Metadata
+    extension = _xla_ffi.MetadataExtension(base, ctypes.pointer(metadata))
+    api = _xla_ffi.Api(ctypes.sizeof(_xla_ffi.Api), None, _xla_ffi.ApiVersion(ctypes.sizeof(_xla_ffi.ApiVersion), None,
+                                                                             0, 99))
+    frame = _xla_ffi.CallFrame(struct_size=_xla_ffi.CALL_FRAME_SIZE, api=ctypes.pointer(api),
+                               extension_start=ctypes.cast(ctypes.pointer(extension),
+                                                           ctypes.POINTER(_xla_ffi.ExtensionBase)))
+    assert handler(ctypes.addressof(frame)) is None  # no error
+    version = metadata.api_version
+    return (version.major_version, version.minor_version), metadata.traits
+
+
+def test_handlers_answer_their_traits_at_registration():
+    """Every attention target has a graph twin on both platforms; the twins answer XLA's
+    command-buffer trait (the bit of the installed header) and the others none, all with the API
+    version the structures follow."""
+    from cupyflash import jax as cfjax
+    names = {cfjax._FORWARD, cfjax._BACKWARD, cfjax._VARLEN_FORWARD, cfjax._VARLEN_BACKWARD}
+    graphs = {name + "_graph" for name in names}
+    assert set(cfjax._handlers) == {(t, p) for t in names | graphs | {cfjax._KVCACHE} for p in ("cpu", "CUDA")}
+    for (target, platform), capsule in cfjax._handlers.items():
+        traits = _xla_ffi.COMMAND_BUFFER_COMPATIBLE if target in graphs else 0
+        assert _metadata_of(capsule) == (_xla_ffi.API_VERSION, traits), (target, platform)
+
+
+_SCRATCH = (1000, 24)  # the stubbed backward plan's scratch sizes
+
+
+@pytest.fixture
+def traced_for_a_gpu(monkeypatch):
+    """Traces as for CUDA device 3, with the GPU planning stubbed: every plan's scratch is _SCRATCH
+    for a backward, none for a forward; a head dim that is not a multiple of 8 gets no plan (the
+    core pads it). Yields the launches kept for the handler."""
+    from cupyflash import jax as cfjax
+
+    def new_launch(request, operands, device, stream=None):
+        assert device == 3 and stream is None and all(x.data.ptr == operands[0].data.ptr for x in operands)
+        pads = operands[request.names.index("q")].shape[-1] % 8
+        plan = None if pads else types.SimpleNamespace(scratch_sizes=_SCRATCH if request.pass_ == "bwd" else ())
+        return cfjax._Launch(request, plan)
+
+    class Placeholder:  # what planning reads of a placeholder
+        def __init__(self, x):
+            self.shape, self.data = x.shape, types.SimpleNamespace(ptr=512)
+
+    launches = {}
+    monkeypatch.setattr(cfjax, "_launches", launches)
+    monkeypatch.setattr(cfjax, "_trace_device", lambda operands: 3)
+    monkeypatch.setattr(cfjax, "_placeholders", lambda operands, device: [Placeholder(x) for x in operands])
+    monkeypatch.setattr(cfjax, "_new_launch", new_launch)
+    yield launches
+
+
+def _custom_calls(hlo):
+    """(target, result types, signature) of every custom call in a lowered program."""
+    return [(target, results, int(signature)) for target, signature, results in re.findall(
+        r"custom_call @(\w+)\(.*?_signature = (-?\d+) : i64.*?\) -> \((.*?)\)\n", hlo)]
+
+
+def _fwd_bwd_values(q, k, v, dout):
+    out, vjp = jax.vjp(functools.partial(flash_attn, causal=True), q, k, v)
+    return out, vjp(dout)
+
+
+def _fresh_jit(function):
+    """jax.jit of a new function object: jit's trace cache, keyed by the function, would hand back
+    a trace made before the test changed how calls are traced."""
+    return jax.jit(lambda *args: function(*args))
+
+
+def test_cpu_graph_twins_declare_scratch_results(on_cpu, traced_for_a_gpu, monkeypatch):
+    """Traced for a GPU, float16/bfloat16 calls go to the graph twins: the backward's scratch
+    (the plan's sizes) is declared as extra uint8 results, which the JAX side drops, and each launch
+    is kept for the handler under the call's signature and the device. On the CPU the twins run the
+    reference as the plain targets do: the same results, bit for bit."""
+    from cupyflash import jax as cfjax
+    q, k, v, dout = (_random((1, 24, 2, 16), 50 + i).astype(jnp.float16) for i in range(4))
+    step = _fresh_jit(_fwd_bwd_values)
+    calls = _custom_calls(step.lower(q, k, v, dout).as_text())
+    assert [(t, r.count("ui8")) for t, r, _ in calls] == [("cupyflash_flash_attn_fwd_graph", 0),
+                                                          ("cupyflash_flash_attn_bwd_graph", 2)]
+    assert calls[1][1].endswith("tensor<1000xui8>, tensor<24xui8>")
+    assert set(traced_for_a_gpu) == {(signature, 3, _config.forced_choices()) for _, _, signature in calls}
+    assert all(launch.request.target == target for (target, _, _), launch in zip(calls, traced_for_a_gpu.values()))
+    out, grads = step(q, k, v, dout)
+    assert len(grads) == 3
+    monkeypatch.setattr(cfjax, "_trace_device", lambda operands: None)  # traced for the CPU: the plain targets
+    plain = _fresh_jit(_fwd_bwd_values)
+    assert [t for t, _, _ in _custom_calls(plain.lower(q, k, v, dout).as_text())] == [
+        "cupyflash_flash_attn_fwd", "cupyflash_flash_attn_bwd"]
+    want_out, want_grads = plain(q, k, v, dout)
+    for got, want in zip((out, *grads), (want_out, *want_grads)):
+        assert got.dtype == want.dtype and numpy.array_equal(numpy.asarray(got), numpy.asarray(want))
+
+
+def test_cpu_calls_that_allocate_keep_the_plain_targets(on_cpu, traced_for_a_gpu):
+    """Traced for a GPU, the calls that allocate or copy stay on the targets without the trait: a
+    differentiated bias's backward (dbias), a head dim the core pads, float32 (which the kernels
+    refuse when the call runs)."""
+    q = _random((1, 24, 2, 16), 55).astype(jnp.float16)
+    bias = _random((2, 24, 24), 56)
+
+    def targets(function, *args):
+        return [target for target, _, _ in _custom_calls(_fresh_jit(function).lower(*args).as_text())]
+
+    def loss(q, bias):
+        return flash_attn(q, q, q, attn_bias=bias).astype(jnp.float32).sum()
+
+    with_dbias = jax.grad(loss, argnums=(0, 1))
+    assert targets(with_dbias, q, bias) == ["cupyflash_flash_attn_fwd_graph", "cupyflash_flash_attn_bwd"]
+    constant_bias = jax.grad(lambda q: loss(q, bias))
+    assert targets(constant_bias, q) == ["cupyflash_flash_attn_fwd_graph", "cupyflash_flash_attn_bwd_graph"]
+    assert targets(_fwd_bwd_values, *(q[..., :12],) * 4) == ["cupyflash_flash_attn_fwd", "cupyflash_flash_attn_bwd"]
+    assert targets(_fwd_bwd_values, *(q.astype(jnp.float32),) * 4) == ["cupyflash_flash_attn_fwd",
+                                                                       "cupyflash_flash_attn_bwd"]
+
+
+def test_cpu_varlen_graph_twins(on_cpu, traced_for_a_gpu, monkeypatch):
+    """The varlen forward and backward go to their graph twins too, the backward with its scratch;
+    the results are the plain targets', bit for bit."""
+    from cupyflash import jax as cfjax
+    from cupyflash.jax import flash_attn_varlen
+    q, k, v, dout = (_random((40, 2, 16), 57 + i).astype(jnp.bfloat16) for i in range(4))
+    cu = jnp.asarray([0, 15, 40], jnp.int32)
+
+    def step(q, k, v, dout, cu):
+        out, vjp = jax.vjp(lambda q, k, v: flash_attn_varlen(q, k, v, cu, cu, 25, 25, causal=True), q, k, v)
+        return out, vjp(dout)
+
+    graphed = _fresh_jit(step)
+    calls = _custom_calls(graphed.lower(q, k, v, dout, cu).as_text())
+    assert [(t, r.count("ui8")) for t, r, _ in calls] == [("cupyflash_flash_attn_varlen_fwd_graph", 0),
+                                                          ("cupyflash_flash_attn_varlen_bwd_graph", 2)]
+    out, grads = graphed(q, k, v, dout, cu)
+    monkeypatch.setattr(cfjax, "_trace_device", lambda operands: None)
+    want_out, want_grads = _fresh_jit(step)(q, k, v, dout, cu)
+    for got, want in zip((out, *grads), (want_out, *want_grads)):
+        assert numpy.array_equal(numpy.asarray(got), numpy.asarray(want))
+
+
 class _FakeCall:
     """What the CUDA handler reads of a call, without XLA: addresses, attributes, shapes."""
 
     class Buffer:
         def __init__(self, shape, dtype, pointer):
             self.shape, self.dtype, self.pointer = shape, numpy.dtype(dtype), pointer
+            self.nbytes = int(numpy.prod(shape)) * self.dtype.itemsize
 
         def cupy(self, device):
             return ("view", self.pointer, device)
 
-    def __init__(self, target, attrs, args, rets):
+    def __init__(self, target, attrs, args, rets, scratch=()):
         from cupyflash import jax as cfjax
         self.args = [self.Buffer(s, d, 1000 + 16 * i) for i, (s, d) in enumerate(args)]
-        self.rets = [self.Buffer(s, d, 5000 + 16 * i) for i, (s, d) in enumerate(rets)]
-        self.attrs = dict(attrs, _signature=cfjax._signature(target, attrs, self.args, self.rets))
+        self.rets = [self.Buffer(s, d, 5000 + 16 * i) for i, (s, d) in enumerate([*rets, *(((n,), "uint8")
+                                                                                             for n in scratch)])]
+        self.attrs = dict(attrs, _signature=cfjax._signature(target, attrs, self.args, self.rets[:len(rets)]))
 
     def first_scalar(self, name):
         return self.attrs["_signature"] if name == b"_signature" else None
@@ -321,3 +476,93 @@ def _entered(entered, stream):
         yield
     finally:
         entered.pop()
+
+
+def test_cuda_graph_twin_plumbing_without_a_gpu(monkeypatch):
+    """A graph twin's CUDA handler with the GPU parts stubbed: the backward runs its plan on XLA's
+    scratch results (their addresses, by workspace) and enters no CuPy stream, since nothing
+    allocates; a launch the program's tracing did not build, first called under XLA's capture, is
+    built on another thread; scratch results too small for the plan (traced for another GPU) fall
+    back to the plan's own scratch, which is refused under a capture."""
+    pytest.importorskip("cupy")
+    import cupy
+    from cupyflash import api, jax as cfjax
+
+    class Plan:
+        scratch_sizes = (300, 100)
+
+        def __init__(self):
+            self.runs = []
+
+        def allocates_on(self, stream, names):
+            return True  # its own scratch
+
+        def run(self, arrays, seed, into, stream, workspaces=None):
+            self.runs.append((into, workspaces, entered[:]))
+            return tuple(into.values())
+
+    entered, planned_on, capturing = [], [], [True]
+    monkeypatch.setattr(cfjax, "_launches", {})
+    monkeypatch.setattr(cfjax, "_one_device", lambda: True)
+    monkeypatch.setattr(cfjax, "_capturing", lambda stream: capturing[0])
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(cfjax._arrays, "external_stream", lambda stream, device: _entered(entered, stream))
+    monkeypatch.setattr(cfjax, "_run_copying", lambda *args: pytest.fail("copied"))
+    monkeypatch.setattr(api, "plan_of", lambda *args: planned_on.append(threading.get_ident()) or Plan())
+
+    q, stats = ((1, 8, 2, 16), "bfloat16"), ((1, 2, 8), "float32")
+    backward = cfjax._cuda_handler(cfjax._BACKWARD + "_graph", "bwd", False)
+    call = _FakeCall(cfjax._BACKWARD + "_graph", dict(softmax_scale=0.25, causal=True), [q] * 5 + [stats], [q] * 3,
+                     scratch=(300, 356))
+    backward(call)
+    backward(call)
+    assert planned_on and threading.get_ident() not in planned_on  # built off the capturing thread, once
+    (launch,) = cfjax._launches.values()
+    assert launch.request.scratch == (300, 356)
+    assert launch.plan.runs == [({"dq": 5000, "dk": 5016, "dv": 5032}, [5048, 5064], [])] * 2
+
+    capturing[0] = False
+    call = _FakeCall(cfjax._BACKWARD + "_graph", dict(softmax_scale=0.5, causal=True), [q] * 5 + [stats], [q] * 3,
+                     scratch=(300, 99))  # sized for another GPU
+    backward(call)
+    assert planned_on[-1] == threading.get_ident()  # not capturing: built here
+    plan = cfjax._launches[call.attrs["_signature"], 0, _config.forced_choices()].plan
+    assert plan.runs == [({"dq": 5000, "dk": 5016, "dv": 5032}, None, [77])]  # its own scratch, on XLA's stream
+    capturing[0] = True
+    with pytest.raises(RuntimeError, match="cannot run inside a CUDA graph capture: its scratch results"):
+        backward(call)
+
+    forward = cfjax._cuda_handler(cfjax._FORWARD + "_graph", "fwd", False)
+    call = _FakeCall(cfjax._FORWARD + "_graph", dict(softmax_scale=0.25, causal=True), [q] * 3, [q, stats])
+    monkeypatch.setattr(Plan, "scratch_sizes", ())
+    forward(call)
+    plan = cfjax._launches[call.attrs["_signature"], 0, _config.forced_choices()].plan
+    assert plan.runs == [({"out": 5000, "lse": 5016}, [], [])]
+
+
+def test_plan_runs_on_given_workspaces_without_a_gpu():
+    """Plan.run with the caller's workspaces (XLA's scratch results) at any address: each is aligned
+    up to the plan's scratch alignment, its buffers' slots get that base plus their offsets, a
+    zeroed one is zeroed on the stream before the launches, and nothing is allocated."""
+    from cupyflash import _plan
+
+    def refuse(arrays):
+        raise AssertionError("allocated")
+
+    events = []
+    plan = _plan.Plan.__new__(_plan.Plan)
+    plan.inputs, plan.input_slots, plan.seed_slot, plan.maps, plan.hands_back = [("q", 16)], [0], None, None, False
+    plan.pointer_of, plan.stream_of = (lambda array: pytest.fail("read an array")), (lambda: pytest.fail("no stream"))
+    plan.current_context = lambda: "context"
+    plan.context, plan.lock = "context", threading.Lock()
+    plan.results = [("out", 1, refuse)]
+    plan.workspaces = [_plan._Workspace(refuse, [(2, 0), (3, 512)], True, 1024, False),
+                       _plan._Workspace(refuse, [(4, 0)], False, 96, True)]
+    plan.words = [0] * 5
+    plan.memset = lambda *args: events.append(("memset", *args))
+    plan.launch_kernel = lambda function, *args: events.append(("launch", function, args[7], list(plan.words)))
+    plan.launches = [("bwd", (1, 1, 1), 128, 0, 0)]
+    plan.finish = lambda outputs: (outputs["out"],)
+    assert plan.run({"q": 4096}, None, {"out": 8192}, 77, workspaces=[10_000 + 8, 20_480]) == (8192,)
+    words = [4096, 8192, 10_240, 10_752, 20_480]
+    assert events == [("memset", 20_480, 0, 96, 77), ("launch", "bwd", 77, words)]

@@ -6,7 +6,8 @@ The JAX tests are split by concern, one file each: test_jax_ffi (the typed FFI: 
 custom calls, attributes, handler errors), test_jax_grad, test_jax_options (the options and the
 dropout seed), test_jax_varlen, test_jax_kvcache (flash_attn_with_kvcache), test_jax_ring (ring
 attention under shard_map), test_jax_gpu (marked
-`gpu`: the CUDA kernels on XLA's stream under cupyflash/_check.py's rule) and test_jax_model (a small
+`gpu`: the CUDA kernels on XLA's stream under cupyflash/_check.py's rule), test_jax_graphs (marked
+`gpu`: the custom calls inside XLA's command buffers, CUDA graphs replayed) and test_jax_model (a small
 transformer trained under jit); their helpers are in jax_helpers.py.
 """
 

@@ -449,6 +449,10 @@ def _wgmma_forward_plan(call, inputs, strides):
     tiles = m_blocks * shape.nheads * shape.batch
     grid = (min(tiles, _schedule.device_attributes(call.caller.device_id)["MultiProcessorCount"]), 1, 1)
     _, block_major = _schedule.block_grid(m_blocks, shape.nheads, shape.batch, call.local)  # the tiles' order
+    if block_major:  # as a group of (batch entry, head) pairs
+        kv_bytes_per_pair = 2 * shape.seqlen_k * tile.headdim * 2 * shape.nheads_k // shape.nheads
+        l2_bytes = _schedule.device_attributes(call.caller.device_id)["L2CacheSize"]
+        block_major = _schedule.tile_group(shape.nheads * shape.batch, kv_bytes_per_pair, l2_bytes, grid[0])
     outputs = [_Output("out", tuple(inputs["q"].shape), call.dtype), _Output("lse", shape.stats, "float32")]
     return Plan(call.caller, _param_block(call, tile, strides, inputs, block_major), inputs, outputs,
                 [_Launch(kernel, grid)], lambda o: (o["out"], o["lse"]), maps)

@@ -42,6 +42,23 @@ def block_grid(blocks, heads, batch, local):
     return ((heads, blocks, batch) if block_major else (blocks, heads, batch)), block_major
 
 
+# The share of the L2 a group of block-major tiles' K and V may take (tile_group). At 1k tokens,
+# causal, bf16 (v26): 0.75 made hd128 11% faster and hd256 23%; 0.5 made hd128 14% faster and left
+# hd256's groups too small to take.
+GROUP_L2_SHARE = 0.75
+
+
+def tile_group(pairs, kv_bytes_per_pair, l2_bytes, ctas):
+    """The persistent forward's block-major group (FlashParams.block_major; fwd_tile in
+    cuda_src/sm90/fwd.cuh): how many (batch entry, head) pairs walk their blocks level by level
+    together. As many as keep their K and V in GROUP_L2_SHARE of the L2, so that each level reads
+    them there, not from DRAM, but no fewer than a third of the CTAs, so that a round of tiles spans
+    at most three levels (tiles of about one weight); all pairs where they fit, or where that many
+    would not."""
+    fit = int(l2_bytes * GROUP_L2_SHARE // max(kv_bytes_per_pair, 1))
+    return pairs if fit >= pairs or 3 * fit < ctas else fit
+
+
 def resident_ctas(kernel, device):
     """How many CTAs of `kernel` the device runs at once: SMs times what one SM holds (registers
     are given out 256 per warp, and each CTA takes 1 KiB of shared memory for the system)."""

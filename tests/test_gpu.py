@@ -141,6 +141,21 @@ def test_local_kernels_in_either_grid_order(block_major, case, monkeypatch):
     _assert_ok(_check.run_gpu_case(case, _seed(case) + block_major))
 
 
+@pytest.mark.parametrize("group", [1, 5, 12])
+@pytest.mark.parametrize("case", [Case(300, 300, 64, "bfloat16", True, batch=3, nheads=4, nheads_k=2),
+                                  Case(300, 260, 128, "float16", False, batch=3, nheads=4, nheads_k=2, window_size=(70, 20)),
+                                  Case.packed((300, 17, 250), (300, 17, 250), 256, "bfloat16", True, nheads=4, nheads_k=2)],
+                         ids=str)
+def test_local_forward_in_groups_of_pairs(group, case, monkeypatch):
+    """The persistent forward's block-major order in groups of (batch entry, head) pairs
+    (_schedule.tile_group, fwd_tile in cuda_src/sm90/fwd.cuh): groups of one pair, of five (the last
+    of 12 pairs holds two), and of all; the H200's shapes reach groups only at 1k tokens and more."""
+    from cupyflash import _plan, _schedule
+    monkeypatch.setattr(_plan, "_plans", {})
+    monkeypatch.setattr(_schedule, "tile_group", lambda pairs, kv_bytes_per_pair, l2_bytes, ctas: min(group, pairs))
+    _assert_ok(_check.run_gpu_case(case, _seed(case) + group))
+
+
 # (case, CTAs at once) -> (split key blocks, pieces each), as _schedule.tail_split gives them
 @pytest.mark.parametrize("case, resident", [
     (Case(700, 500, 128, "bfloat16", batch=2, nheads=4, nheads_k=2), 13),  # (3, 4): 5 or 6 steps a piece

@@ -164,6 +164,19 @@ def test_the_backward_splits_its_last_partial_wave_where_that_saves_time(units, 
     assert _tail_split(units, steps, resident=132) == split
 
 
+@pytest.mark.parametrize("pairs, kv_bytes_per_pair, group", [
+    (256, 2 * 1024 * 128 * 2, 90),    # hd128 at 1k, batch 16: 90 pairs' K and V fill 3/4 of the L2
+    (512, 2 * 1024 * 64 * 2, 180),    # hd64 at 1k
+    (128, 2 * 1024 * 256 * 2, 45),    # hd256 at 1k: a round of 132 tiles spans 3 levels
+    (64, 2 * 4096 * 128 * 2, 64),     # hd128 at 4k: 22 would fit, too few (6 levels a round)
+    (16, 2 * 16384 * 128 * 2, 16),    # hd128 at 16k, batch 1
+    (32, 2 * 128 * 128 * 2, 32),      # everything fits
+])
+def test_the_persistent_forward_groups_pairs_whose_k_and_v_fit_the_l2(pairs, kv_bytes_per_pair, group):
+    from cupyflash._schedule import tile_group
+    assert tile_group(pairs, kv_bytes_per_pair, l2_bytes=60 << 20, ctas=132) == group
+
+
 # ----------------------------------------------------------------------------- kernel variants
 
 def test_the_compile_checks_build_each_table_plain_with_every_feature_and_each_feature_alone():

@@ -58,7 +58,8 @@ struct FlashParams {
     int seqlen_k;
     int headdim;           // the caller's head dim, a multiple of 8
     int headdim_padded;    // the kernel's head dim (the tile's), >= headdim
-    int block_major;       // LOCAL kernels: the grid is (heads, blocks, batch), not (blocks, heads, batch) (mask.cuh grid_slot)
+    int block_major;       // LOCAL kernels: the grid is (heads, blocks, batch), not (blocks, heads, batch) (mask.cuh grid_slot);
+                           // the persistent forward: its tiles go block-major in groups of this many (batch, head) pairs
 
     // Softmax scale, and the same times log2(e) so the kernels can use exp2.
     float softmax_scale;

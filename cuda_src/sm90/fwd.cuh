@@ -62,6 +62,9 @@ struct Sm90FwdTile {
 // Tile t: the blocks are walked from the last (under a causal mask the heaviest) to the first,
 // and, as grid_slot orders them, block-major (every head's heavy blocks first) where
 // p.block_major says so, else head-major (a head's blocks together, sharing K and V in L2).
+// Block-major goes through the (batch entry, head) pairs in groups of p.block_major, each group's
+// blocks level by level: a group's K and V stay in L2 while its levels pass, and a round of
+// gridDim.x tiles spans few levels, so its tiles weigh about the same.
 // CTA c takes tile c of each round of gridDim.x tiles in even rounds and tile gridDim.x - 1 - c
 // in odd ones: with weights falling along the order, a plain c, c + gridDim.x, ... would give CTA 0
 // the heaviest tile of every round (a quarter more work than the last CTA at hd256, 16k, causal).
@@ -75,16 +78,18 @@ __device__ __forceinline__ int round_tile(int round) {
 
 template <bool LOCAL>
 __device__ __forceinline__ FwdTileSlot fwd_tile(const FlashParams& p, int t, int m_blocks) {
-    int block, rest;
+    int block, pair;
     if (LOCAL && p.block_major) {
-        block = t / (p.nheads * p.batch);
-        rest = t - block * (p.nheads * p.batch);
+        const int group = t / (p.block_major * m_blocks), first = group * p.block_major;
+        const int pairs = min(p.block_major, p.nheads * p.batch - first), rest = t - first * m_blocks;
+        block = rest / pairs;
+        pair = first + rest - block * pairs;
     } else {
-        rest = t / m_blocks;
-        block = t - rest * m_blocks;
+        pair = t / m_blocks;
+        block = t - pair * m_blocks;
     }
-    const int batch = rest / p.nheads;
-    return FwdTileSlot{m_blocks - 1 - block, rest - batch * p.nheads, batch};
+    const int batch = pair / p.nheads;
+    return FwdTileSlot{m_blocks - 1 - block, pair - batch * p.nheads, batch};
 }
 
 template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool BF16, bool LOCAL, int FEATURES>

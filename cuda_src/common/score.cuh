@@ -156,9 +156,10 @@ __device__ __forceinline__ bool added_by_rows(float (&s)[MT][NT][4], const Alibi
     return true;
 }
 
-// A per-row term of the scores that a forward leaves to its softmax (raw units): added once per
-// row to the block's maximum and to the exponent's offset (common/online_softmax.cuh) instead of
-// to every element. ALiBi leaves one (alibi_by_columns); NoRowShift is the other kernels'.
+// A term of each row's scores that a forward leaves to its softmax (raw units, one value per thread
+// and row): added to the thread's part of the block's row maximum and to the exponent's offset
+// (common/online_softmax.cuh) instead of to every element. ALiBi leaves one (alibi_by_columns);
+// NoRowShift is the other kernels'.
 template <int MT>
 struct RowShift {
     static constexpr bool kOn = true;

@@ -297,11 +297,11 @@ class Plan:
         capture (whose replays may run beside other calls), are allocated per call."""
         capturing = self.keeps_buffers and self.caller.capturing()
         result = []
-        for index, (allocate, _, kept, _, _) in enumerate(self.workspaces):
-            workspace = self.scratch_by_stream.get((stream, index)) if kept and not capturing else None
+        for index, w in enumerate(self.workspaces):
+            workspace = self.scratch_by_stream.get((stream, index)) if w.kept and not capturing else None
             if workspace is None:
-                workspace = allocate(arrays)
-                if kept and not capturing:
+                workspace = w.allocate(arrays)
+                if w.kept and not capturing:
                     if len(self.scratch_by_stream) >= _MAX_KEPT_SCRATCH:
                         self.scratch_by_stream.clear()
                     self.scratch_by_stream[stream, index] = workspace
@@ -447,12 +447,13 @@ def _wgmma_forward_plan(call, inputs, strides):
     # Persistent: a CTA per SM (one fits), taking tiles in turn (fwd_tile in cuda_src/sm90/fwd.cuh).
     m_blocks = -(-shape.seqlen_q // tile.block_m)
     tiles = m_blocks * shape.nheads * shape.batch
-    grid = (min(tiles, _schedule.device_attributes(call.caller.device_id)["MultiProcessorCount"]), 1, 1)
+    attributes = _schedule.device_attributes(call.caller.device_id)
+    grid = (min(tiles, attributes["MultiProcessorCount"]), 1, 1)
     _, block_major = _schedule.block_grid(m_blocks, shape.nheads, shape.batch, call.local)  # the tiles' order
     if block_major:  # as a group of (batch entry, head) pairs
         kv_bytes_per_pair = 2 * shape.seqlen_k * tile.headdim * 2 * shape.nheads_k // shape.nheads
-        l2_bytes = _schedule.device_attributes(call.caller.device_id)["L2CacheSize"]
-        block_major = _schedule.tile_group(shape.nheads * shape.batch, kv_bytes_per_pair, l2_bytes, grid[0])
+        block_major = _schedule.tile_group(shape.nheads * shape.batch, kv_bytes_per_pair, attributes["L2CacheSize"],
+                                           grid[0])
     outputs = [_Output("out", tuple(inputs["q"].shape), call.dtype), _Output("lse", shape.stats, "float32")]
     return Plan(call.caller, _param_block(call, tile, strides, inputs, block_major), inputs, outputs,
                 [_Launch(kernel, grid)], lambda o: (o["out"], o["lse"]), maps)

@@ -104,8 +104,10 @@ def info():
             print(f"\ntile table {family}{' (forced by CUPYFLASH_TILES)' if forced else ''}:")
             print(_table(_TILE_HEADERS, rows))
             for table, wgmma in _config.TILES[_config.WGMMA].get(family, {}).items():
-                print(f"on compute capability 9.0 the {table} pass up to head dim {max(wgmma)} is wgmma's: " + "; ".join(
-                    _tile_text(_config.Tile(hd, *cfg, _config.WGMMA), table) for hd, cfg in wgmma.items()))
+                short = (f" (at most {_config.SHORT_SEQLEN} query rows)" if table == "fwd_short" else "")
+                print(f"on compute capability 9.0 the {_config.kernel_pass(table)} pass{short} up to head dim "
+                      f"{max(wgmma)} is wgmma's: " + "; ".join(
+                          _tile_text(_config.Tile(hd, *cfg, _config.WGMMA), table) for hd, cfg in wgmma.items()))
         return 0
     import cupy
     from ._schedule import device_info

@@ -115,6 +115,18 @@ TILES[WGMMA] = {"sm90": {
         128: (128, 128, 12, 3),
         256: (128, 80, 12, 2),  # faster than 128 x 64 by 2-5% from 4k on, 3% slower at 1k causal (v26)
     },
+    # Forwards of at most SHORT_SEQLEN query rows (forward_table): 192 rows pad 1k to 1152, and a
+    # short causal row wastes more of a taller tile. hd64 (v27): +10% at 512 and 1k causal, even at
+    # 1k, 1-8% slower at 2k and 4k.
+    "fwd_short": {
+        64: (128, 128, 12, 3),
+    },
+    # The LOCAL forwards (forward_table): two stages leave room for a second Q buffer, which lets a
+    # tile's last P V run beside the next tile's first Q K^T (sm90/fwd.cuh, kCarry): +3% at 1k
+    # causal, even from 4k on (v27).
+    "fwd_local": {
+        128: (128, 128, 12, 2),
+    },
     "bwd": {
         64: (64, 128, 12, 2),
         128: (64, 128, 12, 2),
@@ -122,6 +134,21 @@ TILES[WGMMA] = {"sm90": {
     },
 }}
 TILES[WGMMA]["sm90"]["bwd_options"] = TILES[WGMMA]["sm90"]["bwd"]  # (not timed apart)
+SHORT_SEQLEN = 1024
+
+
+def forward_table(headdim, seqlen_q, local):
+    """The wgmma forward's tile table for a call: 'fwd_short' where the call has at most
+    SHORT_SEQLEN query rows (the longest of a varlen batch), else 'fwd_local' where it is LOCAL,
+    where that table has the head dim's tile; else 'fwd'."""
+    tables = TILES[WGMMA]["sm90"]
+    padded = padded_headdim(headdim, tuple(tables["fwd"]))
+    for table, applies in (("fwd_short", seqlen_q <= SHORT_SEQLEN), ("fwd_local", local)):
+        if applies and padded in tables[table]:
+            return table
+    return "fwd"
+
+
 FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
 TABLES = ("fwd", "bwd", "bwd_options", "decode", "decode_paged")  # tile tables per GPU family; see kernel_pass
@@ -146,9 +173,13 @@ class Tile:
         return 32 * self.warps
 
     def smem_bytes(self, pass_):
-        if self.kernel_family == WGMMA and kernel_pass(pass_) == "fwd":  # alignment, Q, (K, V) x stages, barriers
-            return (1024 + 2 * self.headdim * (self.block_m + 2 * self.stages * self.block_n)
-                    + 8 * (2 + 4 * self.stages))
+        if self.kernel_family == WGMMA and kernel_pass(pass_) == "fwd":
+            # alignment, Q x (2 with two consumers where they fit, else 1), (K, V) x stages, barriers
+            def with_q_buffers(n):
+                return (1024 + 2 * self.headdim * (n * self.block_m + 2 * self.stages * self.block_n)
+                        + 8 * (2 * n + 4 * self.stages))
+            two = self.block_m == 128 and with_q_buffers(2) <= FAMILY_SMEM_LIMIT["sm90"]
+            return with_q_buffers(2 if two else 1)
         if self.kernel_family == WGMMA:
             # alignment, K, V, (Q, dO) x stages, what the consumers trade, (lse, D) x stages, barriers
             if self.headdim <= 128:  # dS^T x 2, dQ (in one or two pieces), a dropout word per consumer thread

@@ -156,7 +156,7 @@ def backward_table(features, deterministic):
     return "bwd_options" if features or deterministic else "bwd"
 
 
-# The (features, deterministic) pairs the compile checks build per tile table: the plain kernel and
+# The (features, deterministic) pairs the compile checks build per tile table (or its pass): the plain kernel and
 # the one with every feature (a call's own subset compiles on first use); and, for the hd128 tiles
 # (first dtype, LOCAL), each feature alone and the deterministic backward without any.
 _CHECKED_FLAGS = {"fwd": (((), False), (FEATURES, False)), "bwd": (((), False),),
@@ -170,14 +170,17 @@ _SINGLE_FLAGS = {"fwd": tuple(((f,), False) for f in FEATURES),
 def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
     """The kernel variants the compile checks build for these GPU families' tile tables of a kernel
     family (_CHECKED_FLAGS, _SINGLE_FLAGS; the row kernels with the mma.sync family; never even_k for
-    wgmma or decode)."""
+    wgmma or decode; a wgmma forward table's tile only where _config.forward_table gives it)."""
     wgmma = kernel_family == _config.WGMMA
     kernels = [] if wgmma else [Kernel(pass_, dtype) for pass_ in ROW_KERNELS for dtype in DTYPES]
     for (table, tile), dtype, local, even_k in itertools.product(
             _config.all_tiles(families, kernel_family), DTYPES, (False, True), (False, True)):
         if even_k and (wgmma or _config.kernel_pass(table) == "decode"):
             continue
-        flags = _CHECKED_FLAGS[table]
+        if wgmma and _config.kernel_pass(table) == "fwd" and table not in (
+                _config.forward_table(tile.headdim, seqlen_q, local) for seqlen_q in (1, _config.SHORT_SEQLEN + 1)):
+            continue  # no call runs it (a LOCAL one of a head dim with a 'fwd_local' tile, say)
+        flags = _CHECKED_FLAGS.get(table) or _CHECKED_FLAGS[_config.kernel_pass(table)]
         if tile.headdim == 128 and dtype == DTYPES[0] and local and not even_k:
             flags += _SINGLE_FLAGS.get(table, ())
         for features, deterministic in flags:

@@ -439,7 +439,8 @@ def _forward_plan(call, inputs, return_dbias):
 def _wgmma_forward_plan(call, inputs, strides):
     """The forward on the wgmma kernels, or None where the driver cannot map an input for TMA."""
     shape = call.shape
-    tile = _schedule.tile("fwd", shape.headdim, call.caller.device_id, _config.WGMMA)
+    tile = _schedule.tile(_config.forward_table(shape.headdim, shape.seqlen_q, call.local), shape.headdim,
+                          call.caller.device_id, _config.WGMMA)
     maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n})
     if maps is None:
         return None

@@ -85,6 +85,47 @@ def test_the_kernel_family_on_hopper(family, headdim, monkeypatch):
             family == "wgmma"}
 
 
+@pytest.mark.parametrize("short_seqlen", [0, 1 << 20])
+@pytest.mark.parametrize("case", [
+    Case(1000, 1000, 64, "bfloat16", True, batch=4, nheads=8, nheads_k=2),
+    Case(113, 1000, 40, "float16", False, nheads=4, nheads_k=1, softcap=4.0, alibi_slopes=True),
+    Case(1000, 113, 64, "bfloat16", True, nheads=4, attn_bias="heads", dropout_p=0.15),
+    Case(257, 300, 56, "float16", False, nheads=4, window_size=(40, 9)),
+    Case.packed((0, 17, 1000, 129), (5, 17, 700, 129), 64, "bfloat16", True, nheads=4, nheads_k=2),
+], ids=str)
+def test_the_short_and_the_long_forward_tables(short_seqlen, case, monkeypatch):
+    """A forward of at most SHORT_SEQLEN query rows runs the 'fwd_short' table's tile (hd64: 128
+    rows, two consumers), a longer one the 'fwd' table's (192 rows, three): each runs these cases
+    (every option, tails, varlen with an empty sequence)."""
+    _needs_hopper(monkeypatch)
+    from cupyflash import _config, _plan
+    monkeypatch.setattr(_plan, "_plans", {})
+    monkeypatch.setattr(_config, "SHORT_SEQLEN", short_seqlen)
+    _assert_ok(_check.run_gpu_case(case, _seed(case) + bool(short_seqlen), backward=False))
+    table = _config.TILES[_config.WGMMA]["sm90"]["fwd_short" if short_seqlen else "fwd"]
+    assert {k.tile.block_m for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "fwd"} == {table[64][0]}
+
+
+@pytest.mark.parametrize("case", [
+    Case(1000, 1000, 128, "bfloat16", True, batch=4, nheads=8, nheads_k=2),
+    Case(2000, 300, 96, "float16", True, batch=2, nheads=8),       # the first 1700 rows see no key
+    Case(1500, 1500, 128, "bfloat16", False, batch=2, nheads=8, window_size=(100, 0)),
+    Case(700, 900, 120, "float16", False, batch=3, nheads=8, nheads_k=4, window_size=(-1, 30)),
+    Case.packed((0, 1, 300, 1000, 0, 129), (5, 1, 700, 1000, 0, 129), 128, "bfloat16", True, nheads=8),
+], ids=str)
+def test_local_forward_tiles_back_to_back(case, monkeypatch):
+    """The LOCAL wgmma forward runs its tiles back to back (sm90/fwd.cuh, kCarry): a tile's last P
+    V beside the next tile's first Q K^T, its O stored after; tiles whose rows see no key (written
+    as zeros) end the carried tile first. Many tiles per CTA here."""
+    _needs_hopper(monkeypatch)
+    from cupyflash import _config, _plan
+    monkeypatch.setattr(_plan, "_plans", {})
+    _assert_ok(_check.run_gpu_case(case, _seed(case), backward=False))
+    local_tile = _config.TILES[_config.WGMMA]["sm90"]["fwd_local"][128]
+    assert {(k.tile.block_m, k.tile.stages) for plan in _plan._plans.values() for k in plan.kernels
+            if k.pass_ == "fwd"} == {(local_tile[0], local_tile[3])}
+
+
 @pytest.mark.parametrize("case", [
     Case(300, 500, 128, "bfloat16", True, nheads=4, nheads_k=2, softcap=5.0, alibi_slopes=True, attn_bias="full"),
     Case(200, 300, 64, "float16", False, nheads=4, nheads_k=1, attn_bias="heads", window_size=(40, 9)),

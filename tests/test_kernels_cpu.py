@@ -105,6 +105,17 @@ def test_wgmma_tiles_round_head_dims_up_to_whole_column_blocks(headdim, padded):
     assert kernel.wgmma and kernel.arch("90") == "90a" and "_wgmma_" in kernel.name
 
 
+@pytest.mark.parametrize("headdim, seqlen_q, local, table", [
+    (8, 1, False, "fwd_short"), (64, _config.SHORT_SEQLEN, True, "fwd_short"),
+    (64, _config.SHORT_SEQLEN + 1, True, "fwd"), (72, 1, False, "fwd"), (72, 1, True, "fwd_local"),
+    (128, 1000, False, "fwd"), (128, 1 << 16, True, "fwd_local"), (256, 1, True, "fwd")])
+def test_short_and_local_forwards_take_their_tables_where_they_have_the_head_dim(headdim, seqlen_q, local, table):
+    assert _config.forward_table(headdim, seqlen_q, local) == table
+    tile = _config.tile_for(table, headdim, (9, 0), 227 * 1024, kernel_family=_config.WGMMA)
+    assert tile.smem_bytes(table) <= 227 * 1024 and tile.threads == 128 * (1 + tile.block_m // 64)
+    assert any(k.pass_ == "fwd" and k.tile == tile for _, k in _kernels.compile_jobs())  # compile-checked
+
+
 @pytest.mark.parametrize("headdim, padded", [(8, 64), (64, 64), (72, 128), (128, 128), (136, 256), (256, 256)])
 def test_wgmma_backward_tiles_cover_every_head_dim(headdim, padded):
     tile = _config.tile_for("bwd", headdim, (9, 0), 227 * 1024, kernel_family=_config.WGMMA)

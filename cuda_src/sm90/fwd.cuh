@@ -12,9 +12,11 @@
 // fragment per warp). The products run asynchronously: block n's S = Q K^T is issued together
 // with the previous block's O += P V, and block n's softmax runs while that P V does; O is
 // rescaled after it. Below hd256 the consumers also take turns to issue (ping-pong), so one's
-// softmax overlaps the others' products. Barriers: q_full and q_empty (the consumers' last
-// S = Q K^T of a tile has read Q), and per stage k_full and v_full (the copies' bytes have landed)
-// and k_empty and v_empty (each consumer warp arrives when its products have read them).
+// softmax overlaps the others' products. The LOCAL kernels with two Q buffers run tiles back to
+// back: a tile's last P V is issued with the next tile's first Q K^T (kCarry). Barriers: per Q
+// buffer q_full and q_empty (the consumers' last S = Q K^T of a tile has read Q), and per stage
+// k_full and v_full (the copies' bytes have landed) and k_empty and v_empty (each consumer warp
+// arrives when its products have read them).
 // Tiles sit in the 128-byte swizzle of sm90/wgmma.cuh, as TMA writes them: 64-wide column blocks.
 #pragma once
 #include "../common/online_softmax.cuh"
@@ -41,9 +43,15 @@ struct Sm90FwdTile {
                   "the consumers' registers are the producer's");
     static constexpr int kQBytes = kBlockM * HEADDIM * 2;
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;  // one K or V buffer
-    static constexpr int kBarrierBytes = 8 * (2 + 4 * STAGES);
-    // The dynamic shared memory's start is aligned up to 1024 bytes (the swizzle's atom) in the kernel.
-    static constexpr int kSmemBytes = 1024 + kQBytes + 2 * STAGES * kKVBytes + kBarrierBytes;
+    // The dynamic shared memory's start is aligned up to 1024 bytes (the swizzle's atom) in the
+    // kernel. Q has two buffers with two consumers where they fit (the producer loads a tile's Q
+    // while the consumers work on the tile before), else one (three consumers' LOCAL kernels spill
+    // with the second's bookkeeping).
+    static constexpr int smem_bytes_with(int q_buffers) {
+        return 1024 + q_buffers * kQBytes + 2 * STAGES * kKVBytes + 8 * (2 * q_buffers + 4 * STAGES);
+    }
+    static constexpr int kQBuffers = CONSUMERS == 2 && smem_bytes_with(2) <= 227 * 1024 ? 2 : 1;
+    static constexpr int kSmemBytes = smem_bytes_with(kQBuffers);
     // Measured on the H200: taking turns pays at hd64 and hd128 (+18%, +2% at 16k) and costs at
     // hd256 (-8%), whose longer products leave the softmax hidden anyway.
     static constexpr bool kPingPong = HEADDIM < 256;
@@ -99,21 +107,33 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     constexpr int BLOCK_M = T::kBlockM, NT = BLOCK_N / 8, DT = HEADDIM / 8;
     constexpr int kOWidth = HEADDIM == 64 ? 64 : 128;  // columns of O per P V wgmma
 
+    constexpr int QB = T::kQBuffers;
+    // Tiles back to back: a LOCAL tile's last P V runs beside the next tile's first Q K^T, its O
+    // stored after (short causal tiles spend much of their time starting and ending). It needs
+    // the next tile's Q loaded ahead (a second buffer), and the options' registers are spoken for.
+    constexpr bool kCarry = LOCAL && !OPTIONS && QB == 2;
+
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const uint32 s_q = (smem_address(smem_raw) + 1023) & ~1023u;
-    auto s_k = [&](int stage) { return s_q + T::kQBytes + stage * 2 * T::kKVBytes; };
+    const uint32 s_q0 = (smem_address(smem_raw) + 1023) & ~1023u;
+    auto s_q = [&](int buffer) { return s_q0 + buffer * T::kQBytes; };
+    auto s_k = [&](int stage) { return s_q0 + QB * T::kQBytes + stage * 2 * T::kKVBytes; };
     auto s_v = [&](int stage) { return s_k(stage) + T::kKVBytes; };
-    const uint32 q_full = s_q + T::kQBytes + 2 * STAGES * T::kKVBytes, q_empty = q_full + 8;
-    auto k_full = [&](int stage) { return q_full + 8 * (2 + stage); };
-    auto v_full = [&](int stage) { return q_full + 8 * (2 + STAGES + stage); };
-    auto k_empty = [&](int stage) { return q_full + 8 * (2 + 2 * STAGES + stage); };
-    auto v_empty = [&](int stage) { return q_full + 8 * (2 + 3 * STAGES + stage); };
+    const uint32 barriers = s_q0 + QB * T::kQBytes + 2 * STAGES * T::kKVBytes;
+    auto q_full = [&](int buffer) { return barriers + 8 * buffer; };
+    auto q_empty = [&](int buffer) { return barriers + 8 * (QB + buffer); };
+    auto k_full = [&](int stage) { return barriers + 8 * (2 * QB + stage); };
+    auto v_full = [&](int stage) { return barriers + 8 * (2 * QB + STAGES + stage); };
+    auto k_empty = [&](int stage) { return barriers + 8 * (2 * QB + 2 * STAGES + stage); };
+    auto v_empty = [&](int stage) { return barriers + 8 * (2 * QB + 3 * STAGES + stage); };
 
     const int m_blocks = ceil_div(p.seqlen_q, BLOCK_M), tiles = m_blocks * p.nheads * p.batch;
     const int warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {
-        mbarrier_init(q_full, 1);
-        mbarrier_init(q_empty, 4 * CONSUMERS);  // the consumers' warps
+#pragma unroll
+        for (int buffer = 0; buffer < QB; ++buffer) {
+            mbarrier_init(q_full(buffer), 1);
+            mbarrier_init(q_empty(buffer), 4 * CONSUMERS);  // the consumers' warps
+        }
 #pragma unroll
         for (int stage = 0; stage < STAGES; ++stage) {
             mbarrier_init(k_full(stage), 1);
@@ -138,9 +158,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             if (blocks.end <= blocks.first) continue;
             const int batch_coord = p.cu_seqlens_q == nullptr ? tile.batch : 0;
             const int head_k = tile.head / (p.nheads / p.nheads_k);
-            if (q_loads > 0) mbarrier_wait(q_empty, (q_loads - 1) & 1);
+            const int q_buffer = q_loads % QB;
+            if (q_loads >= QB) mbarrier_wait(q_empty(q_buffer), (q_loads / QB - 1) & 1);
             ++q_loads;
-            load_tile<BLOCK_M, HEADDIM>(s_q, &maps.q, q_full, seq.first_row_q + row0, tile.head, batch_coord);
+            load_tile<BLOCK_M, HEADDIM>(s_q(q_buffer), &maps.q, q_full(q_buffer), seq.first_row_q + row0, tile.head,
+                                        batch_coord);
             for (int n_block = blocks.end - 1; n_block >= blocks.first; --n_block, ++i) {
                 const int stage = i % STAGES, reuse = ((i / STAGES) & 1) ^ 1;
                 const int key_row = seq.first_row_k + n_block * BLOCK_N;
@@ -223,6 +245,20 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         }
     };
 
+    // The last block's P V (its V has landed), alone.
+    auto last_pv = [&]() {
+        mbarrier_wait(v_full(pending_stage()), pending_phase());
+        take_turn();
+        wgmma_fence();
+        issue_pv();
+        pass_turn();
+        complete_pv();
+    };
+    // kCarry: the tile whose last P V is pending (in p_frag), and its rows' statistics.
+    bool carried = false;
+    int carried_t = 0;
+    float carried_max[1][2], carried_sum[1][2];
+
     for (int round = 0, t; (t = round_tile(round)) < tiles; ++round) {
         const FwdTileSlot tile = fwd_tile<LOCAL>(p, t, m_blocks);
         const int head = tile.head, batch = tile.batch;
@@ -230,18 +266,29 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         const int row0 = tile.m_block * BLOCK_M;
         if (row0 >= seq.seqlen_q) continue;
         const BlockRange blocks = key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N);
-        zero(acc_o);
+        const bool sees_keys = blocks.end > blocks.first;
+        if (kCarry && carried && !sees_keys) {  // its rows are zeros: the carried tile ends first
+            last_pv();
+            finish_tile(carried_max, carried_sum, carried_t);
+            carried = false;
+        }
+        if (!kCarry || !carried) zero(acc_o);  // (else after the carried tile's O has left, in the first block)
+        const int q_buffer = q_loads % QB;
         float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
         const ScoreMods<BF16, FEATURES> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
 
         // Every block is computed by every consumer, even one whose keys a warpgroup's rows do
         // not see (its scores are all masked, so its P is zero): a branch around the products
         // would make ptxas serialise them. The first block has no P V to run beside its Q K^T
-        // (`first`: a Constant, but a run-time flag in the serial kernels); after the last
-        // block's Q K^T, Q is released to the producer.
+        // (`first`: a Constant, but a run-time flag in the serial kernels) but the carried tile's
+        // (`carry_in`), whose O leaves after it; after the last block's Q K^T, Q is released to
+        // the producer.
         enum Masking { kAll, kNone, kPerBlock };
-        auto attend = [&](int n_block, auto masking, auto first) {
+        using Yes = Constant<true>;
+        using No = Constant<false>;
+        auto attend = [&](int n_block, auto masking, auto first, auto carry_in) {
             constexpr Masking MASKING = decltype(masking)::value;
+            constexpr bool CARRY_IN = decltype(carry_in)::value;
             const int stage = i % STAGES, phase = (i / STAGES) & 1;
             const int key0 = n_block * BLOCK_N;
             const bool masked = MASKING == kAll
@@ -251,10 +298,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             if constexpr ((FEATURES & feature::bias) != 0 && T::kBiasWords)  // the block's bias reads then wait on L1
                 mods.bias.template prefetch<64, BLOCK_N>(row0 + wg_row0, key0);
             mbarrier_wait(k_full(stage), phase);
-            if (!first) mbarrier_wait(v_full(pending_stage()), pending_phase());
+            if (!first || CARRY_IN) mbarrier_wait(v_full(pending_stage()), pending_phase());
             take_turn();
             wgmma_fence();
-            const uint64 q_desc = k_major_descriptor(s_q + wg_row0 * kSwizzleRowBytes, 0, BLOCK_M);
+            const uint64 q_desc = k_major_descriptor(s_q(q_buffer) + wg_row0 * kSwizzleRowBytes, 0, BLOCK_M);
             const uint64 k_desc = k_major_descriptor(s_k(stage), 0, BLOCK_N);
             static_for<HEADDIM / 16>([&](auto kk_) {
                 constexpr int kk = decltype(kk_)::value;
@@ -263,9 +310,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                                         descriptor_plus<k_major_offset(kk, BLOCK_N), T::kDescriptorsInOrder>(k_desc), kk > 0);
             });
             wgmma_commit();
-            if (!first) issue_pv();
+            if (!first || CARRY_IN) issue_pv();
             pass_turn();
-            if (first || kSerial) {
+            if ((first && !CARRY_IN) || kSerial) {
                 wgmma_wait<0>();
             } else {
                 wgmma_wait<1>();  // S is ready; P V runs on
@@ -273,7 +320,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             fence_operands(flat(s));
             if (arrives) {
                 mbarrier_arrive(k_empty(stage));
-                if (n_block == blocks.first) mbarrier_arrive(q_empty);
+                if (n_block == blocks.first) mbarrier_arrive(q_empty(q_buffer));
             }
             // (The serial kernels, short of registers, leave ALiBi by rows: by columns some spill.)
             typename RowShiftFor<1, (FEATURES & feature::alibi) != 0 && !kSerial>::type shift = {};
@@ -283,7 +330,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             exponentiate(s, row_sum, step, p, score_unit<FEATURES>(p), shift);
             // Dropout acts on the probabilities after the softmax: the sums keep every element.
             if (DROPOUT && p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
-            if (!first) complete_pv();
+            if (!first || CARRY_IN) complete_pv();
+            if constexpr (CARRY_IN) {
+                finish_tile(carried_max, carried_sum, carried_t);
+                zero(acc_o);
+            }
             rescale(acc_o, step);
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
@@ -300,32 +351,43 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         // masked ones at its start, so the main loop has no mask code; the options' kernels mask
         // per block, in one loop.
         int n_block = blocks.end - 1;
-        if (n_block >= blocks.first) {
-            mbarrier_wait(q_full, q_loads++ & 1);
+        if (sees_keys) {
+            mbarrier_wait(q_full(q_buffer), (q_loads++ / QB) & 1);
             if constexpr (kSerial) {
                 for (bool first = true; n_block >= blocks.first; --n_block, first = false)
-                    attend(n_block, Constant<kPerBlock>(), first);
+                    attend(n_block, Constant<kPerBlock>(), first, No());
             } else if constexpr (OPTIONS) {
-                attend(n_block--, Constant<kPerBlock>(), Constant<true>());
-                for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<kPerBlock>(), Constant<false>());
+                attend(n_block--, Constant<kPerBlock>(), Yes(), No());
+                for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<kPerBlock>(), No(), No());
             } else {
-                attend(n_block--, Constant<kPerBlock>(), Constant<true>());
+                if (kCarry && carried)
+                    attend(n_block--, Constant<kPerBlock>(), Yes(), Constant<kCarry>());
+                else
+                    attend(n_block--, Constant<kPerBlock>(), Yes(), No());
                 const BlockRange unmasked = key_blocks_unmasked<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N, blocks);
                 for (const int masked_first = max(unmasked.end, blocks.first); n_block >= masked_first; --n_block)
-                    attend(n_block, Constant<kAll>(), Constant<false>());
-                for (; n_block >= unmasked.first; --n_block) attend(n_block, Constant<kNone>(), Constant<false>());
+                    attend(n_block, Constant<kAll>(), No(), No());
+                for (; n_block >= unmasked.first; --n_block) attend(n_block, Constant<kNone>(), No(), No());
                 if constexpr (LOCAL)
-                    for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<kAll>(), Constant<false>());
+                    for (; n_block >= blocks.first; --n_block) attend(n_block, Constant<kAll>(), No(), No());
             }
-            mbarrier_wait(v_full(pending_stage()), pending_phase());
-            take_turn();
-            wgmma_fence();
-            issue_pv();
-            pass_turn();
-            complete_pv();
+            if constexpr (kCarry) {
+                carried = true;
+                carried_t = t;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    carried_max[0][half] = row_max[0][half];
+                    carried_sum[0][half] = row_sum[0][half];
+                }
+                continue;
+            }
+            last_pv();
         }
-
         finish_tile(row_max, row_sum, recomputed(t));
+    }
+    if (kCarry && carried) {
+        last_pv();
+        finish_tile(carried_max, carried_sum, carried_t);
     }
     if (T::kPingPong && warpgroup == 1) take_turn();  // the last consumer's first hand-over
 }

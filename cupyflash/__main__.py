@@ -74,7 +74,8 @@ def _tile_text(tile, table):
             f"{tile.smem_bytes(table) // 1024} KiB")
 
 
-_TILE_HEADERS = ["head dim", "fwd tile", "bwd tile", "bwd tile with options", "decode tile", "paged decode tile"]
+_TILE_HEADERS = ["head dim", "fwd tile", "bwd tile", "bwd tile with options", "deterministic bwd tile", "decode tile",
+                 "paged decode tile"]
 
 
 def _table_tile(table, headdim):

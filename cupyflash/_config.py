@@ -3,7 +3,7 @@
 Two kernel families: the mma.sync kernels (cuda_src/sm80/, every pass, sm_80 and newer) and the
 wgmma kernels (cuda_src/sm90/, the forward and the backward, sm_90a: compute capability 9.0 exactly).
 TILES[kernel family] holds one table per GPU family (sm90, sm86, sm80), then per tile table
-('fwd', 'bwd', 'bwd_options', 'decode', 'decode_paged') and head dim. The kernels are templates
+(TABLES; the wgmma forward also has 'fwd_short' and 'fwd_local': forward_table) and head dim. The kernels are templates
 over (head dim, block_m, block_n, warps, stages). A caller's head dim is rounded up to the next head dim of the table (the
 extra columns are zero-filled and never written). Setting CUPYFLASH_TILES=sm80|sm86|sm90 forces a
 GPU family's table on any GPU, and CUPYFLASH_FAMILY=mma_sync the mma.sync family where wgmma would
@@ -24,8 +24,8 @@ KERNEL_FAMILIES = (MMA_SYNC, WGMMA)
 #   fwd: (block_m + 2 block_n stages) row                                        (Q, K, V)
 #   bwd: 2 block_n row + stages (2 block_m row + 8 block_m) + 2 block_m row_bytes(block_n)
 # and it must fit the GPU family's opt-in limit (FAMILY_SMEM_LIMIT). 'bwd_options' is the backward
-# of the kernels with score options (features: cuda_src/common/score.cuh; also every deterministic
-# backward), whose options need registers. Timings: bench/tiles.py on an H200, bf16, seqlen 1k-16k.
+# of the kernels with score options (features: cuda_src/common/score.cuh; deterministic or not),
+# whose options need registers; 'bwd_deterministic' that of the deterministic ones without. Timings: bench/tiles.py on an H200, bf16, seqlen 1k-16k.
 _DECODE = {hd: (16, 32 if hd <= 64 else 16, 4, 2) for hd in HEADDIMS if hd != 224}  # 4 warps, 2 stages (below)
 _SM90 = {
     "fwd": {
@@ -100,6 +100,10 @@ TILES = {
         },
     },
 }
+# The deterministic backward without options: each family's plain tiles, but where its code spills there.
+for _tables, _instead in ((TILES[MMA_SYNC]["sm90"], {64: (128, 64, 8, 2)}),  # (bwd_options' tile)
+                          (TILES[MMA_SYNC]["sm86"], {}), (TILES[MMA_SYNC]["sm80"], {})):
+    _tables["bwd_deterministic"] = {**_tables["bwd"], **_instead}
 # The wgmma kernels, head dims 64, 128 and 256 only (their tiles are whole 64-wide swizzled column
 # blocks). Forward: block_m / 64 consumer warpgroups of 64 query rows and a producer warpgroup
 # (warps = 4 (1 + block_m / 64)); `stages` K/V buffers. hd64 takes three consumers (192 rows,
@@ -133,7 +137,7 @@ TILES[WGMMA] = {"sm90": {
         256: (64, 64, 12, 2),   # the consumers split dK's and dV's columns (not timed)
     },
 }}
-TILES[WGMMA]["sm90"]["bwd_options"] = TILES[WGMMA]["sm90"]["bwd"]  # (not timed apart)
+TILES[WGMMA]["sm90"]["bwd_options"] = TILES[WGMMA]["sm90"]["bwd_deterministic"] = TILES[WGMMA]["sm90"]["bwd"]  # (not timed apart)
 SHORT_SEQLEN = 1024
 
 
@@ -151,11 +155,12 @@ def forward_table(headdim, seqlen_q, local):
 
 FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
-TABLES = ("fwd", "bwd", "bwd_options", "decode", "decode_paged")  # tile tables per GPU family; see kernel_pass
+TABLES = ("fwd", "bwd", "bwd_options", "bwd_deterministic", "decode", "decode_paged")  # tile tables per GPU family; see kernel_pass
 
 
 def kernel_pass(table):
-    """The kernel pass a tile table serves: 'bwd_options' holds backward tiles, 'decode_paged' decode ones."""
+    """The kernel pass a tile table serves: 'bwd_options' and 'bwd_deterministic' hold backward tiles,
+    'decode_paged' decode ones."""
     return table.split("_")[0]
 
 

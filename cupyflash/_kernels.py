@@ -35,8 +35,9 @@ class Kernel:
     `features` are the score options compiled in (a subsequence of FEATURES; DECODE_FEATURES for
     decode): a call runs the kernel of exactly the options it uses, compiled on first use, so an
     option costs only its own code (where that kernel spills, the one with every feature instead:
-    _compile.spill_free). A backward with features or deterministic runs the tile table
-    'bwd_options'; the forward has no deterministic kernel, its order of adds being fixed anyway.
+    _compile.spill_free). A backward with features runs the tile table 'bwd_options', a
+    deterministic one without 'bwd_deterministic' (backward_table); the forward has no
+    deterministic kernel, its order of adds being fixed anyway.
     all_kernels lists the variants the compile checks build: each table's plain kernel and its
     kernel with every feature, the heaviest code, which holds every subset's.
     """
@@ -151,20 +152,20 @@ def _bool(flag):
 
 
 def backward_table(features, deterministic):
-    """The tile table a backward runs: 'bwd_options' where it compiles in score options or is
-    deterministic (their code needs the registers), else 'bwd'."""
-    return "bwd_options" if features or deterministic else "bwd"
+    """The tile table a backward runs: 'bwd_options' where it compiles in score options (their code
+    needs the registers), else 'bwd_deterministic' where it is deterministic, else 'bwd'."""
+    return "bwd_options" if features else "bwd_deterministic" if deterministic else "bwd"
 
 
 # The (features, deterministic) pairs the compile checks build per tile table (or its pass): the plain kernel and
 # the one with every feature (a call's own subset compiles on first use); and, for the hd128 tiles
-# (first dtype, LOCAL), each feature alone and the deterministic backward without any.
+# (first dtype, LOCAL), each feature alone.
 _CHECKED_FLAGS = {"fwd": (((), False), (FEATURES, False)), "bwd": (((), False),),
-                  "bwd_options": ((FEATURES, False), (FEATURES, True)),
+                  "bwd_options": ((FEATURES, False), (FEATURES, True)), "bwd_deterministic": (((), True),),
                   "decode": (((), False), (DECODE_FEATURES, False)),
                   "decode_paged": (((), False), (DECODE_FEATURES, False))}
 _SINGLE_FLAGS = {"fwd": tuple(((f,), False) for f in FEATURES),
-                 "bwd_options": tuple(((f,), False) for f in FEATURES) + (((), True),)}
+                 "bwd_options": tuple(((f,), False) for f in FEATURES)}
 
 
 def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):

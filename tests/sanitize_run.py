@@ -38,7 +38,10 @@ CASES = [Case(113, 113, 72, "float16", True, batch=1),
          # a varlen plain backward with an empty sequence (wgmma on H200: TMA over the packed rows)
          Case.packed((0, 37, 5), (9, 0, 70), 64, "bfloat16", True, nheads=2, nheads_k=1),
          # more query tiles than an H200 has SMs: the wgmma forward's persistent CTAs take several
-         Case(300, 200, 64, "bfloat16", True, batch=2, nheads=70, nheads_k=10)]
+         # (hd64 up to 1k rows on two consumers, LOCAL tiles back to back)
+         Case(300, 200, 64, "bfloat16", True, batch=2, nheads=70, nheads_k=10),
+         # LOCAL hd128 tiles back to back, rows that see no key among them
+         Case(600, 150, 128, "bfloat16", True, batch=2, nheads=70, nheads_k=10)]
 
 def kvcache_cases():
     """flash_attn_with_kvcache calls for the sanitizer (append and rotary, split decode, combine): paged

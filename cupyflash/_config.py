@@ -3,8 +3,8 @@
 Two kernel families: the mma.sync kernels (cuda_src/sm80/, every pass, sm_80 and newer) and the
 wgmma kernels (cuda_src/sm90/, the forward and the backward, sm_90a: compute capability 9.0 exactly).
 TILES[kernel family] holds one table per GPU family (sm90, sm86, sm80), then per tile table
-(TABLES; the wgmma forward also has 'fwd_short' and 'fwd_local': forward_table) and head dim. The kernels are templates
-over (head dim, block_m, block_n, warps, stages). A caller's head dim is rounded up to the next head dim of the table (the
+(TABLES; the wgmma forward also has 'fwd_short' and 'fwd_local': forward_table) and head dim.
+The kernels are templates over (head dim, block_m, block_n, warps, stages). A caller's head dim is rounded up to the next head dim of the table (the
 extra columns are zero-filled and never written). Setting CUPYFLASH_TILES=sm80|sm86|sm90 forces a
 GPU family's table on any GPU, and CUPYFLASH_FAMILY=mma_sync the mma.sync family where wgmma would
 serve, so every table and family is tested on whatever card the tests run on.
@@ -107,8 +107,8 @@ for _tables, _instead in ((TILES[MMA_SYNC]["sm90"], {64: (128, 64, 8, 2)}),  # (
 # The wgmma kernels, head dims 64, 128 and 256 only (their tiles are whole 64-wide swizzled column
 # blocks). Forward: block_m / 64 consumer warpgroups of 64 query rows and a producer warpgroup
 # (warps = 4 (1 + block_m / 64)); `stages` K/V buffers. hd64 takes three consumers (192 rows,
-# measured 8-19% faster than two from 4k tokens on, 10% slower at 1k causal; two on 176 or 192 keys
-# 6-10% slower from 4k on). Wider key blocks at hd128 (176, 192: two stages) gain at most 1-5% from
+# measured 8-19% faster than two from 4k tokens on, 10% slower at 1k causal, so up to 1k rows two:
+# fwd_short; two on 176 or 192 keys 6-10% slower from 4k on). Wider key blocks at hd128 (176, 192: two stages) gain at most 1-5% from
 # 4k on and lose 5-11% at 1k, so it keeps 128 keys on three stages (v26). Backward (every
 # option): two consumer warpgroups of 64 keys each (hd256: both on 64 keys, dK's and dV's columns
 # split) and a producer; `stages` buffers of a query block's Q, dO, lse_log2 and D. Shared memory: Tile.smem_bytes

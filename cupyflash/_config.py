@@ -4,10 +4,11 @@ Two kernel families: the mma.sync kernels (cuda_src/sm80/, every pass, sm_80 and
 wgmma kernels (cuda_src/sm90/, the forward and the backward, sm_90a: compute capability 9.0 exactly).
 TILES[kernel family] holds one table per GPU family (sm90, sm86, sm80), then per tile table
 (TABLES; the wgmma forward also has 'fwd_short' and 'fwd_local': forward_table) and head dim.
-The kernels are templates over (head dim, block_m, block_n, warps, stages). A caller's head dim is rounded up to the next head dim of the table (the
-extra columns are zero-filled and never written). Setting CUPYFLASH_TILES=sm80|sm86|sm90 forces a
-GPU family's table on any GPU, and CUPYFLASH_FAMILY=mma_sync the mma.sync family where wgmma would
-serve, so every table and family is tested on whatever card the tests run on.
+The kernels are templates over (head dim, block_m, block_n, warps, stages). A caller's head dim is
+rounded up to the next head dim of the table (the extra columns are zero-filled and never
+written). Setting CUPYFLASH_TILES=sm80|sm86|sm90 forces a GPU family's table on any GPU, and
+CUPYFLASH_FAMILY=mma_sync the mma.sync family where wgmma would serve, so every table and family
+is tested on whatever card the tests run on.
 """
 
 import dataclasses
@@ -25,7 +26,8 @@ KERNEL_FAMILIES = (MMA_SYNC, WGMMA)
 #   bwd: 2 block_n row + stages (2 block_m row + 8 block_m) + 2 block_m row_bytes(block_n)
 # and it must fit the GPU family's opt-in limit (FAMILY_SMEM_LIMIT). 'bwd_options' is the backward
 # of the kernels with score options (features: cuda_src/common/score.cuh; deterministic or not),
-# whose options need registers; 'bwd_deterministic' that of the deterministic ones without. Timings: bench/tiles.py on an H200, bf16, seqlen 1k-16k.
+# whose options need registers; 'bwd_deterministic' that of the deterministic ones without.
+# Timings: bench/tiles.py on an H200, bf16, seqlen 1k-16k.
 _DECODE = {hd: (16, 32 if hd <= 64 else 16, 4, 2) for hd in HEADDIMS if hd != 224}  # 4 warps, 2 stages (below)
 _SM90 = {
     "fwd": {
@@ -108,8 +110,9 @@ for _tables, _instead in ((TILES[MMA_SYNC]["sm90"], {64: (128, 64, 8, 2)}),  # (
 # blocks). Forward: block_m / 64 consumer warpgroups of 64 query rows and a producer warpgroup
 # (warps = 4 (1 + block_m / 64)); `stages` K/V buffers. hd64 takes three consumers (192 rows,
 # measured 8-19% faster than two from 4k tokens on, 10% slower at 1k causal, so up to 1k rows two:
-# fwd_short; two on 176 or 192 keys 6-10% slower from 4k on). Wider key blocks at hd128 (176, 192: two stages) gain at most 1-5% from
-# 4k on and lose 5-11% at 1k, so it keeps 128 keys on three stages (v26). Backward (every
+# fwd_short; two on 176 or 192 keys 6-10% slower from 4k on). Wider key blocks at hd128 (176, 192:
+# two stages) gain at most 1-5% from 4k on and lose 5-11% at 1k, so it keeps 128 keys on three
+# stages (v26). Backward (every
 # option): two consumer warpgroups of 64 keys each (hd256: both on 64 keys, dK's and dV's columns
 # split) and a producer; `stages` buffers of a query block's Q, dO, lse_log2 and D. Shared memory: Tile.smem_bytes
 # (cuda_src/sm90/fwd.cuh Sm90FwdTile, bwd.cuh Sm90BwdTile).
@@ -137,7 +140,8 @@ TILES[WGMMA] = {"sm90": {
         256: (64, 64, 12, 2),   # the consumers split dK's and dV's columns (not timed)
     },
 }}
-TILES[WGMMA]["sm90"]["bwd_options"] = TILES[WGMMA]["sm90"]["bwd_deterministic"] = TILES[WGMMA]["sm90"]["bwd"]  # (not timed apart)
+for _table in ("bwd_options", "bwd_deterministic"):
+    TILES[WGMMA]["sm90"][_table] = TILES[WGMMA]["sm90"]["bwd"]  # (not timed apart)
 SHORT_SEQLEN = 1024
 
 
@@ -155,7 +159,8 @@ def forward_table(headdim, seqlen_q, local):
 
 FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
-TABLES = ("fwd", "bwd", "bwd_options", "bwd_deterministic", "decode", "decode_paged")  # tile tables per GPU family; see kernel_pass
+# The tile tables of each GPU family (see kernel_pass).
+TABLES = ("fwd", "bwd", "bwd_options", "bwd_deterministic", "decode", "decode_paged")
 
 
 def kernel_pass(table):

@@ -60,12 +60,13 @@ def test_forward_with_more_tiles_than_sms(case):
 
 
 def _needs_hopper(monkeypatch):
-    """Skips off compute capability 9.0; there, the device's own choice of family, whatever family
-    the run forces (CUPYFLASH_FAMILY)."""
+    """Skips off compute capability 9.0; there, the device's own choice of family and tiles, whatever
+    the run forces (CUPYFLASH_FAMILY, CUPYFLASH_TILES)."""
     import cupy
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma kernels run on compute capability 9.0")
     monkeypatch.delenv("CUPYFLASH_FAMILY", raising=False)
+    monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
 
 
 @pytest.mark.parametrize("family", ["wgmma", "mma_sync"])

@@ -258,6 +258,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     bool carried = false;
     int carried_t = 0;
     float carried_max[1][2], carried_sum[1][2];
+    auto finish_carried = [&]() {
+        last_pv();
+        finish_tile(carried_max, carried_sum, carried_t);
+        carried = false;
+    };
 
     for (int round = 0, t; (t = round_tile(round)) < tiles; ++round) {
         const FwdTileSlot tile = fwd_tile<LOCAL>(p, t, m_blocks);
@@ -267,11 +272,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         if (row0 >= seq.seqlen_q) continue;
         const BlockRange blocks = key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N);
         const bool sees_keys = blocks.end > blocks.first;
-        if (kCarry && carried && !sees_keys) {  // its rows are zeros: the carried tile ends first
-            last_pv();
-            finish_tile(carried_max, carried_sum, carried_t);
-            carried = false;
-        }
+        if (kCarry && carried && !sees_keys) finish_carried();  // its rows are zeros: the carried tile ends first
         if (!kCarry || !carried) zero(acc_o);  // (else after the carried tile's O has left, in the first block)
         const int q_buffer = q_loads % QB;
         float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
@@ -385,9 +386,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         }
         finish_tile(row_max, row_sum, recomputed(t));
     }
-    if (kCarry && carried) {
-        last_pv();
-        finish_tile(carried_max, carried_sum, carried_t);
-    }
+    if (kCarry && carried) finish_carried();
     if (T::kPingPong && warpgroup == 1) take_turn();  // the last consumer's first hand-over
 }

@@ -192,26 +192,26 @@ class Caller:
         import cupy
         return cupy.cuda.get_current_stream().is_capturing()
 
-    def allocator(self, shape, dtype, zeroed=False, twin=None):
-        """A function of a call's arrays (by name) that returns a new GPU array (zero-filled if
+    def allocator(self, shape, dtype, zeroed=False, twin=None, anchor=0):
+        """A function of a call's inputs (a sequence) that returns a new GPU array (zero-filled if
         `zeroed`): torch's allocator for torch callers, CuPy's otherwise. The dtype and device are
-        resolved once, for launch plans that allocate on every call. For torch, `twin` names an
-        array of the same shape and dtype in contiguous layout, whose empty_like is torch's
-        cheapest allocation; without one the result is made by new_empty from the call's ANCHOR
-        array, which carries the device."""
+        resolved once, for launch plans that allocate on every call. For torch, `twin` is the
+        position of an input of the same shape and dtype in contiguous layout, whose empty_like is
+        torch's cheapest allocation; without one the result is made by new_empty from the input at
+        `anchor`, which carries the device."""
         if self.allocates_with_torch:
             import torch
             if twin is not None:
                 like = torch.zeros_like if zeroed else torch.empty_like
-                return lambda arrays: like(arrays[twin])
+                return lambda inputs: like(inputs[twin])
             torch_dtype = getattr(torch, dtype)
             if zeroed:
-                return lambda arrays: arrays[ANCHOR].new_zeros(shape, dtype=torch_dtype)
-            return lambda arrays: arrays[ANCHOR].new_empty(shape, dtype=torch_dtype)
+                return lambda inputs: inputs[anchor].new_zeros(shape, dtype=torch_dtype)
+            return lambda inputs: inputs[anchor].new_empty(shape, dtype=torch_dtype)
         import cupy
         make = functools.partial(cupy.zeros if zeroed else cupy.empty, shape,
                                  bfloat16_dtype() if dtype == "bfloat16" else numpy.dtype(dtype))
-        return lambda arrays: make()
+        return lambda inputs: make()
 
     def zeros(self, shape, dtype):
         """A new zero-filled GPU array (torch's allocator for torch callers, CuPy's otherwise), on

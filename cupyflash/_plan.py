@@ -9,6 +9,7 @@ patch and the launches (at seqlen 1k a kernel runs for tens of microseconds, so 
 import ctypes
 import dataclasses
 import math
+import operator
 import threading
 import typing
 
@@ -157,7 +158,7 @@ _MAX_KEPT_SCRATCH = 64  # streams seen by one plan; past this its kept workspace
 
 class _Workspace(typing.NamedTuple):
     """One buffer of a plan's scratch, carved into the scratch outputs of one kind (plain or zeroed)."""
-    allocate: object  # a function of a call's arrays that returns a new one
+    allocate: object  # a function of a call's inputs (Plan.call's) that returns a new one
     offsets: list     # (parameter slot, byte offset) of each scratch output in it
     kept: bool        # kept per stream (Plan._scratch)
     nbytes: int
@@ -179,7 +180,8 @@ class Plan:
         import cupy
         self.caller, self.device_id, self.finish = caller, caller.device_id, finish
         self.hands_back = caller.kind not in ("torch", "cupy")  # results go back through give_back
-        self.inputs = [(name, _alignment(name, array)) for name, array in inputs.items()]
+        self.input_names = list(inputs)  # the order of call()'s inputs
+        self.alignments = [_alignment(name, array) for name, array in inputs.items()]
         self.kernels = [l.kernel for l in launches]
         self.set_device = cupy.cuda.runtime.setDevice
         with caller.device():  # a kernel's CUfunction belongs to the device current when it is loaded
@@ -192,11 +194,15 @@ class Plan:
         self.words = (ctypes.c_uint64 * (params.nbytes // 8)).from_buffer(params)
         self.params = params  # owns the words
         slot = lambda name: params.dtype.fields[_FIELDS.get(name, name)][1] // 8  # noqa: E731
-        self.input_slots = [slot(name) for name, _ in self.inputs]
-        # Results: (name, slot, allocator). Scratch: per workspace (plain, zeroed), its allocator,
-        # (slot, byte offset) of each buffer in it, and whether it is kept per stream (see _scratch).
-        self.results = [(o.name, slot(o.name), caller.allocator(o.shape, o.dtype, o.zeroed, _twin(o, inputs)))
-                        for o in outputs if not o.scratch]
+        anchor = self.input_names.index(_arrays.ANCHOR)
+        position = lambda name: None if name is None else self.input_names.index(name)  # noqa: E731
+        # Results: their names and allocators (functions of call()'s inputs). Scratch: per workspace
+        # (plain, zeroed), its allocator, (slot, byte offset) of each buffer in it, and whether it is
+        # kept per stream (see _scratch).
+        results = [o for o in outputs if not o.scratch]
+        self.result_names = [o.name for o in results]
+        self.allocators = [caller.allocator(o.shape, o.dtype, o.zeroed, position(_twin(o, inputs)), anchor)
+                           for o in results]
         # Buffers a plan keeps across calls (scratch per stream, sinks): not for torch, whose
         # allocator is cheap and whose graph pools (torch.compile's graph trees warm up there
         # outside capture) must hold no tensor of ours across calls.
@@ -210,8 +216,12 @@ class Plan:
                     size += -(-o.nbytes // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT
             if offsets:
                 kept = not zeroed and size <= _KEPT_SCRATCH_BYTES and self.keeps_buffers
-                self.workspaces.append(_Workspace(caller.allocator((size,), "uint8", zeroed), offsets, kept, size,
-                                                  zeroed))
+                self.workspaces.append(_Workspace(caller.allocator((size,), "uint8", zeroed, None, anchor), offsets,
+                                                  kept, size, zeroed))
+        # The block's pointer words in the order call() gathers them: inputs, results, scratch.
+        self.slots = ([slot(name) for name in self.input_names] + [slot(name) for name in self.result_names]
+                      + [s for w in self.workspaces for s, _ in w.offsets])
+        self.scratch_offsets = [[offset for _, offset in w.offsets] for w in self.workspaces]
         # A caller's workspace may start anywhere XLA aligns its buffers (less than the offsets' alignment).
         self.scratch_sizes = tuple(w.nbytes + _SCRATCH_ALIGNMENT for w in self.workspaces)
         self.scratch_by_stream = {}  # (stream, workspace index) -> the workspace kept for that stream
@@ -222,8 +232,7 @@ class Plan:
         # (`maps`, a _tma.Maps of the inputs named by maps.inputs, aimed at each call's); a kernel
         # of one parameter ignores the second.
         self.maps = maps
-        names = [name for name, _ in self.inputs]
-        self.map_inputs = [names.index(name) for name in maps.inputs] if maps else []
+        self.map_inputs = [self.input_names.index(name) for name in maps.inputs] if maps else []
         self.argv = (ctypes.c_void_p * 2)(ctypes.addressof(self.words), maps.address if maps else 0)
         argv_address = ctypes.addressof(self.argv)
         self.launches = [(function, l.grid, l.kernel.threads, l.kernel.smem_bytes, argv_address)
@@ -233,14 +242,17 @@ class Plan:
         self.sinks = {}  # result name -> the array of the calls that drop it
 
     def run(self, arrays, seed, into=None, stream=None, dropped=(), workspaces=None):
+        """call() with the inputs by name."""
+        return self.call([arrays[name] for name in self.input_names], seed, into, stream, dropped, workspaces)
+
+    def call(self, inputs, seed=None, into=None, stream=None, dropped=(), workspaces=None):
+        """The class's run, with the inputs (arrays or addresses) in the order of `input_names`.
+        Eager calls run it thousands of times a training step, in a torch fwd+bwd loop with cold
+        caches after each thread switch: every step here costs, so it takes as few as it can."""
         pointer_of = self.pointer_of
-        pointers = []
-        for name, alignment in self.inputs:
-            array = arrays[name]
-            pointer = array if type(array) is int else pointer_of(array)
-            if pointer % alignment:
-                return None
-            pointers.append(pointer)
+        pointers = [array if type(array) is int else pointer_of(array) for array in inputs]
+        if any(map(operator.mod, pointers, self.alignments)):
+            return None
         if self.seed_slot is not None and not (isinstance(seed, (int, numpy.integer)) and 0 <= seed < 2 ** 64):
             return None  # the slow path names the bad seed
         if self.current_context() != self.context:
@@ -248,35 +260,29 @@ class Plan:
             # thread, such as autograd's, whose first CUDA call this may be).
             with self.caller.device():
                 self.set_device(self.device_id)
-                return self.run(arrays, seed, into, stream, dropped, workspaces)
-        outputs, slots = {}, list(self.input_slots)
-        for name, slot, allocate in self.results:
-            if into and name in into:
-                array = into[name]
-            elif name in dropped:
-                array = self._sink(name, allocate, arrays)
-            else:
-                array = allocate(arrays)
-            outputs[name] = array
-            slots.append(slot)
-            pointers.append(array if type(array) is int else pointer_of(array))
+                return self.call(inputs, seed, into, stream, dropped, workspaces)
+        if into or dropped:
+            results = [into[name] if into and name in into else self._sink(name, allocate, inputs)
+                       if name in dropped else allocate(inputs)
+                       for name, allocate in zip(self.result_names, self.allocators)]
+        else:
+            results = [allocate(inputs) for allocate in self.allocators]
+        pointers += [array if type(array) is int else pointer_of(array) for array in results]
         stream = self.stream_of() if stream is None else stream
-        zeroing = []
+        zeroing = ()
         if self.workspaces:
             if workspaces is None:
-                bases = [pointer_of(workspace) for workspace in self._scratch(arrays, stream)]
+                bases = [pointer_of(workspace) for workspace in self._scratch(inputs, stream)]
             else:  # the caller's, aligned up; a zeroed one is zeroed on the stream (capturable, unlike an allocation)
                 bases = [-(-address // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT for address in workspaces]
                 zeroing = [(base, w.nbytes) for w, base in zip(self.workspaces, bases) if w.zeroed]
-            for workspace, base in zip(self.workspaces, bases):
-                for slot, offset in workspace.offsets:
-                    slots.append(slot)
-                    pointers.append(base + offset)
+            for base, offsets in zip(bases, self.scratch_offsets):
+                pointers += [base + offset for offset in offsets]
         words = self.words
         with self.lock:  # the launch copies the parameter block, so it is free again after it
             for base, nbytes in zeroing:
                 self.memset(base, 0, nbytes, stream)
-            for slot, pointer in zip(slots, pointers):
+            for slot, pointer in zip(self.slots, pointers):
                 words[slot] = pointer
             if self.seed_slot is not None:
                 words[self.seed_slot] = int(seed)
@@ -284,13 +290,13 @@ class Plan:
                 self.maps.point([pointers[i] for i in self.map_inputs])
             for function, (gx, gy, gz), threads, smem_bytes, argv in self.launches:
                 self.launch_kernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream, argv, 0)
-        results = self.finish(outputs)
+        results = self.finish(dict(zip(self.result_names, results)))
         if self.hands_back:
             return tuple(None if a is None else self.caller.give_back(a) for a in results)
         return results
 
-    def _scratch(self, arrays, stream):
-        """The workspaces (arrays) of a call on `stream`. A small plain workspace is kept per
+    def _scratch(self, inputs, stream):
+        """The workspaces (arrays) of a call on `stream` (call()'s inputs: their allocators take them). A small plain workspace is kept per
         stream and reused by the plan's calls on it: the stream runs them one after another (a
         call's launches are enqueued together, under the lock), so none reads another's scratch,
         and the call spends no allocation. The rest, and every workspace of a call under graph
@@ -300,7 +306,7 @@ class Plan:
         for index, w in enumerate(self.workspaces):
             workspace = self.scratch_by_stream.get((stream, index)) if w.kept and not capturing else None
             if workspace is None:
-                workspace = w.allocate(arrays)
+                workspace = w.allocate(inputs)
                 if w.kept and not capturing:
                     if len(self.scratch_by_stream) >= _MAX_KEPT_SCRATCH:
                         self.scratch_by_stream.clear()
@@ -313,18 +319,18 @@ class Plan:
     def allocates_on(self, stream, names):
         """Whether a run on `stream` with results `names` given by address (`into`) and the plan's
         own scratch allocates: a result not among them, or scratch that is not kept for the stream."""
-        return (any(name not in names for name, _, _ in self.results)
+        return (any(name not in names for name in self.result_names)
                 or any(not w.kept or (stream, index) not in self.scratch_by_stream
                        for index, w in enumerate(self.workspaces)))
 
-    def _sink(self, name, allocate, arrays):
+    def _sink(self, name, allocate, inputs):
         """The array of a result the caller drops: one per plan, which every such call writes (the
         writes of calls on different streams race, harmlessly: nothing reads it); a call under
         graph capture gets its own, kept for the graph's replays; torch's are not kept (its graph
         pools hold what a capture allocates)."""
         sink = self.sinks.get(name)
         if sink is None:
-            sink = allocate(arrays)
+            sink = allocate(inputs)
             if self.keeps_buffers and not self.caller.capturing():
                 self.sinks[name] = sink
             elif self.keeps_buffers:  # CuPy's pool would hand it to later arrays while replays still write it

@@ -292,9 +292,13 @@ def _needs_grad(q, k, v, bias):
 
 def _eager(*tensors):
     """Whether a call may skip the dispatcher: not traced by torch.compile or a functorch transform,
-    and q, k, v and the bias plain tensors (or no bias)."""
-    return (not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
-            and all(type(t) in _PLAIN_TENSORS for t in tensors if t is not None))
+    and its tensors plain ones (or None). (Without a Python loop: it runs on every call.)"""
+    return (all(map(_PLAIN_OR_NONE.__contains__, map(type, tensors))) and not _is_compiling()
+            and not _transforming())
+
+
+_PLAIN_OR_NONE = frozenset((*_PLAIN_TENSORS, type(None)))
+_is_compiling, _transforming = torch.compiler.is_compiling, torch._C._are_functorch_transforms_active
 
 
 _attention = _Differentiable(_forward, _backward)
@@ -322,8 +326,7 @@ _DENSE_SCALARS = ("softmax_scale", "causal", "dropout_p", "window_size", "softca
 
 def _dense(q, k, v, alibi_slopes, attn_bias, scalars):
     """(out, lse) of a dense drop-in call; `scalars` are its _DENSE_SCALARS."""
-    if (_eager(q, k, v, attn_bias) and (alibi_slopes is None or type(alibi_slopes) in _PLAIN_TENSORS)
-            and q.is_cuda):
+    if _eager(q, k, v, alibi_slopes, attn_bias) and q.is_cuda:
         resolved = _resolution(q, k, v, alibi_slopes, attn_bias, scalars)
         if resolved:
             result = resolved(q, k, v, alibi_slopes, attn_bias)
@@ -339,7 +342,7 @@ def _dense_options(scalars, alibi_slopes, attn_bias):
 
 
 def _layout(t):
-    return t.shape, t.stride(), t.dtype, t.device
+    return t.shape, t.stride(), t.dtype, t.get_device()
 
 
 _resolved = {}  # signature -> _Resolved, or False where the call goes the ops' way
@@ -352,10 +355,10 @@ def _resolution(q, k, v, alibi_slopes, attn_bias, scalars):
     scale, causal, dropout_p, window, softcap, deterministic = scalars
     try:
         # Types too: causal=1 must still meet the bool check, a window of floats the int check.
-        key = (scalars, type(scale), type(causal), type(dropout_p), type(window[0]), type(window[1]), type(softcap),
-               type(deterministic), _config.forced_choices(), q.shape, q.stride(), q.dtype, q.device, k.shape,
-               k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device,
-               None if alibi_slopes is None else _layout(alibi_slopes), None if attn_bias is None else _layout(attn_bias))
+        key = (scalars, *map(type, scalars), type(window[0]), type(window[1]), _config.forced_choices(), q.shape,
+               q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype, k.get_device(), v.shape, v.stride(),
+               v.dtype, v.get_device(), None if alibi_slopes is None else _layout(alibi_slopes),
+               None if attn_bias is None else _layout(attn_bias))
         resolved = _resolved.get(key)
     except (TypeError, IndexError):
         return None
@@ -378,10 +381,10 @@ class _Resolved:
     def __init__(self, arguments, plan):
         # The arguments but their tensors, which each call brings (holding them would keep them alive).
         self.arguments = dict(arguments, q=None, k=None, v=None, alibi_slopes=None, attn_bias=None)
-        self.plan = plan
+        self.plan, self.forward_positions = plan, _positions(plan, _FORWARD_INPUTS)
         self.dropout = bool(arguments["dropout_p"])
         self.with_arrays = arguments["alibi_slopes"] is not None or arguments["attn_bias"] is not None
-        self.backward_plans = {}
+        self.backward_plans = {}  # (dout's strides, return_dbias) -> (plan, its inputs' positions) or False
 
     @classmethod
     def of(cls, arguments):
@@ -416,9 +419,8 @@ class _Resolved:
         return self.forward(q, k, v, alibi_slopes, attn_bias, seed)
 
     def forward(self, q, k, v, alibi_slopes, attn_bias, seed):
-        arrays = {"q": q, "k": k, "v": v}
-        _add_options(arrays, alibi_slopes, attn_bias)
-        result = self.plan.run(arrays, None if seed is None else int(seed))
+        given = (q, k, v, alibi_slopes, attn_bias)
+        result = self.plan.call([given[i] for i in self.forward_positions], None if seed is None else int(seed))
         if result is None:
             result = _forward.compute(dict(self.arguments, q=q, k=k, v=v, alibi_slopes=alibi_slopes,
                                            attn_bias=attn_bias, seed=seed))
@@ -426,18 +428,22 @@ class _Resolved:
 
     def backward(self, dout, q, k, v, out, lse, alibi_slopes, attn_bias, seed, return_dbias):
         """(dq, dk, dv, dbias or None)."""
-        if dout.stride(-1) != 1:
+        stride = dout.stride()
+        if stride[-1] != 1:
             dout = dout.contiguous()
-        arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
-        _add_options(arrays, alibi_slopes, attn_bias)
-        key = (dout.stride(), return_dbias)  # autograd gives dout out's shape, dtype and device
-        plan = self.backward_plans.get(key)
-        if plan is None:
-            given = self._core_options(dict(self.arguments, alibi_slopes=alibi_slopes, attn_bias=attn_bias), "bwd")
-            plan = self.backward_plans[key] = api.plan_of(
-                "bwd", dict(arrays), self.arguments["softmax_scale"], self.arguments["causal"], given,
-                "flash_attn_backward", None, return_dbias) or False
-        grads = plan.run(arrays, None if seed is None else int(seed)) if plan else None
+            stride = dout.stride()
+        given = (dout, q, k, v, out, lse, alibi_slopes, attn_bias)
+        planned = self.backward_plans.get((stride, return_dbias))  # autograd gives dout out's shape, dtype, device
+        if planned is None:
+            arrays = {name: array for name, array in zip(_BACKWARD_INPUTS, given) if array is not None}
+            options_ = self._core_options(dict(self.arguments, alibi_slopes=alibi_slopes, attn_bias=attn_bias), "bwd")
+            plan = api.plan_of("bwd", arrays, self.arguments["softmax_scale"], self.arguments["causal"], options_,
+                               "flash_attn_backward", None, return_dbias)
+            planned = self.backward_plans[stride, return_dbias] = plan and (plan, _positions(plan, _BACKWARD_INPUTS))
+        grads = None
+        if planned:
+            plan, positions = planned
+            grads = plan.call([given[i] for i in positions], None if seed is None else int(seed))
         if grads is None:
             grads = _backward.compute(dict(self.arguments, dout=dout, q=q, k=k, v=v, out=out, lse=lse,
                                            alibi_slopes=alibi_slopes, attn_bias=attn_bias, seed=seed,
@@ -445,11 +451,14 @@ class _Resolved:
         return (*grads[:3], grads[3] if return_dbias else None)
 
 
-def _add_options(arrays, alibi_slopes, attn_bias):
-    if alibi_slopes is not None:
-        arrays["alibi_slopes"] = alibi_slopes
-    if attn_bias is not None:
-        arrays["attn_bias"] = attn_bias
+_FORWARD_INPUTS = ("q", "k", "v", "alibi_slopes", "attn_bias")
+_BACKWARD_INPUTS = ("dout", "q", "k", "v", "out", "lse", "alibi_slopes", "attn_bias")
+
+
+def _positions(plan, names):
+    """Where each of a plan's inputs (Plan.input_names) is among `names`, the order a resolved call
+    holds its tensors in."""
+    return [names.index(name) for name in plan.input_names]
 
 
 class _ResolvedFunction(torch.autograd.Function):

@@ -551,13 +551,14 @@ def test_plan_runs_on_given_workspaces_without_a_gpu():
 
     events = []
     plan = _plan.Plan.__new__(_plan.Plan)
-    plan.inputs, plan.input_slots, plan.seed_slot, plan.maps, plan.hands_back = [("q", 16)], [0], None, None, False
+    plan.input_names, plan.alignments, plan.seed_slot, plan.maps, plan.hands_back = ["q"], [16], None, None, False
     plan.pointer_of, plan.stream_of = (lambda array: pytest.fail("read an array")), (lambda: pytest.fail("no stream"))
     plan.current_context = lambda: "context"
     plan.context, plan.lock = "context", threading.Lock()
-    plan.results = [("out", 1, refuse)]
+    plan.result_names, plan.allocators = ["out"], [refuse]
     plan.workspaces = [_plan._Workspace(refuse, [(2, 0), (3, 512)], True, 1024, False),
                        _plan._Workspace(refuse, [(4, 0)], False, 96, True)]
+    plan.slots, plan.scratch_offsets = [0, 1, 2, 3, 4], [[0, 512], [0]]
     plan.words = [0] * 5
     plan.memset = lambda *args: events.append(("memset", *args))
     plan.launch_kernel = lambda function, *args: events.append(("launch", function, args[7], list(plan.words)))

@@ -52,13 +52,13 @@ _SM90 = {
     },
     "bwd_options": {
         32: (64, 128, 8, 2),    # smaller than the plain tile, for the options' registers (not timed)
-        64: (128, 64, 8, 2),    # fastest clean candidate; 64x128 spills with the options
-        96: (64, 64, 8, 2),     # the plain tile spills with the options
-        128: (64, 64, 8, 2),    # the plain tile spills with the options
+        64: (64, 128, 8, 2),    # 12-15% faster than 128x64 (v28); the plain 128x128 spills with the options
+        96: (128, 64, 8, 2),    # 15-20% faster than 64x64 (v28); the plain tile spills with the options
+        128: (128, 64, 8, 2),   # 15-22% faster than 64x64, as fast as one stage (v28); 128x32 slower
         160: (64, 64, 8, 1),    # the plain tile spills with the options
         192: (64, 64, 8, 1),    # the plain tile spills with the options
         224: (64, 32, 8, 2),    # the plain tile
-        256: (64, 32, 8, 1),    # the plain tile spills with the options
+        256: (128, 32, 8, 1),   # 14-18% faster than 64x32 (v28); 64x64 spills with the options
     },
     # The KV cache's decode kernel (cuda_src/sm80/decode.cuh): 16 packed query rows, block_n keys per
     # warp step, `stages` K/V buffers per warp; 'decode' reads dense caches, 'decode_paged' paged ones.
@@ -96,14 +96,17 @@ TILES = {
                     224: (64, 32, 8, 1),    # sm90's fits (163 KiB) and compiles clean: a candidate to time
                     256: (64, 32, 8, 1)},   # sm90's needs 209 KiB
             "bwd_options": {**_SM90["bwd_options"],
-                            224: (64, 32, 8, 1)},  # as the plain tile
+                            96: (64, 64, 8, 2),    # sm90's needs 174 KiB
+                            128: (128, 64, 8, 1),  # sm90's needs 194 KiB; one stage as fast on the H200 (v28)
+                            224: (64, 32, 8, 1),   # as the plain tile
+                            256: (64, 32, 8, 1)},  # sm90's needs more than 163 KiB
             "decode": _SM90["decode_paged"],  # sm90's dense hd128 tile needs 200 KiB
             "decode_paged": _SM90["decode_paged"],
         },
     },
 }
 # The deterministic backward without options: each family's plain tiles, but where its code spills there.
-for _tables, _instead in ((TILES[MMA_SYNC]["sm90"], {64: (128, 64, 8, 2)}),  # (bwd_options' tile)
+for _tables, _instead in ((TILES[MMA_SYNC]["sm90"], {64: (128, 64, 8, 2)}),  # (the plain 128x128 spills)
                           (TILES[MMA_SYNC]["sm86"], {}), (TILES[MMA_SYNC]["sm80"], {})):
     _tables["bwd_deterministic"] = {**_tables["bwd"], **_instead}
 # The wgmma kernels, head dims 64, 128 and 256 only (their tiles are whole 64-wide swizzled column

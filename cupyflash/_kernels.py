@@ -226,8 +226,14 @@ def representative_jobs(jobs):
         return k.local and not k.even_k and (k.options or k.pass_ != "fwd") and (k.deterministic or not (
             k.pass_ == "bwd" and k.options))
 
+    def own_deterministic_tile(arch, k):
+        # a 'bwd_deterministic' tile that is not the plain backward's (where the plain one spills)
+        plain = _config.TILES[_config.MMA_SYNC].get(f"sm{arch}", {}).get("bwd", {}).get(k.tile.headdim)
+        return not k.wgmma and plain is not None and k.tile != _config.Tile(k.tile.headdim, *plain)
+
     def keep(arch, k):
-        if k.features not in ((), FEATURES, DECODE_FEATURES) or (k.deterministic and not k.features):
+        if k.features not in ((), FEATURES, DECODE_FEATURES) or (
+                k.deterministic and not k.features and not own_deterministic_tile(arch, k)):
             return False  # (the sweep's single features: their code is the full set's, less)
         if k.wgmma:  # every tile with the heaviest flags, and every flag at hd128
             return k.dtype == DTYPES[0] and ((k.local and k.options and (k.deterministic or k.pass_ == "fwd"))

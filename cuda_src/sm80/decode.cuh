@@ -38,10 +38,24 @@ struct CacheSequence {
         pages = p.block_table != nullptr ? p.block_table + batch * p.block_table_batch_stride : nullptr;
     }
     // (cache row or block, row within it) of cache position pos (0 <= pos < capacity).
-    __device__ __forceinline__ int2 at(const FlashParams& p, int pos) const {
-        if (pages == nullptr) return make_int2(row, pos);
-        const int page = pos / p.page_size;
-        return make_int2(min(max(pages[page], 0), p.cache_rows - 1), pos - page * p.page_size);
+    __device__ __forceinline__ int2 at(const FlashParams& p, int pos) const { return at(p, page_of(p, pos), 0); }
+    // at() of positions pos0 + r for r < 32 from (page, offset) = page_of(pos0): one division per
+    // run of positions, not per row (a page holds at least 16 rows, so pos0 + r is at most two pages on).
+    __device__ __forceinline__ int2 page_of(const FlashParams& p, int pos0) const {
+        if (pages == nullptr) return make_int2(0, pos0);
+        const int page = pos0 / p.page_size;
+        return make_int2(page, pos0 - page * p.page_size);
+    }
+    __device__ __forceinline__ int2 at(const FlashParams& p, int2 page_offset, int r) const {
+        int page = page_offset.x, offset = page_offset.y + r;
+        if (pages == nullptr) return make_int2(row, offset);
+#pragma unroll
+        for (int turn = 0; turn < 2; ++turn)
+            if (offset >= p.page_size) {
+                offset -= p.page_size;
+                ++page;
+            }
+        return make_int2(min(max(pages[page], 0), p.cache_rows - 1), offset);
     }
 };
 
@@ -150,16 +164,18 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
 
     const uint16* k_cache = static_cast<const uint16*>(p.k) + head_k * p.k_head_stride;
     const uint16* v_cache = static_cast<const uint16*>(p.v) + head_k * p.v_head_stride;
+    static_assert(WARP_N <= 32, "a block's rows are at most two pages past its first (CacheSequence::at)");
     auto load = [&](int n_block, int buffer) {
         uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;
         uint16* s_v = s_k + WARP_N * L::kStride;
+        const int2 first = seq.page_of(p, seq.start + n_block * WARP_N);
 #pragma unroll
         for (int step = 0; step < ceil_div(WARP_N * kChunks, 32); ++step) {
             const int c = lane + 32 * step;
             if ((WARP_N * kChunks) % 32 != 0 && c >= WARP_N * kChunks) break;
             const int r = c / kChunks, col = 8 * (c % kChunks), key = n_block * WARP_N + r;
             const bool valid = key < seq.seqlen_k && col < p.headdim;
-            const int2 at = valid ? seq.at(p, seq.start + key) : make_int2(0, 0);
+            const int2 at = valid ? seq.at(p, first, r) : make_int2(0, 0);
             cp_async_16(smem_address(s_k + L::offset(r, col)),
                         k_cache + at.x * p.k_batch_stride + at.y * p.k_row_stride + col, valid);
             cp_async_16(smem_address(s_v + L::offset(r, col)),

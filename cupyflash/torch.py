@@ -436,8 +436,9 @@ class _Resolved:
         planned = self.backward_plans.get((stride, return_dbias))  # autograd gives dout out's shape, dtype, device
         if planned is None:
             arrays = {name: array for name, array in zip(_BACKWARD_INPUTS, given) if array is not None}
-            options_ = self._core_options(dict(self.arguments, alibi_slopes=alibi_slopes, attn_bias=attn_bias), "bwd")
-            plan = api.plan_of("bwd", arrays, self.arguments["softmax_scale"], self.arguments["causal"], options_,
+            core_options = self._core_options(dict(self.arguments, alibi_slopes=alibi_slopes, attn_bias=attn_bias),
+                                              "bwd")
+            plan = api.plan_of("bwd", arrays, self.arguments["softmax_scale"], self.arguments["causal"], core_options,
                                "flash_attn_backward", None, return_dbias)
             planned = self.backward_plans[stride, return_dbias] = plan and (plan, _positions(plan, _BACKWARD_INPUTS))
         grads = None

@@ -61,7 +61,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     With block_table (int32 (batch, pages per sequence)), k and v are a paged cache (num_blocks,
     page_size, nheads_k, headdim), page_size a multiple of 16: sequence b's key t is in block
     block_table[b, t // page_size] at row t % page_size, for t < cu_seqlens_k[b + 1] -
-    cu_seqlens_k[b] (prefill from a paged cache). NumPy arrays only, so far.
+    cu_seqlens_k[b] (prefill from a paged cache): the keys and values are gathered into packed
+    arrays first (a copy), read with the lengths and the table on the host.
     """
     if block_table is not None:
         k, v = _unpaged(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)
@@ -71,20 +72,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return result if return_lse else result[0]
 
 
-def _unpaged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table):
-    """(k, v) packed as a varlen call takes them, gathered from a paged cache's pages."""
-    caller = validate.check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table)
-    if caller.kind != "numpy":
-        raise NotImplementedError("flash_attn_varlen_func with block_table has no GPU kernels yet: it runs on NumPy "
-                                  "arrays (the float64 reference)")
+def paged_rows(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table):
+    """(the Caller, blocks, rows) of a varlen call over a paged cache, after its checks: NumPy
+    arrays giving the cache block and row of each packed key (read on the host with the lengths)."""
+    caller, lengths, table = validate.check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
+                                                         block_table)
     import numpy
-    cu = numpy.asarray(cu_seqlens_k, numpy.int64)
-    lengths = numpy.diff(cu)
     sequence = numpy.repeat(numpy.arange(len(lengths)), lengths)  # of each packed key
-    position = numpy.arange(cu[-1]) - cu[sequence]                 # within its sequence
+    position = numpy.arange(len(sequence)) - numpy.repeat(numpy.cumsum(lengths) - lengths, lengths)  # in its sequence
     page = k_cache.shape[1]
-    blocks, rows = block_table[sequence, position // page], position % page
-    return k_cache[blocks, rows], v_cache[blocks, rows]
+    return caller, table[sequence, position // page].astype(numpy.int64), position % page
+
+
+def _unpaged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table):
+    """(k, v) packed as a varlen call takes them, gathered from a paged cache's pages on its device (a
+    copy of the sequences' keys and values, which the varlen kernels then read)."""
+    caller, blocks, rows = paged_rows(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table)
+    if caller.kind == "numpy":
+        return k_cache[blocks, rows], v_cache[blocks, rows]
+    index = caller.from_host(blocks), caller.from_host(rows)
+    return tuple(caller.give_back(caller.launchable(cache)[index]) for cache in (k_cache, v_cache))
 
 
 @_takes_options("bwd", varlen=True)

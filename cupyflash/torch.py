@@ -694,14 +694,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     least every length. Returns out like q, or (out, lse, None) with lse (nheads, total_q).
     Options as in flash_attn_func (alibi_slopes (nheads,) or (batch, nheads)); masks and ALiBi are
     per sequence, aligned to its own bottom-right corner. The cu_seqlens are checked on the host
-    (for CUDA tensors that waits for them). block_table (paged KV cache) is not supported.
+    (for CUDA tensors that waits for them). With block_table (int32 (batch, pages per sequence)),
+    k and v are a paged cache (num_blocks, page_size, nheads_k, headdim) (prefill from a paged
+    cache, cupyflash.flash_attn_varlen_func has the semantics): its keys are gathered into packed
+    tensors by torch indexing, so gradients reach the caches.
     """
-    if block_table is not None:
-        raise NotImplementedError("cupyflash has no paged KV cache: block_table must be None, got a "
-                                  f"{type(block_table).__name__}")
     for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(value).__name__}")
+    if block_table is not None:
+        for name, value in (("q", q), ("k", k), ("v", v), ("block_table", block_table)):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        _, blocks, rows = api.paged_rows(*map(_to_core, (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)))
+        index = torch.as_tensor(blocks, device=k.device), torch.as_tensor(rows, device=k.device)
+        k, v = k[index], v[index]
     tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                    max_seqlen_k=max_seqlen_k)
     arguments = _op_arguments(tensors, softmax_scale, causal, dict(

@@ -568,8 +568,9 @@ def _check_kvcache_values(call, cache, rows):
 
 
 def check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table):
-    """The Caller of a varlen call whose k and v are a paged cache read through block_table (the
-    varlen checks follow on the gathered arrays); the lengths and the block table are read on the host."""
+    """(the Caller, the key lengths, the block table on the host) of a varlen call whose k and v are a
+    paged cache read through block_table (the varlen checks follow on the gathered arrays); the
+    lengths and the block table are read on the host."""
     caller = caller_of(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                        block_table=block_table)
     for name, array in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -598,7 +599,7 @@ def check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_ta
             raise ValueError(f"sequence {b} has {length} keys (cu_seqlens_k) but block_table gives it "
                              f"{table.shape[1]} pages of {page}")
     _check_pages(table, lengths, k_cache, "k")
-    return caller
+    return caller, lengths, table
 
 
 def _check_pages(table, lengths, cache, name):

@@ -1,5 +1,6 @@
 """Helpers shared by the test_reference*.py files (CPU tests of the cupyflash/reference package): random inputs,
-relative errors, finite differences, the compact option specs and every reference call."""
+relative errors, finite differences, the compact option specs and every reference call; and the paged varlen
+case of the KV cache's tests."""
 
 import numpy as np
 
@@ -78,3 +79,19 @@ def reference_calls(q, k, v, dout, options):
         lambda: ref.attention_forward_lowp(q, k, v, "float16", **options),
         lambda: ref.attention_backward_lowp(dout, q, k, v, "bfloat16", **options),
     ]
+
+
+def paged_varlen_case(rng, page=16):
+    """A varlen prefill over a paged cache (float64): q, packed k and v, cu_seqlens_q and _k (3 sequences of
+    20, 7 and 33 keys; queries 3, 0 and 5), a block table of shuffled pages and the caches holding the keys."""
+    cu_q, cu_k = np.array([0, 3, 3, 8], np.int32), np.array([0, 20, 27, 60], np.int32)
+    q = rng.standard_normal((8, 4, 16))
+    k, v = rng.standard_normal((60, 2, 16)), rng.standard_normal((60, 2, 16))
+    pages, blocks = -(-33 // page), 3 * -(-33 // page) + 3
+    table = rng.permutation(blocks)[:3 * pages].reshape(3, pages).astype(np.int32)
+    caches = [rng.standard_normal((blocks, page, 2, 16)) for _ in range(2)]
+    for b in range(3):
+        t = np.arange(cu_k[b + 1] - cu_k[b])
+        for cache, packed in zip(caches, (k, v)):
+            cache[table[b, t // page], t % page] = packed[cu_k[b] + t]
+    return q, k, v, cu_q, cu_k, table, caches

@@ -8,6 +8,7 @@ import pytest
 
 import cupyflash
 from cupyflash._arrays import bfloat16_dtype
+from reference_helpers import paged_varlen_case
 
 RNG_SEED = 21
 
@@ -309,25 +310,11 @@ def test_bad_paged_input_names_the_argument():
 # --------------------------------------------------------------------------------------------
 # flash_attn_varlen_func with block_table: prefill from a paged cache.
 
-def _paged_varlen(rng, page=16):
-    cu_q, cu_k = np.array([0, 3, 3, 8], np.int32), np.array([0, 20, 27, 60], np.int32)
-    q = rng.standard_normal((8, 4, 16))
-    k, v = rng.standard_normal((60, 2, 16)), rng.standard_normal((60, 2, 16))
-    pages, blocks = -(-33 // page), 3 * -(-33 // page) + 3
-    table = rng.permutation(blocks)[:3 * pages].reshape(3, pages).astype(np.int32)
-    caches = [rng.standard_normal((blocks, page, 2, 16)) for _ in range(2)]
-    for b in range(3):
-        t = np.arange(cu_k[b + 1] - cu_k[b])
-        for cache, packed in zip(caches, (k, v)):
-            cache[table[b, t // page], t % page] = packed[cu_k[b] + t]
-    return q, k, v, cu_q, cu_k, table, caches
-
-
 @pytest.mark.parametrize("page", [16, 32])
 def test_varlen_prefill_from_a_paged_cache_equals_the_packed_call(page):
     """Sequences of 20, 7 and 33 keys (queries 3, 0, 5) in shuffled pages give the packed call's out
     and lse exactly."""
-    q, k, v, cu_q, cu_k, table, (k_cache, v_cache) = _paged_varlen(np.random.default_rng(4), page)
+    q, k, v, cu_q, cu_k, table, (k_cache, v_cache) = paged_varlen_case(np.random.default_rng(4), page)
     options = dict(causal=True, softcap=2.0, alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4]), return_lse=True)
     want = cupyflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 33, **options)
     got = cupyflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 5, 33, block_table=table, **options)
@@ -336,7 +323,7 @@ def test_varlen_prefill_from_a_paged_cache_equals_the_packed_call(page):
 
 
 def test_bad_paged_varlen_input_names_the_argument():
-    q, k, v, cu_q, cu_k, table, (k_cache, v_cache) = _paged_varlen(np.random.default_rng(5))
+    q, k, v, cu_q, cu_k, table, (k_cache, v_cache) = paged_varlen_case(np.random.default_rng(5))
     call = lambda **changes: cupyflash.flash_attn_varlen_func(  # noqa: E731
         **dict(dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5,
                     max_seqlen_k=33, block_table=table), **changes))

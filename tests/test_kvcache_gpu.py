@@ -13,6 +13,7 @@ import pytest
 import cupyflash
 from cupyflash import reference
 from cupyflash._arrays import bfloat16_dtype
+from reference_helpers import paged_varlen_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_allocations")]  # outputs start as NaN
 
@@ -272,3 +273,41 @@ def test_jax_under_jit_with_donated_caches_matches_the_core():
     np.testing.assert_array_equal(np.asarray(lse), cupy.asnumpy(want_lse))
     np.testing.assert_array_equal(np.asarray(k_cache).astype(np.float32), cupy.asnumpy(arrays["k_cache"]).astype(np.float32))
     np.testing.assert_array_equal(np.asarray(v_cache).astype(np.float32), cupy.asnumpy(arrays["v_cache"]).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_varlen_prefill_from_a_paged_cache_on_the_gpu_equals_the_packed_call(dtype):
+    """flash_attn_varlen_func with block_table on CuPy arrays, and cupyflash.torch's on CUDA tensors with
+    the gradients into the caches: the packed call's out and lse bitwise (the same kernels read the same
+    keys), and (deterministic) the packed k and v's gradients at their pages and rows."""
+    import cupy
+    np_dtype = bfloat16_dtype() if dtype == "bfloat16" else np.dtype(dtype)
+    q, k, v, cu_q, cu_k, table, caches = paged_varlen_case(np.random.default_rng(6), 32)
+    gpu = lambda x: cupy.asarray(np.asarray(x).astype(np_dtype) if x.dtype == np.float64 else x)  # noqa: E731
+    q, k, v, cu_q, cu_k, table, k_cache, v_cache = map(gpu, (q, k, v, cu_q, cu_k, table, *caches))
+    options = dict(causal=True, alibi_slopes=cupy.asarray([0.1, 0.2, 0.3, 0.4], cupy.float32), return_lse=True)
+    want = cupyflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 33, **options)
+    got = cupyflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 5, 33, block_table=table, **options)
+    for x, y in zip(got, want):
+        assert bool(cupy.isfinite(x).all()) and bool((x == y).all())
+
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch as cft
+    t = lambda x, grad=False: torch.from_dlpack(x).clone().requires_grad_(grad)  # noqa: E731
+    dout = torch.randn(tuple(q.shape), dtype=getattr(torch, dtype), device="cuda")
+    packed = [t(x, True) for x in (q, k, v)]
+    out = cft.flash_attn_varlen_func(*packed, t(cu_q), t(cu_k), 5, 33, causal=True, deterministic=True)
+    out.backward(dout)
+    paged = [t(x, True) for x in (q, k_cache, v_cache)]
+    out_paged = cft.flash_attn_varlen_func(*paged[:3], t(cu_q), t(cu_k), 5, 33, causal=True, deterministic=True,
+                                           block_table=t(table))
+    out_paged.backward(dout)
+    assert torch.equal(out_paged, out) and torch.equal(paged[0].grad, packed[0].grad)
+    cu, pages, page = cupy.asnumpy(cu_k), cupy.asnumpy(table), k_cache.shape[1]
+    for cache, grad in ((paged[1], packed[1].grad), (paged[2], packed[2].grad)):
+        expected = torch.zeros_like(cache)
+        for b in range(len(cu) - 1):
+            positions = np.arange(cu[b + 1] - cu[b])
+            expected[pages[b, positions // page], positions % page] = grad[int(cu[b]):int(cu[b + 1])]
+        assert torch.equal(cache.grad, expected)
+

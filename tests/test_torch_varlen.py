@@ -83,8 +83,10 @@ def test_cpu_varlen_packed_forms_match_separate_ones():
 def test_varlen_refusals():
     q, k, v, _, cu_q, cu_k = _varlen_inputs(LENGTHS, 2, 2, 16, torch.float32, "cpu", seed=36)
     max_q, max_k = max(LENGTHS[0]), max(LENGTHS[1])
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="k_cache must be 4-D"):
         cft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, block_table=torch.zeros(4, 1, dtype=torch.int32))
+    with pytest.raises(TypeError, match="block_table must be a torch.Tensor"):
+        cft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, block_table=[[0]])
     with pytest.raises(TypeError, match="cu_seqlens_q must be an int32"):
         cft.flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k, max_q, max_k)
     with pytest.raises(TypeError, match="cu_seqlens_k must be an int32 torch.Tensor"):
@@ -93,3 +95,38 @@ def test_varlen_refusals():
         cft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q - 1, max_k)
     with pytest.raises(ValueError, match="qkv must be 4-D"):
         cft.flash_attn_varlen_qkvpacked_func(q, cu_q, max_q)
+
+
+def test_varlen_from_a_paged_cache_equals_the_packed_call_with_gradients_into_the_caches():
+    """block_table: the keys and values of each sequence sit in shuffled pages of a paged cache; out
+    and lse are the packed call's, and the caches' gradients are the packed k and v's, each at its
+    page and row (zero in the pages no sequence uses)."""
+    sides = ((3, 0, 6, 1), (20, 2, 37, 16))  # keys over several pages, in one, in exactly one
+    q, k, v, dout, cu_q, cu_k = _varlen_inputs(sides, 4, 2, 16, torch.float64, "cpu", seed=37)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    lengths, page = sides[1], 16
+    pages = -(-max(lengths) // page)
+    blocks = len(lengths) * pages + 2
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(38))[:len(lengths) * pages]
+    table = table.view(len(lengths), pages).int()
+    k_cache, v_cache = (torch.randn(blocks, page, 2, 16, dtype=torch.float64) for _ in range(2))
+    where = [(table[b, t // page].item(), t % page, int(cu_k[b]) + t) for b in range(len(lengths))
+             for t in range(lengths[b])]
+    for cache, packed in ((k_cache, k), (v_cache, v)):
+        for block, row, i in where:
+            cache[block, row] = packed[i].detach()
+    k_cache.requires_grad_(), v_cache.requires_grad_()
+    options = dict(causal=True, softcap=3.0)
+    max_q, max_k = max(sides[0]), max(lengths)
+    want = cft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True, **options)
+    (want[0] * dout).sum().backward()
+    qp = q.detach().clone().requires_grad_()
+    got = cft.flash_attn_varlen_func(qp, k_cache, v_cache, cu_q, cu_k, max_q, max_k, block_table=table,
+                                     return_attn_probs=True, **options)
+    (got[0] * dout).sum().backward()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(qp.grad, q.grad)
+    for cache, packed in ((k_cache, k), (v_cache, v)):
+        expected = torch.zeros_like(cache)
+        for block, row, i in where:
+            expected[block, row] = packed.grad[i]
+        assert torch.equal(cache.grad, expected)

@@ -299,8 +299,9 @@ class Plan:
         """The workspaces (arrays) of a call on `stream` (`inputs`: call()'s, which their allocators
         take). A small plain workspace is kept per stream and reused by the plan's calls on it: the
         stream runs them one after another (a call's launches are enqueued together, under the
-        lock), so none reads another's scratch, and the call spends no allocation. The rest, and every workspace of a call under graph
-        capture (whose replays may run beside other calls), are allocated per call."""
+        lock), so none reads another's scratch, and the call spends no allocation. The rest, and
+        every workspace of a call under graph capture (whose replays may run beside other calls),
+        are allocated per call."""
         capturing = self.keeps_buffers and self.caller.capturing()
         result = []
         for index, w in enumerate(self.workspaces):

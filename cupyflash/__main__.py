@@ -104,11 +104,7 @@ def info():
                     for hd in _config.HEADDIMS]
             print(f"\ntile table {family}{' (forced by CUPYFLASH_TILES)' if forced else ''}:")
             print(_table(_TILE_HEADERS, rows))
-            for table, wgmma in _config.TILES[_config.WGMMA].get(family, {}).items():
-                short = (f" (at most {_config.SHORT_SEQLEN} query rows)" if table == "fwd_short" else "")
-                print(f"on compute capability 9.0 the {_config.kernel_pass(table)} pass{short} up to head dim "
-                      f"{max(wgmma)} is wgmma's: " + "; ".join(
-                          _tile_text(_config.Tile(hd, *cfg, _config.WGMMA), table) for hd, cfg in wgmma.items()))
+            _print_wgmma_tables(family)
         return 0
     import cupy
     from ._schedule import device_info
@@ -129,7 +125,26 @@ def info():
                    for table in _config.TABLES)]
             for hd in _config.HEADDIMS]
     print(_table(_TILE_HEADERS, rows))
+    if any(_config.kernel_family_for(table, cc) == _config.WGMMA for table in _config.TABLES):
+        _print_wgmma_tables(family)  # with the forward's tables by length and masking, which the columns omit
     return 0
+
+
+def _print_wgmma_tables(family):
+    """The wgmma family's tables: each pass's, then the forward's by length and masking (forward_table)."""
+    instead = {"fwd_short": f"its calls of at most {_config.SHORT_SEQLEN} query rows take",
+               "fwd_local": "its causal or windowed calls take"}
+    printed = []
+    for table, wgmma in _config.TILES[_config.WGMMA].get(family, {}).items():
+        if any(wgmma is other for other in printed):
+            continue  # (the backward's with options and deterministic: the plain one's table)
+        printed.append(wgmma)
+        tiles = "; ".join(_tile_text(_config.Tile(hd, *cfg, _config.WGMMA), table) for hd, cfg in wgmma.items())
+        if table in instead:
+            print(f"  {instead[table]}: {tiles}")
+        else:
+            print(f"on compute capability 9.0 the {_config.kernel_pass(table)} pass up to head dim {max(wgmma)} is "
+                  f"wgmma's (every option): {tiles}")
 
 
 # ---------------------------------------------------------------------------------------- check

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cupyflash import __main__, __version__, _arrays, _compile
+from cupyflash import __main__, __version__, _arrays, _compile, _config
 
 
 def run(*args, env=None):
@@ -39,6 +39,11 @@ def test_info_without_a_gpu_shows_every_tile_table_and_the_cache(env, tmp_path):
     for family in ("sm80", "sm86", "sm90"):
         assert f"tile table {family}:" in out
     assert "128x32, 4 warps, 2 stage(s), 64 KiB" in out  # sm90's forward tile at head dim 128
+    # the wgmma tables, each once: the passes', then the forward's by length and by masking
+    for line in ("the fwd pass up to head dim 256 is wgmma's", "the bwd pass up to head dim 256 is wgmma's",
+                 f"its calls of at most {_config.SHORT_SEQLEN} query rows take: wgmma hd64: 128x128",
+                 "its causal or windowed calls take: wgmma hd128: 128x128, 12 warps, 2 stage(s)"):
+        assert out.count(line) == 1, line
 
 
 @pytest.mark.skipif(_arrays.gpu_available(), reason="shows the device's own tiles where there is a GPU")
@@ -134,7 +139,7 @@ def test_a_driver_older_than_the_cupy_wheel_names_the_cuda12_extra(monkeypatch):
 
 
 def test_default_check_compiles_a_small_set_covering_every_table_and_dtype():
-    from cupyflash import _config, _kernels
+    from cupyflash import _kernels
     jobs = _kernels.representative_jobs(_kernels.compile_jobs())
     assert len(jobs) <= 66  # (a distinct tile in each table: one kernel each)
     assert {arch for arch, _ in jobs} == {arch for archs in _config.COMPILE_CHECKS.values() for arch in archs}

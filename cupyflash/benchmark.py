@@ -580,6 +580,34 @@ def _through_the_ops():
         cupyflash_torch._eager = eager
 
 
+def _host_torch_floor(q, k, v, dout, pass_):
+    """A bare autograd.Function with the eager path's saves and allocations and no kernels: the host
+    time below which no Python-level torch path goes (the autograd engine, its thread hand-offs)."""
+    import torch
+    stats = (q.shape[0], q.shape[2], q.shape[1])
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = torch.empty_like(q), q.new_empty(stats, dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            q.new_empty((q.numel() + 2 * lse.numel(),), dtype=torch.float32)  # the scratch: dq_accum, D, lse
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+
+    def forward():
+        return Floor.apply(qg, kg, vg)
+
+    def both():
+        return torch.autograd.grad(forward(), (qg, kg, vg), dout)
+    return HostCall(forward if pass_ == "fwd" else both, _torch_sync(q))
+
+
 def _host_torch_ops(q, k, v, dout, pass_):
     return dataclasses.replace(_host_torch_eager(True)(q, k, v, dout, pass_), context=_through_the_ops)
 
@@ -643,6 +671,8 @@ HOST_COLUMNS = {  # name: (maker, what a call does)
                                                        "grad; fwd+bwd: torch.autograd.grad(out, (q, k, v), dout)"),
     "cupyflash.torch fwd (no grad)": (_host_torch_eager(False), "the same forward on tensors that do not require "
                                                                 "grad (fwd only)"),
+    "torch Function floor": (_host_torch_floor, "a bare torch.autograd.Function with the eager column's saves and "
+                                                "allocations and no kernels: the floor of any Python-level path"),
     "cupyflash.torch via ops": (_host_torch_ops, "the eager calls through the custom ops (the dispatcher), as "
                                                  "torch.compile and functorch transforms call them"),
     "cupyflash.torch compiled": (_host_torch_compiled(None),

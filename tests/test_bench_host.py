@@ -107,7 +107,7 @@ def test_every_column_times_its_calls_or_gives_its_reason_on_cpu_tensors():
     # The eager torch paths run on the CPU (cupyflash.torch through the NumPy reference); the core
     # takes no CPU torch tensors; torch.compile's runs where inductor finds a C++ compiler, and on
     # the CPU without CUDA graphs.
-    for column in ("cupyflash.torch eager", "SDPA flash"):
+    for column in ("cupyflash.torch eager", "SDPA flash", "torch Function floor"):
         assert by_column["fwd+bwd", column].us > 0
     assert by_column["fwd", "cupyflash.torch fwd (no grad)"].us > 0
     assert math.isnan(by_column["fwd", "cupyflash core (torch)"].us)

@@ -123,11 +123,12 @@ def test_dense_decode_to_chunked_prefill(framework, dtype, seqlen_q, seqlen_new)
     _run_and_check(case, dtype, framework, causal=True)
 
 
-@pytest.mark.parametrize("page", [16, 256])
+@pytest.mark.parametrize("page", [16, 32, 64, 256])  # (from 256 rows the dense caches' tile reads them)
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_paged_caches_and_rotary(page, interleaved):
-    rng = np.random.default_rng(page + interleaved)
-    case = _case(rng, "bfloat16", seqlen_q=3, seqlen_new=3, capacity=512, paged_page=page)
+@pytest.mark.parametrize("headdim", [64, 128])  # (key blocks of 32 and 16 rows)
+def test_paged_caches_and_rotary(page, interleaved, headdim):
+    rng = np.random.default_rng(page + interleaved + headdim)
+    case = _case(rng, "bfloat16", seqlen_q=3, seqlen_new=3, capacity=512, headdim=headdim, paged_page=page)
     _run_and_check(case, "bfloat16", "cupy", causal=True, rotary_interleaved=interleaved)
 
 

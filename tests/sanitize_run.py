@@ -3,8 +3,9 @@
     compute-sanitizer --tool memcheck python tests/sanitize_run.py
 CuPy's memory pool is switched off so every buffer is its own cudaMalloc and an out-of-bounds
 access cannot hide inside a neighbouring pool block. Exits non-zero if any result is wrong.
-With --plant it first launches a kernel that writes one element past its buffer, to show that the
-sanitizer in use does catch such a bug (it must then report an error).
+--kvcache-only runs flash_attn_with_kvcache's calls alone. With --plant it first launches a kernel
+that writes one element past its buffer, to show that the sanitizer in use does catch such a bug
+(it must then report an error).
 """
 
 import sys
@@ -58,8 +59,13 @@ def kvcache_cases():
     dense = dict(q=draw(3, 1, 4, 128), k_cache=draw(5, 300, 4, 128), v_cache=draw(5, 300, 4, 128),
                  cache_seqlens=numpy.array([299, 5, 130], numpy.int32), cache_batch_idx=numpy.array([4, 0, 2], numpy.int32),
                  cache_leftpad=numpy.array([3, 0, 130], numpy.int32))
+    # pages of 256 rows: the dense caches' tile (hd128), new rows across a page boundary
+    big_pages = dict(q=draw(2, 2, 8, 128), k_cache=draw(4, 256, 2, 128), v_cache=draw(4, 256, 2, 128),
+                     k=draw(2, 2, 2, 128), v=draw(2, 2, 2, 128), rotary_cos=draw(600, 32), rotary_sin=draw(600, 32),
+                     cache_seqlens=numpy.array([255, 100], numpy.int32),
+                     block_table=numpy.array([[2, 0], [1, 3]], numpy.int32))
     for arrays, options in ((paged, dict(causal=True, num_splits=3)), (dense, dict(softcap=5.0, num_splits=2)),
-                            (dense, dict(causal=True))):
+                            (dense, dict(causal=True)), (big_pages, dict(causal=True, rotary_interleaved=False))):
         want = cupyflash.flash_attn_with_kvcache(**{n: a.copy() for n, a in arrays.items()}, **options)
         got = cupyflash.flash_attn_with_kvcache(**{n: cupy.asarray(a) for n, a in arrays.items()}, **options)
         error = float(numpy.abs(cupy.asnumpy(got).astype(numpy.float64) - want.astype(numpy.float64)).max())
@@ -78,7 +84,7 @@ if __name__ == "__main__":
     if "--plant" in sys.argv:
         plant_out_of_bounds_write()
     failed = 0
-    for i, case in enumerate(CASES):
+    for i, case in enumerate(CASES if "--kvcache-only" not in sys.argv else ()):
         result = _check.run_gpu_case(case, seed=i)
         print(f"{'ok  ' if result.ok else 'FAIL'} {case}: {result.describe()}", flush=True)
         failed += not result.ok

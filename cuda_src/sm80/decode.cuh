@@ -210,6 +210,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     auto load = [&](int n_block, int buffer, const Run& run) {
         uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;
         uint16* s_v = s_k + WARP_N * L::kStride;
+        const bool has_fresh = (n_block + 1) * WARP_N > fresh;  // (most blocks: the cache's rows alone)
 #pragma unroll
         for (int step = 0; step < ceil_div(WARP_N * kChunks, 32); ++step) {
             const int c = lane + 32 * step;
@@ -217,7 +218,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
             const int r = c / kChunks, col = 8 * (c % kChunks), key = n_block * WARP_N + r;
             const bool valid = key < seq.seqlen_k && col < p.headdim;
             const uint16 *k_row = k_cache, *v_row = v_cache;
-            if (valid && key >= fresh) {
+            if (has_fresh && valid && key >= fresh) {
                 k_row = k_new + (key - fresh) * p.k_new_row_stride;
                 v_row = v_new + (key - fresh) * p.v_new_row_stride;
             } else if (valid) {

@@ -160,17 +160,6 @@ def forward_table(headdim, seqlen_q, local):
     return "fwd"
 
 
-# Paged caches whose pages hold at least this many rows run the dense caches' decode tile: its warps'
-# blocks of 16 rows then share pages, as in a dense cache (bench/notes/v29).
-DENSE_TILE_PAGE = 256
-
-
-def decode_table(page_size):
-    """The decode tile table for a cache of `page_size`-row pages (0: a dense cache): 'decode_paged'
-    for pages under DENSE_TILE_PAGE rows, else 'decode'."""
-    return "decode_paged" if 0 < page_size < DENSE_TILE_PAGE else "decode"
-
-
 FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
 # The tile tables of each GPU family (see kernel_pass).

@@ -14,9 +14,9 @@ DTYPES = ("float16", "bfloat16")
 ROW_KERNEL_ROWS, ROW_KERNEL_THREADS = 64, 256  # the backward's row kernels (RowKernel in sm80/bwd_schedule.cuh)
 
 _HEADER = {"fwd": "sm80/fwd.cuh", "bwd": "sm80/bwd.cuh", "bwd_dot": "sm80/bwd.cuh", "bwd_convert_dq": "sm80/bwd.cuh",
-           "decode": "sm80/decode.cuh", "decode_combine": "sm80/decode.cuh"}
-ROW_KERNELS = ("bwd_dot", "bwd_convert_dq", "decode_combine")  # no tile: ROW_KERNEL_THREADS each
-KVCACHE_PASSES = ("decode", "decode_combine")  # flash_attn_with_kvcache's (cuda_src/sm80/decode.cuh)
+           "decode": "sm80/decode.cuh", "decode_combine": "sm80/decode.cuh", "kvcache_append": "sm80/decode.cuh"}
+ROW_KERNELS = ("bwd_dot", "bwd_convert_dq", "decode_combine", "kvcache_append")  # no tile: ROW_KERNEL_THREADS each
+KVCACHE_PASSES = ("decode", "decode_combine", "kvcache_append")  # flash_attn_with_kvcache's (cuda_src/sm80/decode.cuh)
 # The score options a kernel can be compiled for, in order: the names of their bits in
 # cuda_src/common/score.cuh (namespace feature), and the `kernels` of their cupyflash.options entries.
 FEATURES = ("softcap", "alibi", "bias", "dropout")

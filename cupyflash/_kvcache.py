@@ -1,9 +1,10 @@
 """flash_attn_with_kvcache on the GPU: the KV-cache kernels of cuda_src/sm80/decode.cuh.
 
-A call is one or two launches on the caller's stream, planned once per call signature
-(_plan.Plan): attention of the packed query rows of each KV group over its sequence's cache and
-new tokens, the keys split into num_splits ranges, appending the new keys (rotated) and values
-into the caches (decode); and the splits merged by log-sum-exp (decode_combine, with more than one). The split count follows from shapes alone, and nothing is
+A call is up to three launches on the caller's stream, planned once per call signature
+(_plan.Plan): the new keys (rotated) and values appended into the caches (kvcache_append, when k
+and v are given); attention of the packed query rows of each KV group over its sequence's cache,
+the keys split into num_splits ranges (decode); and the splits merged by log-sum-exp
+(decode_combine, with more than one). The split count follows from shapes alone, and nothing is
 read on the host but what validation reads (validate.reads_device_values), so a decode step
 captures in a CUDA graph and replays as the lengths change on the device.
 """
@@ -107,8 +108,7 @@ def splits(ctas, key_blocks, warps, resident):
 def _new_plan(call, cache, arrays):
     shape, caller = call.shape, call.caller
     device_id = caller.device_id
-    page_size = int(cache.k_cache.shape[1]) if cache.paged else 0
-    tile = _schedule.tile(_config.decode_table(page_size), shape.headdim, device_id)
+    tile = _schedule.tile("decode_paged" if cache.paged else "decode", shape.headdim, device_id)
     kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features)
     group = shape.nheads // shape.nheads_k
     m_blocks = -(-shape.seqlen_q * group // tile.block_m)  # blocks of packed (query, head) rows
@@ -121,7 +121,11 @@ def _new_plan(call, cache, arrays):
     q = arrays["q"]
     stats = (shape.batch, shape.nheads, shape.seqlen_q)
     outputs = [_plan._Output("out", tuple(q.shape), call.dtype), _plan._Output("lse", stats, "float32")]
-    launches = [_plan._Launch(kernel, (m_blocks * count, shape.nheads_k, shape.batch))]
+    launches = []
+    if cache.seqlen_new:
+        append = _kernels.Kernel("kvcache_append", call.dtype)
+        launches.append(_plan._Launch(append, (cache.seqlen_new, shape.batch, 1)))
+    launches.append(_plan._Launch(kernel, (m_blocks * count, shape.nheads_k, shape.batch)))
     if count > 1:
         rows = math.prod(stats)
         outputs += [_plan._Output("out_partial", (count, rows, shape.headdim), "float32", scratch=True),

@@ -21,7 +21,7 @@ from .validate import MAX_GRID_YZ
 
 _plans = {}
 _MAX_PLANS = 4096  # shapes seen by one process; past this the cache starts afresh
-_TILE_INPUTS = ("q", "k", "v", "out", "dout", "k_new", "v_new")  # 16-bit tensors read by 16-byte cp.async
+_TILE_INPUTS = ("q", "k", "v", "out", "dout")  # 16-bit tensors read by 16-byte cp.async
 _FIELDS = {"seed": "dropout_seed_device"}  # inputs whose FlashParams field has another name
 # Options keyed by their type alone: arrays (keyed with the other arrays) and the seed (patched per call).
 _KEYED_BY_TYPE = frozenset(o.name for o in options.OPTIONS if o.kind in ("array", "seed"))

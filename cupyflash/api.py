@@ -128,8 +128,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     the GPU kernels (0 picks). Returns out like q, and lse (batch, nheads, seqlen_q) float32 with
     return_softmax_lse. Options as flash_attn_func's: window_size, softcap, alibi_slopes.
 
-    NumPy arrays run the float64 reference; GPU arrays the KV-cache kernels (split-KV attention with
-    the query heads of a KV group packed together and the append with rotary, the splits' merge:
+    NumPy arrays run the float64 reference; GPU arrays the KV-cache kernels (append and rotary,
+    split-KV attention with the query heads of a KV group packed together, the splits' merge:
     cupyflash/_kvcache.py), graph-capturable; the caches are updated in place either way. The
     lengths, indices and block table are checked on the host, which waits for them, unless under
     validate.no_host_sync() or a graph capture (then the kernels clamp them into the caches).

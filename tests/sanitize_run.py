@@ -59,7 +59,7 @@ def kvcache_cases():
     dense = dict(q=draw(3, 1, 4, 128), k_cache=draw(5, 300, 4, 128), v_cache=draw(5, 300, 4, 128),
                  cache_seqlens=numpy.array([299, 5, 130], numpy.int32), cache_batch_idx=numpy.array([4, 0, 2], numpy.int32),
                  cache_leftpad=numpy.array([3, 0, 130], numpy.int32))
-    # pages of 256 rows: the dense caches' tile (hd128), new rows across a page boundary
+    # pages of 256 rows at hd128, new rows across a page boundary
     big_pages = dict(q=draw(2, 2, 8, 128), k_cache=draw(4, 256, 2, 128), v_cache=draw(4, 256, 2, 128),
                      k=draw(2, 2, 2, 128), v=draw(2, 2, 2, 128), rotary_cos=draw(600, 32), rotary_sin=draw(600, 32),
                      cache_seqlens=numpy.array([255, 100], numpy.int32),

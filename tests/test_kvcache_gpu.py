@@ -123,7 +123,7 @@ def test_dense_decode_to_chunked_prefill(framework, dtype, seqlen_q, seqlen_new)
     _run_and_check(case, dtype, framework, causal=True)
 
 
-@pytest.mark.parametrize("page", [16, 32, 64, 256])  # (from 256 rows the dense caches' tile reads them)
+@pytest.mark.parametrize("page", [16, 32, 64, 256])
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("headdim", [64, 128])  # (key blocks of 32 and 16 rows)
 def test_paged_caches_and_rotary(page, interleaved, headdim):

@@ -1,17 +1,15 @@
 // Attention over a KV cache (flash_attn_with_kvcache): decode steps, speculative rows, chunked prefill.
 //
-// Two kernels, launched in this order on one stream:
+// Three kernels, launched in this order on one stream:
+//   flash_kvcache_append: the new keys (rotated) and values written into the caches at cache_seqlens.
 //   flash_decode: one CTA per (16 packed query rows, key split; kv head; batch entry). The packed rows
 //     are the query rows of every head of the KV group (row r: query r / group, head
 //     head_k * group + r % group), so K and V are read once per group. The CTA's warps take the
 //     split's key blocks in turn, each warp with its own cp.async ring of STAGES buffers and its
 //     own online softmax: no CTA barrier inside the loop, and STAGES - 1 blocks in flight per warp
 //     while it computes one. Keys are addressed per row through the cache row (cache_batch_idx) or the
-//     block table, from cache_leftpad on; the new tokens' keys and values (k_new, v_new) are read
-//     where they are given, K turned by the rotary angle of its position, and the CTAs of a KV head
-//     share their writing into the caches at cache_seqlens (the append). At the end the warps merge
-//     by their row maxima; with one split the CTA writes out and lse, else its split's normalised O
-//     and lse.
+//     block table, from cache_leftpad on. At the end the warps merge by their row maxima; with one
+//     split the CTA writes out and lse, else its split's normalised O and lse.
 //   flash_decode_combine: with several splits, out and lse from the splits' partials, weighted by
 //     exp(lse_split - lse).
 // The split count is the host's (from shapes alone); lengths stay on the device, so a decode step
@@ -40,52 +38,24 @@ struct CacheSequence {
         pages = p.block_table != nullptr ? p.block_table + batch * p.block_table_batch_stride : nullptr;
     }
     // (cache row or block, row within it) of cache position pos (0 <= pos < capacity).
-    __device__ __forceinline__ int2 at(const FlashParams& p, int pos) const {
-        if (pages == nullptr) return make_int2(row, pos);
-        const int page = pos / p.page_size;
-        return make_int2(entry(p, page), pos - page * p.page_size);
+    __device__ __forceinline__ int2 at(const FlashParams& p, int pos) const { return at(p, page_of(p, pos), 0); }
+    // at() of positions pos0 + r for r < 32 from (page, offset) = page_of(pos0): one division per
+    // run of positions, not per row (a page holds at least 16 rows, so pos0 + r is at most two pages on).
+    __device__ __forceinline__ int2 page_of(const FlashParams& p, int pos0) const {
+        if (pages == nullptr) return make_int2(0, pos0);
+        const int page = pos0 / p.page_size;
+        return make_int2(page, pos0 - page * p.page_size);
     }
-    __device__ __forceinline__ int entry(const FlashParams& p, int page) const {
-        return min(max(pages[page], 0), p.cache_rows - 1);
-    }
-    // A run of N <= 32 positions from pos0: its first page and offset (one division per run, not per
-    // row) and the block table's entries of the pages it touches (a page holds at least 16 rows),
-    // read when the run is made, so that a warp makes the next run a step before it copies its rows.
-    template <int N>
-    struct Run {
-        static constexpr int kPages = N / 16 + 1;
-        int page, offset;
-        int entries[kPages];
-    };
-    // run_of(pos0, end): the run from pos0, reading only the entries of pages before position end.
-    template <int N>
-    __device__ __forceinline__ Run<N> run_of(const FlashParams& p, int pos0, int end) const {
-        Run<N> run;
-        if (pages == nullptr) {
-            run.page = 0;
-            run.offset = pos0;
-            return run;
-        }
-        run.page = pos0 / p.page_size;
-        run.offset = pos0 - run.page * p.page_size;
-#pragma unroll
-        for (int j = 0; j < Run<N>::kPages; ++j)
-            run.entries[j] = (run.page + j) * p.page_size < end ? entry(p, run.page + j) : 0;
-        return run;
-    }
-    // at() of position pos0 + r (r < N) of a run.
-    template <int N>
-    __device__ __forceinline__ int2 at(const FlashParams& p, const Run<N>& run, int r) const {
-        int offset = run.offset + r;
+    __device__ __forceinline__ int2 at(const FlashParams& p, int2 page_offset, int r) const {
+        int page = page_offset.x, offset = page_offset.y + r;
         if (pages == nullptr) return make_int2(row, offset);
-        int block = run.entries[0];
 #pragma unroll
-        for (int j = 1; j < Run<N>::kPages; ++j)
+        for (int turn = 0; turn < 2; ++turn)
             if (offset >= p.page_size) {
                 offset -= p.page_size;
-                block = run.entries[j];
+                ++page;
             }
-        return make_int2(block, offset);
+        return make_int2(min(max(pages[page], 0), p.cache_rows - 1), offset);
     }
 };
 
@@ -100,44 +70,40 @@ __device__ __forceinline__ float2 rotary_angle(const FlashParams& p, int pos, in
                        to_float<BF16>(static_cast<const uint16*>(p.rotary_sin)[s]));
 }
 
-// The dims (d0, d1) of rotary pair j: (2j, 2j + 1) interleaved (GPT-J), else (j, j + rotary_dim / 2).
-__device__ __forceinline__ int2 rotary_pair(const FlashParams& p, int j) {
-    return p.rotary_interleaved ? make_int2(2 * j, 2 * j + 1) : make_int2(j, j + p.rotary_dim / 2);
+// Dim d's rotary partner and the sign of its term: x[d] turns into x[d] cos + sign x[partner] sin.
+__device__ __forceinline__ int rotary_partner(const FlashParams& p, int d, float& sign) {
+    if (p.rotary_interleaved) {
+        sign = d % 2 == 0 ? -1.f : 1.f;
+        return d ^ 1;
+    }
+    const int half = p.rotary_dim / 2;
+    sign = d < half ? -1.f : 1.f;
+    return d < half ? d + half : d - half;
 }
 
-// (a, b) turned by the angle (cos, sin): the same roundings wherever a key turns, so the key a CTA
-// attends to is the one written into the cache.
-__device__ __forceinline__ float2 rotate(float a, float b, float2 angle) {
-    return make_float2(__fmaf_rn(a, angle.x, -__fmul_rn(b, angle.y)), __fmaf_rn(a, angle.y, __fmul_rn(b, angle.x)));
-}
-
-// The new tokens t = blockIdx.x, blockIdx.x + gridDim.x, ... of KV head head_k into the caches at
-// cache_seqlens + t: K turned by its position, V as given. No CTA reads these writes (each reads
-// the new rows from k_new and v_new), so the append needs no launch of its own.
+// One CTA per (new token, batch entry): K (rotated in fp32, then rounded) and V into the caches.
 template <bool BF16>
-__device__ __forceinline__ void append_new_rows(const FlashParams& p, const CacheSequence& seq, int head_k, int batch) {
-    const int turned = p.rotary_cos != nullptr ? p.rotary_dim : 0;
-    for (int t = blockIdx.x; t < p.seqlen_new; t += gridDim.x) {
-        const int pos = seq.length + t;
-        const int2 at = seq.at(p, pos);
-        const uint16* k_new = static_cast<const uint16*>(p.k_new) + batch * p.k_new_batch_stride
-                              + t * p.k_new_row_stride + head_k * p.k_new_head_stride;
-        const uint16* v_new = static_cast<const uint16*>(p.v_new) + batch * p.v_new_batch_stride
-                              + t * p.v_new_row_stride + head_k * p.v_new_head_stride;
-        uint16* k = static_cast<uint16*>(const_cast<void*>(p.k)) + at.x * p.k_batch_stride + at.y * p.k_row_stride
-                    + head_k * p.k_head_stride;
-        uint16* v = static_cast<uint16*>(const_cast<void*>(p.v)) + at.x * p.v_batch_stride + at.y * p.v_row_stride
-                    + head_k * p.v_head_stride;
-        for (int d = threadIdx.x; d < p.headdim; d += blockDim.x) {
-            v[d] = v_new[d];
-            if (d >= turned) k[d] = k_new[d];
+__device__ __forceinline__ void flash_kvcache_append(const FlashParams& p) {
+    const int t = blockIdx.x, batch = blockIdx.y;
+    const CacheSequence seq(p, batch);
+    const int2 at = seq.at(p, seq.length + t);
+    const uint16* k_new = static_cast<const uint16*>(p.k_new) + batch * p.k_new_batch_stride + t * p.k_new_row_stride;
+    const uint16* v_new = static_cast<const uint16*>(p.v_new) + batch * p.v_new_batch_stride + t * p.v_new_row_stride;
+    uint16* k = static_cast<uint16*>(const_cast<void*>(p.k)) + at.x * p.k_batch_stride + at.y * p.k_row_stride;
+    uint16* v = static_cast<uint16*>(const_cast<void*>(p.v)) + at.x * p.v_batch_stride + at.y * p.v_row_stride;
+    for (int i = threadIdx.x; i < p.nheads_k * p.headdim; i += blockDim.x) {
+        const int head = i / p.headdim, d = i % p.headdim;
+        const uint16* k_head = k_new + head * p.k_new_head_stride;
+        uint16 key = k_head[d];
+        if (p.rotary_cos != nullptr && d < p.rotary_dim) {
+            float sign;
+            const int partner = rotary_partner(p, d, sign);
+            const int pair = p.rotary_interleaved ? d / 2 : d % (p.rotary_dim / 2);
+            const float2 angle = rotary_angle<BF16>(p, seq.length + t, pair);
+            key = to_16bit<BF16>(to_float<BF16>(key) * angle.x + sign * to_float<BF16>(k_head[partner]) * angle.y);
         }
-        for (int j = threadIdx.x; j < turned / 2; j += blockDim.x) {
-            const int2 d = rotary_pair(p, j);
-            const float2 x = rotate(to_float<BF16>(k_new[d.x]), to_float<BF16>(k_new[d.y]), rotary_angle<BF16>(p, pos, j));
-            k[d.x] = to_16bit<BF16>(x.x);
-            k[d.y] = to_16bit<BF16>(x.y);
-        }
+        k[head * p.k_head_stride + d] = key;
+        v[head * p.v_head_stride + d] = v_new[head * p.v_new_head_stride + d];
     }
 }
 
@@ -198,36 +164,22 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
 
     const uint16* k_cache = static_cast<const uint16*>(p.k) + head_k * p.k_head_stride;
     const uint16* v_cache = static_cast<const uint16*>(p.v) + head_k * p.v_head_stride;
-    // Keys from `fresh` on are the new tokens: read from k_new and v_new (K turned below), not the cache.
-    const int fresh = seq.length - seq.start;
-    const uint16* k_new = static_cast<const uint16*>(p.k_new) + batch * p.k_new_batch_stride + head_k * p.k_new_head_stride;
-    const uint16* v_new = static_cast<const uint16*>(p.v_new) + batch * p.v_new_batch_stride + head_k * p.v_new_head_stride;
-    static_assert(WARP_N <= 32, "a block's rows are at most two pages past its first (CacheSequence::Run)");
-    typedef CacheSequence::Run<WARP_N> Run;
-    auto run_of = [&](int n_block) {
-        return seq.run_of<WARP_N>(p, seq.start + n_block * WARP_N, seq.start + seq.seqlen_k);
-    };
-    auto load = [&](int n_block, int buffer, const Run& run) {
+    static_assert(WARP_N <= 32, "a block's rows are at most two pages past its first (CacheSequence::at)");
+    auto load = [&](int n_block, int buffer) {
         uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;
         uint16* s_v = s_k + WARP_N * L::kStride;
-        const bool has_fresh = (n_block + 1) * WARP_N > fresh;  // (most blocks: the cache's rows alone)
+        const int2 first = seq.page_of(p, seq.start + n_block * WARP_N);
 #pragma unroll
         for (int step = 0; step < ceil_div(WARP_N * kChunks, 32); ++step) {
             const int c = lane + 32 * step;
             if ((WARP_N * kChunks) % 32 != 0 && c >= WARP_N * kChunks) break;
             const int r = c / kChunks, col = 8 * (c % kChunks), key = n_block * WARP_N + r;
             const bool valid = key < seq.seqlen_k && col < p.headdim;
-            const uint16 *k_row = k_cache, *v_row = v_cache;
-            if (has_fresh && valid && key >= fresh) {
-                k_row = k_new + (key - fresh) * p.k_new_row_stride;
-                v_row = v_new + (key - fresh) * p.v_new_row_stride;
-            } else if (valid) {
-                const int2 at = seq.at(p, run, r);
-                k_row += at.x * p.k_batch_stride + at.y * p.k_row_stride;
-                v_row += at.x * p.v_batch_stride + at.y * p.v_row_stride;
-            }
-            cp_async_16(smem_address(s_k + L::offset(r, col)), k_row + col, valid);
-            cp_async_16(smem_address(s_v + L::offset(r, col)), v_row + col, valid);
+            const int2 at = valid ? seq.at(p, first, r) : make_int2(0, 0);
+            cp_async_16(smem_address(s_k + L::offset(r, col)),
+                        k_cache + at.x * p.k_batch_stride + at.y * p.k_row_stride + col, valid);
+            cp_async_16(smem_address(s_v + L::offset(r, col)),
+                        v_cache + at.x * p.v_batch_stride + at.y * p.v_row_stride + col, valid);
         }
         cp_async_commit();
     };
@@ -236,11 +188,9 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     int n_block = split_first + warp;
 #pragma unroll
     for (int stage = 0; stage < STAGES - 1; ++stage) {
-        if (n_block + stage * WARPS < split_end) load(n_block + stage * WARPS, stage, run_of(n_block + stage * WARPS));
+        if (n_block + stage * WARPS < split_end) load(n_block + stage * WARPS, stage);
         else cp_async_commit();
     }
-    Run coming = run_of(n_block + (STAGES - 1) * WARPS);  // the next load's pages
-    if (blockIdx.x < p.seqlen_new) append_new_rows<BF16>(p, seq, head_k, batch);
 
     cp_async_wait<STAGES - 1>();
     __syncthreads();  // Q has landed
@@ -249,13 +199,13 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         for (int c = threadIdx.x; c < T::kRows * pairs; c += T::kThreads) {
             const int r = c / pairs, j = c % pairs, packed = row0 + r;
             if (packed >= rows) continue;
+            const int d0 = p.rotary_interleaved ? 2 * j : j, d1 = p.rotary_interleaved ? 2 * j + 1 : j + pairs;
             const float2 angle = rotary_angle<BF16>(p, seq.length + (p.rotary_q_per_row ? packed / group : 0), j);
-            const int2 d = rotary_pair(p, j);
-            uint16* x0 = s_q + L::offset(r, d.x);
-            uint16* x1 = s_q + L::offset(r, d.y);
-            const float2 x = rotate(to_float<BF16>(*x0), to_float<BF16>(*x1), angle);
-            *x0 = to_16bit<BF16>(x.x);
-            *x1 = to_16bit<BF16>(x.y);
+            uint16* x0 = s_q + L::offset(r, d0);
+            uint16* x1 = s_q + L::offset(r, d1);
+            const float a = to_float<BF16>(*x0), b = to_float<BF16>(*x1);
+            *x0 = to_16bit<BF16>(a * angle.x - b * angle.y);
+            *x1 = to_16bit<BF16>(a * angle.y + b * angle.x);
         }
         __syncthreads();
     }
@@ -272,32 +222,16 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
     for (int buffer = 0; n_block < split_end; n_block += WARPS, buffer = buffer + 1 == STAGES ? 0 : buffer + 1) {
         const int ahead = n_block + (STAGES - 1) * WARPS;  // into the buffer the last step computed
-        if (ahead < split_end) load(ahead, buffer == 0 ? STAGES - 1 : buffer - 1, coming);
+        if (ahead < split_end) load(ahead, buffer == 0 ? STAGES - 1 : buffer - 1);
         else cp_async_commit();
-        coming = run_of(ahead + WARPS);  // its table entries arrive while this block computes
         cp_async_wait<STAGES - 1>();
         __syncwarp();  // block n_block has landed, for every lane
-        uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;
+        const uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;
         const uint16* s_v = s_k + WARP_N * L::kStride;
-        const int key0 = n_block * WARP_N;
-        if (p.rotary_cos != nullptr && key0 + WARP_N > fresh) {  // new keys, turned by their positions
-            const int pairs = p.rotary_dim / 2;
-            for (int c = lane; c < WARP_N * pairs; c += 32) {
-                const int r = c / pairs, j = c % pairs;
-                if (key0 + r < fresh || key0 + r >= seq.seqlen_k) continue;
-                const int2 d = rotary_pair(p, j);
-                uint16* x0 = s_k + L::offset(r, d.x);
-                uint16* x1 = s_k + L::offset(r, d.y);
-                const float2 x = rotate(to_float<BF16>(*x0), to_float<BF16>(*x1),
-                                        rotary_angle<BF16>(p, seq.start + key0 + r, j));
-                *x0 = to_16bit<BF16>(x.x);
-                *x1 = to_16bit<BF16>(x.y);
-            }
-            __syncwarp();
-        }
         float s[1][NT][4];
         zero(s);
         warp_gemm<BF16, 1, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, 0, s_k, 0);
+        const int key0 = n_block * WARP_N;
         for_each_element<1, NT>([&](int, int nt, int e) {
             const int key = key0 + fragment_col(nt, e), half = e / 2;
             float x = s[0][nt][e], grad = 1.f;  // (the forward needs no gradient)

@@ -61,9 +61,9 @@ _SM90 = {
         256: (128, 32, 8, 1),   # 14-18% faster than 64x32 (v28); 64x64 spills with the options
     },
     # The KV cache's decode kernel (cuda_src/sm80/decode.cuh): 16 packed query rows, block_n keys per
-    # warp step, `stages` K/V buffers per warp; 'decode' reads dense caches, 'decode_paged' paged ones.
-    # hd128 timed (bench/notes/v20): 8 warps and 3 stages read dense caches 1-36% faster, paged ones
-    # up to 36% slower (a warp's next block is a random page). No hd224 tile: its padded rows spill
+    # warp step, `stages` K/V buffers per warp; 'decode' reads dense caches (and large pages:
+    # decode_table), 'decode_paged' paged ones. hd128 timed (bench/notes/v20): 8 warps and 3 stages
+    # read dense caches 1-36% faster, 16-row pages up to 36% slower (a warp's next block is a random page). No hd224 tile: its padded rows spill
     # on sm_90; hd256's serves it.
     "decode": _DECODE | {128: (16, 16, 8, 3)},
     "decode_paged": _DECODE,
@@ -158,6 +158,18 @@ def forward_table(headdim, seqlen_q, local):
         if applies and padded in tables[table]:
             return table
     return "fwd"
+
+
+# Paged caches whose pages hold at least this many rows run the dense caches' decode tile: a warp's
+# blocks then share pages, as in a dense cache, and the dense tile keeps more of them in flight
+# (bench/notes/v28: 1 x 64k +15%, 16 x 8k +4.5%, 64 x 4k even with 256-row pages).
+DENSE_TILE_PAGE = 256
+
+
+def decode_table(page_size):
+    """The decode tile table for a cache of `page_size`-row pages (0: a dense cache): 'decode_paged'
+    for pages under DENSE_TILE_PAGE rows, else 'decode'."""
+    return "decode_paged" if 0 < page_size < DENSE_TILE_PAGE else "decode"
 
 
 FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families

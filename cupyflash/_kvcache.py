@@ -108,7 +108,8 @@ def splits(ctas, key_blocks, warps, resident):
 def _new_plan(call, cache, arrays):
     shape, caller = call.shape, call.caller
     device_id = caller.device_id
-    tile = _schedule.tile("decode_paged" if cache.paged else "decode", shape.headdim, device_id)
+    page_size = int(cache.k_cache.shape[1]) if cache.paged else 0
+    tile = _schedule.tile(_config.decode_table(page_size), shape.headdim, device_id)
     kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features)
     group = shape.nheads // shape.nheads_k
     m_blocks = -(-shape.seqlen_q * group // tile.block_m)  # blocks of packed (query, head) rows

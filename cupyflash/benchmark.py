@@ -1054,7 +1054,7 @@ def _decode_cupyflash(shape, q, k, v, generator):
     table = None
     if shape.page:
         pages = shape.cache // shape.page
-        table = torch.randperm(shape.batch * pages, generator=generator).view(shape.batch, pages).int().to(q.device)
+        table = torch.randperm(shape.batch * pages, generator=generator, device=q.device).view(shape.batch, pages).int()
         paged = [torch.empty((shape.batch * pages, shape.page) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
                  for x in (k_cache, v_cache)]
         for store, dense in zip(paged, (k_cache, v_cache)):
@@ -1095,8 +1095,9 @@ def run_decode(shapes, impls=tuple(DECODE_IMPLEMENTATIONS), device="cuda", reps=
     import torch
     cells = []
     for shape in shapes:
-        generator = torch.Generator().manual_seed(shape.batch * 7 + shape.cache)
-        draw = lambda *size: torch.randn(*size, generator=generator).to(device, torch.bfloat16)  # noqa: E731
+        # drawn where they are used: a 128k cache drawn on the host took seconds per cell
+        generator = torch.Generator(device=device).manual_seed(shape.batch * 7 + shape.cache)
+        draw = lambda *size: torch.randn(*size, generator=generator, device=device, dtype=torch.bfloat16)  # noqa: E731
         q = draw(shape.batch, shape.seqlen_q, shape.nheads, shape.headdim)
         k, v = (draw(shape.batch, shape.nheads_k, shape.cache, shape.headdim) for _ in range(2))  # SDPA's layout
         steps, notes, expected = {}, {}, None

@@ -75,7 +75,7 @@ def _tile_text(tile, table):
 
 
 _TILE_HEADERS = ["head dim", "fwd tile", "bwd tile", "bwd tile with options", "deterministic bwd tile", "decode tile",
-                 "paged decode tile"]
+                 f"paged decode tile (pages under {_config.DENSE_TILE_PAGE} rows)"]
 
 
 def _table_tile(table, headdim):

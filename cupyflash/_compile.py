@@ -65,9 +65,21 @@ def _nvrtc_once(source, name, options):
         except nvrtc.NVRTCError as error:
             raise RuntimeError(f"NVRTC failed on {name} ({' '.join(options)}):\n"
                                f"{nvrtc.getProgramLog(program)}") from error
-        return nvrtc.getCUBIN(program), nvrtc.getProgramLog(program)
+        return whole_elf(nvrtc.getCUBIN(program)), nvrtc.getProgramLog(program)
     finally:
         nvrtc.destroyProgram(program)
+
+
+def whole_elf(cubin):
+    """The cubin padded with zeros to the size its ELF header gives. CuPy's getCUBIN drops the last
+    byte (it strips a trailing NUL, as for PTX text): the driver loads the rest, but nvdisasm and
+    cuobjdump refuse a file whose program headers end past it."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:  # (64-bit ELF only)
+        return cubin
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    size = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + bytes(max(0, size - len(cubin)))
 
 
 def cache_dir():

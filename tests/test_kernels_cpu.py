@@ -294,6 +294,19 @@ def test_editing_a_header_changes_the_compiled_binary(tmp_path, monkeypatch):
     assert first != second and first.exists() and second.exists()
 
 
+def test_a_compiled_cubin_is_its_whole_elf(tmp_path, monkeypatch):
+    """The cached cubin is as long as its ELF header says (CuPy's getCUBIN drops the last byte;
+    nvdisasm and cuobjdump refuse the file without it), and whole_elf leaves a whole one alone."""
+    import struct
+    monkeypatch.setenv("CUPYFLASH_CACHE_DIR", str(tmp_path))
+    path, _ = _compile.compile_kernel(_kernels.Kernel("bwd_dot", "bfloat16"), "90")
+    cubin = path.read_bytes()
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    assert len(cubin) == max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    assert _compile.whole_elf(cubin) == cubin and _compile.whole_elf(cubin[:-1]) == cubin
+
+
 # ---------------------------------------------------------------------- every kernel, zero spills
 
 # Every variant where CUPYFLASH_COMPILE_ALL is set (CI sets it; a cold sweep takes minutes on two

@@ -61,10 +61,10 @@ _SM90 = {
         256: (128, 32, 8, 1),   # 14-18% faster than 64x32 (v28); 64x64 spills with the options
     },
     # The KV cache's decode kernel (cuda_src/sm80/decode.cuh): 16 packed query rows, block_n keys per
-    # warp step, `stages` K/V buffers per warp; 'decode' reads dense caches (and large pages:
-    # decode_table), 'decode_paged' paged ones. hd128 timed (bench/notes/v20): 8 warps and 3
-    # stages read dense caches 1-36% faster, 16-row pages up to 36% slower. No hd224 tile: its padded rows spill
-    # on sm_90; hd256's serves it.
+    # warp step, `stages` K/V buffers per warp; 'decode' reads dense caches and large pages,
+    # 'decode_paged' smaller pages (decode_table). hd128 timed (bench/notes/v20): 8 warps and 3
+    # stages read dense caches 1-36% faster, 16-row pages up to 36% slower. No hd224 tile: its
+    # padded rows spill on sm_90; hd256's serves it.
     "decode": _DECODE | {128: (16, 16, 8, 3)},
     "decode_paged": _DECODE,
 }

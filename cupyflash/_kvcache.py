@@ -108,8 +108,7 @@ def splits(ctas, key_blocks, warps, resident):
 def _new_plan(call, cache, arrays):
     shape, caller = call.shape, call.caller
     device_id = caller.device_id
-    page_size = int(cache.k_cache.shape[1]) if cache.paged else 0
-    tile = _schedule.tile(_config.decode_table(page_size), shape.headdim, device_id)
+    tile = _schedule.tile(_config.decode_table(cache.page_size), shape.headdim, device_id)
     kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features)
     group = shape.nheads // shape.nheads_k
     m_blocks = -(-shape.seqlen_q * group // tile.block_m)  # blocks of packed (query, head) rows
@@ -145,7 +144,7 @@ def params_of(call, cache, arrays, tile, count):
     params = _plan._param_block(call, tile, {name: _plan._tensor_strides(s, False) for name, s in strides.items()},
                                 arrays, block_major=False)
     fields = dict(seqlen_new=cache.seqlen_new, capacity=cache.capacity, cache_rows=int(cache.k_cache.shape[0]),
-                  cache_seqlens_all=_full_length(cache), page_size=int(cache.k_cache.shape[1]) if cache.paged else 0,
+                  cache_seqlens_all=_full_length(cache), page_size=cache.page_size,
                   num_splits=count, rotary_interleaved=int(cache.rotary_interleaved), rotary_q_per_row=int(call.local))
     if "block_table" in arrays:
         fields["block_table_batch_stride"] = _arrays.element_strides(arrays["block_table"])[0]

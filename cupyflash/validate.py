@@ -367,6 +367,11 @@ class KVCache:
     def paged(self):
         return self.block_table is not None
 
+    @property
+    def page_size(self):
+        """Rows per page of a paged cache; 0 for a dense one."""
+        return int(self.k_cache.shape[1]) if self.paged else 0
+
 
 def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                   cache_leftpad, block_table, softmax_scale, causal, given, rotary_interleaved, num_splits,

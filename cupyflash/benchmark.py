@@ -646,21 +646,30 @@ def _host_torch_compiled(mode):
     return make
 
 
-def _host_sdpa_flash(q, k, v, dout, pass_):
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))  # SDPA's (b, h, s, d), views
-    dot = dout.transpose(1, 2)
+def _host_sdpa_flash(compiled):
+    """SDPA flash eagerly, or under torch.compile(fullgraph=True) as _host_torch_compiled compiles
+    cupyflash's: what torch.compile's own layers cost a call of either."""
+    def make(q, k, v, dout, pass_):
+        import torch
+        import torch._dynamo
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))  # SDPA's (b, h, s, d), views
+        dot = dout.transpose(1, 2)
+        attention = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        if compiled:
+            torch._dynamo.reset()
+            attention = torch.compile(attention, fullgraph=True)
 
-    def forward():
-        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        def forward():
+            return attention(qt, kt, vt)
 
-    def both():
-        return torch.autograd.grad(forward(), (qt, kt, vt), dot)
-    # The backend is picked once around the calls: the context manager's cost is not the call's.
-    return HostCall(forward if pass_ == "fwd" else both, _torch_sync(q),
-                    lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))
+        def both():
+            return torch.autograd.grad(forward(), (qt, kt, vt), dot)
+        # The backend is picked once around the calls: the context manager's cost is not the call's.
+        return HostCall(forward if pass_ == "fwd" else both, _torch_sync(q),
+                        lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))
+    return make
 
 
 HOST_COLUMNS = {  # name: (maker, what a call does)
@@ -683,13 +692,16 @@ HOST_COLUMNS = {  # name: (maker, what a call does)
                                         "each call, torch.compiler.cudagraph_mark_step_begin() before each"),
     "cupyflash.jax jit": (_host_timed(_cupyflash_jax), "jax.jit of cupyflash.jax.flash_attn; fwd+bwd: jax.jit of "
                                                        "jax.vjp's gradients of q, k, v"),
-    "SDPA flash": (_host_sdpa_flash, "F.scaled_dot_product_attention(is_causal=True) under "
-                                     "sdpa_kernel(SDPBackend.FLASH_ATTENTION), on (b, h, s, d) views that "
-                                     "require grad"),
+    "SDPA flash": (_host_sdpa_flash(False), "F.scaled_dot_product_attention(is_causal=True) under "
+                                            "sdpa_kernel(SDPBackend.FLASH_ATTENTION), on (b, h, s, d) views that "
+                                            "require grad"),
+    "SDPA flash compiled": (_host_sdpa_flash(True), "the same under torch.compile(fullgraph=True), as the "
+                                                    "compiled cupyflash column"),
     "JAX cuDNN": (_host_timed(_jax_cudnn), "jax.jit of jax.nn.dot_product_attention(implementation='cudnn'); "
                                            "fwd+bwd as for cupyflash.jax"),
 }
-HOST_RATIOS = (("cupyflash.torch eager", "SDPA flash"), ("cupyflash.jax jit", "JAX cuDNN"))
+HOST_RATIOS = (("cupyflash.torch eager", "SDPA flash"), ("cupyflash.torch compiled", "SDPA flash compiled"),
+               ("cupyflash.jax jit", "JAX cuDNN"))
 
 
 def _busy(seconds):

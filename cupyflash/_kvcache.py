@@ -130,8 +130,7 @@ def _new_plan(call, cache, arrays):
         rows = math.prod(stats)
         outputs += [_plan._Output("out_partial", (count, rows, shape.headdim), "float32", scratch=True),
                     _plan._Output("lse_partial", (count, rows), "float32", scratch=True)]
-        warps = _kernels.ROW_KERNEL_THREADS // 32
-        launches.append(_plan._Launch(_kernels.Kernel("decode_combine", call.dtype), (-(-rows // warps), 1, 1)))
+        launches.append(_plan._Launch(_kernels.Kernel("decode_combine", call.dtype), (rows, 1, 1)))
     return _plan.Plan(caller, params, arrays, outputs, launches, lambda o: (o["out"], o["lse"]))
 
 

@@ -11,7 +11,7 @@
 //     block table, from cache_leftpad on. At the end the warps merge by their row maxima; with one
 //     split the CTA writes out and lse, else its split's normalised O and lse.
 //   flash_decode_combine: with several splits, out and lse from the splits' partials, weighted by
-//     exp(lse_split - lse).
+//     exp(lse_split - lse), a CTA per row.
 // The split count is the host's (from shapes alone); lengths stay on the device, so a decode step
 // captures in a CUDA graph and replays as they change.
 #pragma once
@@ -314,38 +314,64 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     }
 }
 
-// One warp per (batch, head, query) row: out and lse from the splits' partials. A split that saw
-// no key (lse -inf) weighs 0 and its partial is not read.
+// A CTA's reduction of one value per thread (op: fmaxf or a sum), its result in every thread.
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float x, float* s_warps, Op op) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) x = op(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    __syncthreads();  // s_warps is free (an earlier reduction's readers are done)
+    if (threadIdx.x % 32 == 0) s_warps[threadIdx.x / 32] = x;
+    __syncthreads();
+    x = s_warps[0];
+    for (int w = 1; w < blockDim.x / 32; ++w) x = op(x, s_warps[w]);
+    return x;
+}
+
+// One CTA per (batch, head, query) row: out and lse from the splits' partials. Thread t adds the
+// 4-float column t % (headdim / 4) of splits t / (headdim / 4), + groups, ..., so that a row of
+// many splits (a short batch over a long cache) reads its partials in parallel rather than one
+// split after another; the groups' sums meet in shared memory. Every split CTA writes its
+// partial (zeros and lse -inf where it saw no key), so each is read, weighed 0 where it saw none.
 template <bool BF16>
 __device__ __forceinline__ void flash_decode_combine(const FlashParams& p) {
+    __shared__ float4 s_sums[1024];  // a thread's sum each (up to the most threads a CTA has)
+    __shared__ float s_warps[32];
     const long long rows_total = static_cast<long long>(p.batch) * p.nheads * p.seqlen_q;
-    const long long row = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    if (row >= rows_total) return;
+    const long long row = blockIdx.x;
+    const float* lse_partial = p.lse_partial + row;  // split s's at s * rows_total
     float max = -CUPYFLASH_INF;
-    for (int s = lane; s < p.num_splits; s += 32) max = fmaxf(max, p.lse_partial[s * rows_total + row]);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, offset));
+    for (int s = threadIdx.x; s < p.num_splits; s += blockDim.x) max = fmaxf(max, lse_partial[s * rows_total]);
+    max = block_reduce(max, s_warps, [](float a, float b) { return fmaxf(a, b); });
     float sum = 0.f;
     if (max != -CUPYFLASH_INF)
-        for (int s = lane; s < p.num_splits; s += 32) sum += __expf(p.lse_partial[s * rows_total + row] - max);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        for (int s = threadIdx.x; s < p.num_splits; s += blockDim.x) sum += __expf(lse_partial[s * rows_total] - max);
+    sum = block_reduce(sum, s_warps, [](float a, float b) { return a + b; });
     const float lse = sum > 0.f ? max + logf(sum) : -CUPYFLASH_INF;
-    const int query = row % p.seqlen_q, head = (row / p.seqlen_q) % p.nheads;
-    const int batch = row / (static_cast<long long>(p.seqlen_q) * p.nheads);
-    uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + query * p.out_row_stride
-                  + head * p.out_head_stride;
-    for (int col = 4 * lane; col < p.headdim; col += 128) {
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int s = 0; s < p.num_splits; ++s) {
-            const float lse_s = p.lse_partial[s * rows_total + row];
-            if (lse_s == -CUPYFLASH_INF) continue;
-            const float weight = __expf(lse_s - lse);
-            const float4 x = *reinterpret_cast<const float4*>(p.out_partial + (s * rows_total + row) * p.headdim + col);
+
+    const int chunks = p.headdim / 4, groups = blockDim.x / chunks, chunk = threadIdx.x % chunks;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (threadIdx.x < groups * chunks && lse != -CUPYFLASH_INF) {
+#pragma unroll 4
+        for (int s = threadIdx.x / chunks; s < p.num_splits; s += groups) {
+            const float lse_s = lse_partial[s * rows_total];
+            const float weight = lse_s == -CUPYFLASH_INF ? 0.f : __expf(lse_s - lse);
+            const float4 x = *reinterpret_cast<const float4*>(p.out_partial + (s * rows_total + row) * p.headdim
+                                                              + 4 * chunk);
             o.x += weight * x.x; o.y += weight * x.y; o.z += weight * x.z; o.w += weight * x.w;
         }
-        *reinterpret_cast<uint2*>(out + col) = make_uint2(pack_pair<BF16>(o.x, o.y), pack_pair<BF16>(o.z, o.w));
     }
-    if (lane == 0) p.lse[row] = lse;
+    s_sums[threadIdx.x] = o;
+    __syncthreads();
+    if (threadIdx.x < chunks) {
+        for (int g = 1; g < groups; ++g) {
+            const float4 x = s_sums[g * chunks + threadIdx.x];
+            o.x += x.x; o.y += x.y; o.z += x.z; o.w += x.w;
+        }
+        const int query = row % p.seqlen_q, head = (row / p.seqlen_q) % p.nheads;
+        const int batch = row / (static_cast<long long>(p.seqlen_q) * p.nheads);
+        uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + query * p.out_row_stride
+                      + head * p.out_head_stride + 4 * threadIdx.x;
+        *reinterpret_cast<uint2*>(out) = make_uint2(pack_pair<BF16>(o.x, o.y), pack_pair<BF16>(o.z, o.w));
+    }
+    if (threadIdx.x == 0) p.lse[row] = lse;
 }

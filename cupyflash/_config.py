@@ -63,10 +63,11 @@ _SM90 = {
     # The KV cache's decode kernel (cuda_src/sm80/decode.cuh): 16 packed query rows, block_n keys per
     # warp step, `stages` K/V buffers per warp; 'decode' reads dense caches and large pages,
     # 'decode_paged' smaller pages (decode_table). hd128 timed (bench/notes/v20): 8 warps and 3
-    # stages read dense caches 1-36% faster, 16-row pages up to 36% slower. No hd224 tile: its
-    # padded rows spill on sm_90; hd256's serves it.
+    # stages read dense caches 1-36% faster; 16-row pages want more warps per SM (each waits for its
+    # rows' table entries): 6 warps x 2 stages, two CTAs per SM, read them 1-7% faster than 4 x 2
+    # (v30). No hd224 tile: its padded rows spill on sm_90; hd256's serves it.
     "decode": _DECODE | {128: (16, 16, 8, 3)},
-    "decode_paged": _DECODE,
+    "decode_paged": _DECODE | {128: (16, 16, 6, 2)},
 }
 # sm86's decode tiles: the 4-warp ones up to hd160, 2 warps above (99 KiB).
 _SM86_DECODE = {hd: tile if hd <= 160 else (16, 16, 2, 2) for hd, tile in _DECODE.items()}
@@ -100,8 +101,8 @@ TILES = {
                             128: (128, 64, 8, 1),  # sm90's needs 194 KiB; one stage as fast on the H200 (v28)
                             224: (64, 32, 8, 1),   # as the plain tile
                             256: (64, 32, 8, 1)},  # sm90's needs more than 163 KiB
-            "decode": _SM90["decode_paged"],  # sm90's dense hd128 tile needs 200 KiB
-            "decode_paged": _SM90["decode_paged"],
+            "decode": _DECODE,  # sm90's dense hd128 tile needs 200 KiB; its paged one is not timed here
+            "decode_paged": _DECODE,
         },
     },
 }

@@ -150,6 +150,7 @@ def test_batch_index_leftpad_and_options():
     (40, 6, 6, 1, 0, 2048),     # MHA, a head dim padded to 64
     (64, 16, 2, 13, 1, 300),    # one split
     (96, 4, 2, 1, 200, 160),    # more splits asked for than key blocks
+    (128, 8, 1, 1, 100, 4096),  # many splits for few rows: the combine's thread groups take several each
 ])
 def test_splits_groups_and_head_dims(headdim, nheads, nheads_k, seqlen_q, num_splits, capacity):
     rng = np.random.default_rng(headdim + seqlen_q)

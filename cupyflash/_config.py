@@ -65,7 +65,7 @@ _SM90 = {
     # 'decode_paged' smaller pages (decode_table). hd128 timed (bench/notes/v20): 8 warps and 3
     # stages read dense caches 1-36% faster; 16-row pages want more warps per SM (each waits for its
     # rows' table entries): 6 warps x 2 stages, two CTAs per SM, read them 1-7% faster than 4 x 2.
-    # hd64 (v30): 16 keys per step, 8 x 3 dense and 4 x 2 paged, read 2-7% faster than 32 on 4 x 2.
+    # hd64 (v30): 16 keys per step, 8 x 3 dense and 4 x 2 paged, read 0-7% faster than 32 on 4 x 2.
     # No hd224 tile: its padded rows spill on sm_90; hd256's serves it.
     "decode": _DECODE | {64: (16, 16, 8, 3), 128: (16, 16, 8, 3)},
     "decode_paged": _DECODE | {64: (16, 16, 4, 2), 128: (16, 16, 6, 2)},

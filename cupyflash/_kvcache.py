@@ -99,10 +99,12 @@ def splits(ctas, keys, resident):
     """How many key ranges each of `ctas` CTAs' `keys` keys are split into, `resident` CTAs running
     at once. One where the CTAs' waves already keep 80% of the slots busy: a split adds the merge's
     partials and launch and shortens each CTA's stream past its fixed costs (v30: 128 x 1k, three
-    splits read 15-25% slower than one). Else the fewest whose waves are within 95% of the best
+    splits read 15-26% slower than one). Else the fewest whose waves are within 95% of the best
     quantisation (a decode's CTAs all read about as many keys, so a part-filled last wave idles the
     rest of the GPU), each split reading at least MIN_SPLIT_KEYS keys."""
-    efficiency = lambda count: ctas * count / resident / math.ceil(ctas * count / resident)  # noqa: E731
+    def efficiency(count):  # the busy share of the slots over the waves of `count` splits
+        waves = ctas * count / resident
+        return waves / math.ceil(waves)
     if efficiency(1) >= 0.8:
         return 1
     most = max(1, min(MAX_SPLITS, keys // MIN_SPLIT_KEYS))

@@ -368,7 +368,6 @@ def test_decode_splits_only_where_the_waves_leave_slots_idle():
                 assert fill(count) >= 0.95 * max(fill(c) for c in range(1, max(1, min(MAX_SPLITS, keys // MIN_SPLIT_KEYS)) + 1))
 
 
-
 def test_the_plan_signature_tells_calls_apart():
     """A GPU call whose signature equals an earlier one's skips validation under no_host_sync, so the
     signature must differ wherever validation or the plan could: layouts, dtypes, which arguments

@@ -14,10 +14,6 @@ import math
 from . import _arrays, _config, _kernels, _plan, _schedule
 
 MAX_SPLITS = 128
-# A split reads at least this many keys: shorter ones lose more to their fixed costs (the pipeline's
-# fill, the warps' merge, the partials) than the fuller waves gain (v30: 2k-8k keys per split read
-# fastest at 1 x 128k, 16 x 128k and 1 x 16k).
-MIN_SPLIT_KEYS = 2048
 # The plan's inputs by FlashParams field, in flash_attn_with_kvcache's order of array arguments: the
 # caches are `k` and `v`, the new keys and values `k_new` and `v_new`.
 FIELDS = ("q", "k", "v", "k_new", "v_new", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
@@ -95,19 +91,19 @@ def _launchable(caller, arrays):
     return _plan._launchable(caller, arrays)
 
 
-def splits(ctas, keys, resident):
-    """How many key ranges each of `ctas` CTAs' `keys` keys are split into, `resident` CTAs running
-    at once. One where the CTAs' waves already keep 80% of the slots busy: a split adds the merge's
-    partials and launch and shortens each CTA's stream past its fixed costs (v30: 128 x 1k, three
-    splits read 15-26% slower than one). Else the fewest whose waves are within 95% of the best
-    quantisation (a decode's CTAs all read about as many keys, so a part-filled last wave idles the
-    rest of the GPU), each split reading at least MIN_SPLIT_KEYS keys."""
+def splits(ctas, key_blocks, warps, resident):
+    """How many key ranges each of `ctas` CTAs' keys are split into, `resident` CTAs running at once.
+    One where the CTAs' waves already keep 80% of the slots busy: a split adds the merge's partials
+    and launch and shortens each CTA's stream past its fixed costs (v30: 128 x 1k, three splits read
+    15-26% slower than one). Else the fewest whose waves are within 95% of the best quantisation (a
+    decode's CTAs all read about as many keys, so a part-filled last wave idles the rest of the
+    GPU), each split keeping at least one key block per warp."""
     def efficiency(count):  # the busy share of the slots over the waves of `count` splits
         waves = ctas * count / resident
         return waves / math.ceil(waves)
     if efficiency(1) >= 0.8:
         return 1
-    most = max(1, min(MAX_SPLITS, keys // MIN_SPLIT_KEYS))
+    most = max(1, min(MAX_SPLITS, -(-key_blocks // warps)))
     best = max(map(efficiency, range(1, most + 1)))
     return next(count for count in range(1, most + 1) if efficiency(count) >= 0.95 * best)
 
@@ -121,7 +117,7 @@ def _new_plan(call, cache, arrays):
     m_blocks = -(-shape.seqlen_q * group // tile.block_m)  # blocks of packed (query, head) rows
     ctas = m_blocks * shape.nheads_k * shape.batch
     key_blocks = -(-cache.capacity // tile.block_n)
-    count = cache.num_splits or splits(ctas, cache.capacity, _schedule.resident_ctas(kernel, caller.device()))
+    count = cache.num_splits or splits(ctas, key_blocks, tile.warps, _schedule.resident_ctas(kernel, caller.device()))
     count = max(1, min(count, MAX_SPLITS, key_blocks))
 
     params = params_of(call, cache, arrays, tile, count)

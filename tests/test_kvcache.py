@@ -347,25 +347,25 @@ def test_bad_paged_varlen_input_names_the_argument():
 # The GPU path's host arithmetic (cupyflash/_kvcache.py): the key splits of a decode launch.
 
 def test_decode_splits_only_where_the_waves_leave_slots_idle():
-    from cupyflash._kvcache import MAX_SPLITS, MIN_SPLIT_KEYS, splits
-    assert splits(ctas=4 * 396, keys=2 ** 20, resident=396) == 1      # four whole waves
-    assert splits(ctas=1024, keys=1024, resident=396) == 1            # 2.59 waves: 86% busy, short keys
-    assert splits(ctas=128, keys=16384, resident=132) == 1            # one wave, 97% full
-    assert splits(ctas=128, keys=1024, resident=396) == 1             # a third of the slots, but keys too short
-    assert splits(ctas=128, keys=16384, resident=264) == 2            # 48% -> 97% of the slots
-    assert splits(ctas=400, keys=2 ** 20, resident=396) == 16         # 1.01 waves (51%); 16 of 17 waves: 95%
-    # 8 x 99 CTAs fill two waves exactly; 8 x 48 = 384 (97%) is the fewest within 95% of that (47: 94.9%)
-    assert splits(ctas=8, keys=2 ** 20, resident=396) == 48
-    assert splits(ctas=8, keys=4 * MIN_SPLIT_KEYS, resident=396) == 4  # no split shorter than MIN_SPLIT_KEYS
-    assert splits(ctas=1, keys=10 ** 7, resident=396) == 122           # 122 >= 0.95 * MAX_SPLITS
+    from cupyflash._kvcache import MAX_SPLITS, splits
+    assert splits(ctas=4 * 396, key_blocks=4096, warps=4, resident=396) == 1  # four whole waves
+    assert splits(ctas=1024, key_blocks=64, warps=4, resident=396) == 1    # 2.59 waves: 86% of the slots busy
+    assert splits(ctas=128, key_blocks=1024, warps=8, resident=132) == 1   # one wave, 97% full
+    assert splits(ctas=128, key_blocks=1024, warps=6, resident=264) == 2   # 48% -> 97% of the slots
+    assert splits(ctas=400, key_blocks=4096, warps=4, resident=396) == 16  # 1.01 waves (51%); 16 of 17 waves: 95%
+    # 8 x 49 = 392 CTAs fill 99% of a wave; 8 x 47 = 376 (94.9%) is the fewest within 95% of that
+    assert splits(ctas=8, key_blocks=256, warps=4, resident=396) == 47
+    assert splits(ctas=8, key_blocks=8, warps=4, resident=396) == 2      # at most one block per warp and split
+    assert splits(ctas=1, key_blocks=10 ** 6, warps=4, resident=396) == 122  # 122 >= 0.95 * MAX_SPLITS
     for ctas in (1, 3, 8, 64, 200, 300, 1000):
-        for keys in (16, 3000, 2 ** 16, 2 ** 20):
-            count = splits(ctas, keys, 396)
-            assert 1 <= count <= max(1, min(MAX_SPLITS, keys // MIN_SPLIT_KEYS))
+        for key_blocks in (1, 5, 64, 4096):
+            count = splits(ctas, key_blocks, 4, 396)
+            most = max(1, min(MAX_SPLITS, -(-key_blocks // 4)))
+            assert 1 <= count <= most
             fill = lambda c: ctas * c / 396 / -(-ctas * c // 396)  # noqa: E731
             if count > 1:  # only where one split leaves a fifth of the slots idle, and within 95% of the best
                 assert fill(1) < 0.8
-                assert fill(count) >= 0.95 * max(fill(c) for c in range(1, max(1, min(MAX_SPLITS, keys // MIN_SPLIT_KEYS)) + 1))
+                assert fill(count) >= 0.95 * max(fill(c) for c in range(1, most + 1))
 
 
 def test_the_plan_signature_tells_calls_apart():

@@ -63,8 +63,8 @@ _SM90 = {
     # The KV cache's decode kernel (cuda_src/sm80/decode.cuh): 16 packed query rows, block_n keys per
     # warp step, `stages` K/V buffers per warp; 'decode' reads dense caches and large pages,
     # 'decode_paged' smaller pages (decode_table). hd128 timed (bench/notes/v20): 8 warps and 3
-    # stages read dense caches 1-36% faster; 16-row pages want more warps per SM (each waits for its
-    # rows' table entries): 6 warps x 2 stages, two CTAs per SM, read them 1-7% faster than 4 x 2.
+    # stages read dense caches 1-36% faster; 16-row pages want more warps per SM (likely: each waits
+    # for its rows' table entries): 6 warps x 2 stages, two CTAs per SM, read them 1-7% faster than 4 x 2.
     # hd64 (v30): 16 keys per step, 8 x 3 dense and 4 x 2 paged, read 0-7% faster than 32 on 4 x 2.
     # No hd224 tile: its padded rows spill on sm_90; hd256's serves it.
     "decode": _DECODE | {64: (16, 16, 8, 3), 128: (16, 16, 8, 3)},

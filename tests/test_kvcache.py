@@ -357,6 +357,7 @@ def test_decode_splits_only_where_the_waves_leave_slots_idle():
     assert splits(ctas=8, key_blocks=256, warps=4, resident=396) == 47
     assert splits(ctas=8, key_blocks=8, warps=4, resident=396) == 2      # at most one block per warp and split
     assert splits(ctas=1, key_blocks=10 ** 6, warps=4, resident=396) == 122  # 122 >= 0.95 * MAX_SPLITS
+    assert splits(ctas=1, key_blocks=10 ** 6, warps=4, resident=64) <= MAX_SPLITS
     for ctas in (1, 3, 8, 64, 200, 300, 1000):
         for key_blocks in (1, 5, 64, 4096):
             count = splits(ctas, key_blocks, 4, 396)

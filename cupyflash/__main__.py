@@ -133,11 +133,12 @@ def info():
 def _print_wgmma_tables(family):
     """The wgmma family's tables: each pass's, then the forward's by length and masking (forward_table)."""
     instead = {"fwd_short": f"its calls of at most {_config.SHORT_SEQLEN} query rows take",
-               "fwd_local": "its causal or windowed calls take"}
+               "fwd_local": "its causal or windowed calls take",
+               "bwd_options": "its calls with score options or deterministic take"}
     printed = []
     for table, wgmma in _config.TILES[_config.WGMMA].get(family, {}).items():
         if any(wgmma is other for other in printed):
-            continue  # (the backward's with options and deterministic: the plain one's table)
+            continue  # (the deterministic backward's: the options' table)
         printed.append(wgmma)
         tiles = "; ".join(_tile_text(_config.Tile(hd, *cfg, _config.WGMMA), table) for hd, cfg in wgmma.items())
         if table in instead:

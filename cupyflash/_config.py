@@ -140,13 +140,15 @@ TILES[WGMMA] = {"sm90": {
         128: (128, 128, 12, 2),
     },
     "bwd": {
-        64: (64, 128, 12, 2),
+        64: (128, 128, 12, 2),  # 128 query rows a step, dQ's rows split over the consumers (v31)
         128: (64, 128, 12, 2),
         256: (64, 64, 12, 2),   # the consumers split dK's and dV's columns (not timed)
     },
 }}
-for _table in ("bwd_options", "bwd_deterministic"):
-    TILES[WGMMA]["sm90"][_table] = TILES[WGMMA]["sm90"]["bwd"]  # (not timed apart)
+# The options' and the deterministic backward: the plain tiles (not timed apart), but hd64 on 64
+# query rows, whose dropout decisions are one word a step.
+TILES[WGMMA]["sm90"]["bwd_options"] = {**TILES[WGMMA]["sm90"]["bwd"], 64: (64, 128, 12, 2)}
+TILES[WGMMA]["sm90"]["bwd_deterministic"] = TILES[WGMMA]["sm90"]["bwd_options"]
 SHORT_SEQLEN = 1024
 
 
@@ -210,7 +212,8 @@ class Tile:
         if self.kernel_family == WGMMA:
             # alignment, K, V, (Q, dO) x stages, what the consumers trade, (lse, D) x stages, barriers
             if self.headdim <= 128:  # dS^T x 2, dQ (in one or two pieces), a dropout word per consumer thread
-                trade = (4 * self.block_n * self.block_m + 4 * (1 if self.headdim == 128 else 2) * self.block_m * self.headdim
+                dq_pieces = 1 if self.headdim == 128 or self.block_m == 128 else 2
+                trade = (4 * self.block_n * self.block_m + 4 * dq_pieces * self.block_m * self.headdim
                          + 4 * (self.threads - 128))
             else:  # P^T, dS^T, dP^T (fp32)
                 trade = 8 * self.block_n * self.block_m

@@ -361,7 +361,7 @@ def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0):
     tensor of the call (q, k, v, out, dout, dq, dk, dv) to its (batch, row, head) element strides."""
     shape, scale = call.shape, call.scale
     stats_strides = (0, shape.total_q) if shape.varlen else (shape.nheads * shape.seqlen_q, shape.seqlen_q)
-    padded_rows = _padded_rows(shape)
+    padded_rows = _padded_rows(shape, tile.block_m)
     padded_strides = (0, padded_rows) if shape.varlen else (shape.nheads * padded_rows, padded_rows)
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
                   seqlen_k=shape.seqlen_k, total_q=shape.total_q, total_k=shape.total_k,
@@ -382,12 +382,16 @@ def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0):
 _PADDED_ROWS = 64  # Sequence::kPaddedRows in cuda_src/common/mask.cuh
 
 
-def _padded_rows(shape):
+def _padded_rows(shape, block_m):
     """The backward's padded rows (dq_accum, lse_log2, dout_dot_out) per head (per batch entry and
-    head without varlen): every sequence starts at a multiple of 64 (Sequence::padded_row0 in the
-    kernels), the padding and the gaps included."""
-    pad = lambda n: -(-n // _PADDED_ROWS) * _PADDED_ROWS  # noqa: E731
-    return pad(shape.total_q) + _PADDED_ROWS * (shape.batch + 1) if shape.varlen else pad(shape.seqlen_q)
+    head without varlen), for query blocks of `block_m` rows: every sequence starts at a multiple
+    of 64 (Sequence::padded_row0 in the kernels), the padding and the gaps included; a head's rows
+    without varlen are whole query blocks, and a varlen batch keeps 64 rows past its last
+    sequence's, where a last block of 128 rows ends."""
+    pad = lambda n, unit: -(-n // unit) * unit  # noqa: E731
+    if shape.varlen:
+        return pad(shape.total_q, _PADDED_ROWS) + _PADDED_ROWS * (shape.batch + 1)
+    return pad(shape.seqlen_q, max(_PADDED_ROWS, block_m))
 
 
 def _kernel(pass_, call, tile):
@@ -482,7 +486,7 @@ def _backward_plan(call, inputs, return_dbias):
                                                     "dout": tile.block_m})
     if maps is None:
         tile = _schedule.tile(table, shape.headdim, device_id)
-    padded = (*shape.stats[:-1], _padded_rows(shape))
+    padded = (*shape.stats[:-1], _padded_rows(shape, tile.block_m))
     outputs = [_Output("dq", tuple(q.shape), call.dtype), _Output("dk", tuple(k.shape), call.dtype),
                _Output("dv", tuple(v.shape), call.dtype), _Output("dout_dot_out", padded, "float32", scratch=True),
                _Output("lse_log2", padded, "float32", scratch=True),

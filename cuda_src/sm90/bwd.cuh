@@ -48,18 +48,22 @@ struct Sm90BwdTile {
     // per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg only moves them between
     // warpgroups: a consumer that asks for more than the producer gave up waits for ever.
     static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-    static constexpr int kConsumerRegisters = HEADDIM == 64 ? 224 : 232;
-    static constexpr int kProducerRegisters = HEADDIM == 64 ? 56 : 40;
+    // hd64 on 128 query rows a step holds hd128's S^T and dP^T beside its own dK and dV.
+    static constexpr int kConsumerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 224 : 232;
+    static constexpr int kProducerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 56 : 40;
     static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * kLaunchRegisters,
                   "the consumers' registers are the producer's");
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;     // K or V
     static constexpr int kQBytes = BLOCK_M * HEADDIM * 2;      // Q or dO, per stage
     static constexpr int kDSBytes = BLOCK_N * BLOCK_M * 2;     // dS^T (or P^T), 16-bit
     static constexpr int kRowBytes = BLOCK_M * 4;              // lse_log2 or D, per stage
-    // hd128: dQ's columns split over the consumers (a barrier of the two per step); hd64: each
-    // consumer takes its own keys' part of dQ (two pieces to add, no barrier between them).
+    // hd128: dQ's columns split over the consumers; hd64 on 128 query rows: dQ's rows. Either
+    // way each consumer's part spans all BLOCK_N keys (a barrier of the two per step) and a step
+    // adds one piece. hd64 on 64 rows: each consumer takes its own keys' part of dQ (two pieces to
+    // add, no barrier between them).
     static constexpr bool kSplitDQColumns = HEADDIM == 128;
-    static constexpr int kDQPieces = kSplitDQColumns ? 1 : kConsumers;
+    static constexpr bool kSplitDQRows = HEADDIM == 64 && BLOCK_M == 128;
+    static constexpr int kDQPieces = kSplitDQColumns || kSplitDQRows ? 1 : kConsumers;
     static constexpr int kDQBytes = BLOCK_M * HEADDIM * 4;     // one piece of dQ, fp32
     static constexpr int kDPBytes = BLOCK_N * BLOCK_M * 4;     // hd256: dP^T, fp32
     // What the consumers trade per step: two dS^T buffers and dQ (split keys), or P^T, dS^T and
@@ -76,7 +80,7 @@ struct Sm90BwdTile {
                                       + STAGES * 2 * kRowBytes + kKeptBytes + kBarrierBytes;
     static_assert(kSplitKeys ? (HEADDIM == 64 || HEADDIM == 128) && BLOCK_N == 128 : HEADDIM == 256 && BLOCK_N == 64,
                   "64 keys by HEADDIM (split keys) or by HEADDIM / 2 (hd256) of dK and dV per consumer");
-    static_assert(BLOCK_M == 64, "S^T is 64 keys by 64 queries per consumer");
+    static_assert(BLOCK_M == 64 || kSplitDQRows, "S^T is 64 keys by 64 queries per consumer (hd64: or by 128)");
 };
 
 // Dropout's decisions for a consumer thread's elements of S^T tiles 2 k and 2 k + 1 (keys as rows
@@ -216,8 +220,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     // with either, each tile's P^T, d/ds and dS^T in one pass after both products.
     constexpr bool kEarlyProbabilities = (FEATURES & (feature::softcap | feature::bias)) == 0;
     constexpr int DT = HEADDIM / 8, MT = BLOCK_M / 8;  // accumulator column tiles: of dK/dV, of S^T
-    static_assert(Sequence::kPaddedRows % BLOCK_M == 0,
-                  "a query block's padded rows are one aligned piece of dq_accum, lse_log2 and D");
+    static_assert(BLOCK_M % Sequence::kPaddedRows == 0, "a query block starts a sequence's padded rows' piece");
+    static_assert(BLOCK_M == 64 || !DROPOUT, "a step's dropout decisions are one word: 64 query rows");
     constexpr int kDQWidth = T::kSplitDQColumns ? HEADDIM / T::kConsumers : HEADDIM;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -488,6 +492,21 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             if constexpr ((FEATURES & feature::bias) != 0)  // the step's bias reads then wait on L1
                 Bias<BF16>(p, seq, batch, recomputed(head)).prefetch<BLOCK_M, 64>(row0, key0 + wg_key0);
             mbarrier_wait(q_full(stage), (step / STAGES) & 1);
+            if constexpr (BLOCK_M > Sequence::kPaddedRows) {
+                // flash_bwd_dot pads a sequence's rows to a multiple of kPaddedRows (lse_log2 +inf, D
+                // 0); the rest of a taller last block is unwritten or the next sequence's, so its rows
+                // are padded here (both consumers write the same values). Their generic stores are
+                // ordered before the producer's next copies into the stage by the fence before q_empty.
+                if (row0 + BLOCK_M > seq.seqlen_q) {
+                    static_assert(BLOCK_M == 128, "a consumer thread per row");
+                    const int row = threadIdx.x % 128;
+                    if (row0 + row >= seq.seqlen_q) {
+                        asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(s_lse(stage) + 4 * row), "f"(CUPYFLASH_INF) : "memory");
+                        asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(s_dot(stage) + 4 * row), "f"(0.f) : "memory");
+                    }
+                    warpgroup_sync(2 + consumer);
+                }
+            }
 
             // S^T = K Q^T and dP^T = V dO^T, two groups: P^T is computed while dP^T runs.
             float s[1][MT][4], dp[1][MT][4];
@@ -514,9 +533,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             const float* dot = reinterpret_cast<const float*>(smem_raw + (s_dot(stage) - smem_address(smem_raw)));
             const bool masked = block_needs_mask<LOCAL>(p, seq, row0, key0 + wg_key0, BLOCK_M, 64);
             // Dropout's decisions (tile nt's at bit 4 nt), drawn while the products run.
-            if (DROPOUT && p.dropout_scale != 0.f) {
-                const uint32 bits = step_dropout_bits<BLOCK_M>(p, batch, head, row0, warp_key0);
-                asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(s_kept), "r"(bits) : "memory");
+            if constexpr (DROPOUT) {
+                if (p.dropout_scale != 0.f) {
+                    const uint32 bits = step_dropout_bits<BLOCK_M>(p, batch, head, row0, warp_key0);
+                    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(s_kept), "r"(bits) : "memory");
+                }
             }
             if constexpr (kEarlyProbabilities) {
                 wgmma_wait<1>();
@@ -535,8 +556,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             // tile by tile, so that the fp32 fragments are freed as the packed ones fill.
             uint32 p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
             uint32 kept = ~0u;  // dropout's decisions: tile nt's at bit 4 nt (all kept where dropout is off)
-            if (DROPOUT && p.dropout_scale != 0.f)
-                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(kept) : "r"(s_kept) : "memory");
+            if constexpr (DROPOUT) {
+                if (p.dropout_scale != 0.f)
+                    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(kept) : "r"(s_kept) : "memory");
+            }
 #pragma unroll
             for (int nt = 0; nt < MT; ++nt) {
                 float grad[1][4] = {{1.f, 1.f, 1.f, 1.f}};
@@ -579,15 +602,18 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             });
             wgmma_commit();
 
-            // dQ = dS K: A is dS^T's tile read MN-major, B the K tile read N-major.
+            // dQ = dS K: A is dS^T's tile read MN-major (split rows: this consumer's column block of
+            // it), B the K tile read N-major (split columns: this consumer's column block of it).
             float dq[1][kDQWidth / 8][4];
-            constexpr int kDQKeys = T::kSplitDQColumns ? BLOCK_N : 64;
-            const uint32 ds_tile = s_ds(buffer) + (T::kSplitDQColumns ? 0 : wg_key0 * kSwizzleRowBytes);
+            constexpr bool kAllKeys = T::kSplitDQColumns || T::kSplitDQRows;
+            constexpr int kDQKeys = kAllKeys ? BLOCK_N : 64;
+            const uint32 ds_tile = s_ds(buffer) + (T::kSplitDQRows ? consumer * BLOCK_N * kSwizzleRowBytes
+                                                   : kAllKeys ? 0 : wg_key0 * kSwizzleRowBytes);
             const uint32 k_tile = s_k + (T::kSplitDQColumns ? consumer * BLOCK_N * kSwizzleRowBytes
-                                                            : wg_key0 * kSwizzleRowBytes);
+                                         : kAllKeys ? 0 : wg_key0 * kSwizzleRowBytes);
             // Every warp's dS^T rows are stored before the product reads them: both consumers' (named
             // barrier 1), or this one's (barrier 2 + consumer).
-            if constexpr (T::kSplitDQColumns) consumers_sync(1);
+            if constexpr (kAllKeys) consumers_sync(1);
             else warpgroup_sync(2 + consumer);
             wgmma_fence();
             const uint64 ds_desc = n_major_descriptor(ds_tile, 0, BLOCK_N), kb_desc = n_major_descriptor(k_tile, 0, BLOCK_N);
@@ -608,9 +634,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             // 256 contiguous bytes), once the adder has read the last step's.
             if (step > 0) mbarrier_wait(dq_empty, (step - 1) & 1);
             {
-                const int q_row = 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
+                const int q_row = (T::kSplitDQRows ? 64 * consumer : 0) + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
                 const int col0 = (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0);
-                const uint32 piece = s_dq + (T::kSplitDQColumns ? 0 : consumer * T::kDQBytes);
+                const uint32 piece = s_dq + (T::kDQPieces == 1 ? 0 : consumer * T::kDQBytes);
 #pragma unroll
                 for (int half = 0; half < 2; ++half)
 #pragma unroll

@@ -38,6 +38,9 @@ CASES = [Case(113, 113, 72, "float16", True, batch=1),
          Case(70, 90, 256, "float16", False, batch=1, nheads=2, dropout_p=0.15),
          # a varlen plain backward with an empty sequence (wgmma on H200: TMA over the packed rows)
          Case.packed((0, 37, 5), (9, 0, 70), 64, "bfloat16", True, nheads=2, nheads_k=1),
+         # the wgmma hd64 backward's 128-row query blocks past a head's or a sequence's padded rows
+         Case(17, 200, 64, "float16", False, batch=2, nheads=2),
+         Case.packed((66, 1, 130), (70, 9, 128), 64, "bfloat16", False, nheads=4, nheads_k=2),
          # more query tiles than an H200 has SMs: the wgmma forward's persistent CTAs take several
          # (hd64 up to 1k rows on two consumers, LOCAL tiles back to back)
          Case(300, 200, 64, "bfloat16", True, batch=2, nheads=70, nheads_k=10),

@@ -494,17 +494,17 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             mbarrier_wait(q_full(stage), (step / STAGES) & 1);
             if constexpr (BLOCK_M > Sequence::kPaddedRows) {
                 // flash_bwd_dot pads a sequence's rows to a multiple of kPaddedRows (lse_log2 +inf, D
-                // 0); the rest of a taller last block is unwritten or the next sequence's, so its rows
-                // are padded here (both consumers write the same values). Their generic stores are
-                // ordered before the producer's next copies into the stage by the fence before q_empty.
+                // 0); the rest of a taller last block is unwritten or the next sequence's, so consumer
+                // 0 pads its rows here, before either reads them. Its generic stores are ordered before
+                // the producer's next copies into the stage by its fence before q_empty.
                 if (row0 + BLOCK_M > seq.seqlen_q) {
                     static_assert(BLOCK_M == 128, "a consumer thread per row");
                     const int row = threadIdx.x % 128;
-                    if (row0 + row >= seq.seqlen_q) {
+                    if (consumer == 0 && row0 + row >= seq.seqlen_q) {
                         asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(s_lse(stage) + 4 * row), "f"(CUPYFLASH_INF) : "memory");
                         asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(s_dot(stage) + 4 * row), "f"(0.f) : "memory");
                     }
-                    warpgroup_sync(2 + consumer);
+                    consumers_sync(1);
                 }
             }
 

@@ -272,7 +272,10 @@ class Plan:
         zeroing = ()
         if self.workspaces:
             if workspaces is None:
-                bases = [pointer_of(workspace) for workspace in self._scratch(inputs, stream)]
+                # Held until the launches are queued: released before them, memory that a pool-less
+                # allocator frees at once would be what the kernels read.
+                scratch = self._scratch(inputs, stream)
+                bases = [pointer_of(workspace) for workspace in scratch]
             else:  # the caller's, aligned up; a zeroed one is zeroed on the stream (capturable, unlike an allocation)
                 bases = [-(-address // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT for address in workspaces]
                 zeroing = [(base, w.nbytes) for w, base in zip(self.workspaces, bases) if w.zeroed]

@@ -253,6 +253,39 @@ def test_unchecked_cu_seqlens_stay_inside_the_buffers():
 
 
 @pytest.mark.gpu
+def test_a_calls_scratch_is_alive_when_its_kernels_launch(monkeypatch):
+    """The workspaces a call allocates (a deterministic backward's zeroed semaphores) are still
+    referenced when its kernels launch: dropped before, an allocator without a pool frees memory
+    that the kernels then read (compute-sanitizer's memcheck caught it)."""
+    pytest.importorskip("cupy")
+    import weakref
+    import cupyflash
+    from cupyflash import api
+    case = Case(**CASE, deterministic=True)
+    arrays = _check.to_cupy_inputs(case, _check.random_inputs(case, 4))
+    q, k, v, dout = (arrays[n] for n in ("q", "k", "v", "dout"))
+    out, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    plan = api.plan_of("bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse), None, True,
+                       dict(deterministic=True), "test")
+    assert any(w.zeroed and not w.kept for w in plan.workspaces)  # allocated by every call
+    allocated, alive_at_launch = [], []
+
+    def tracked(allocate):
+        def allocate_and_track(inputs):
+            array = allocate(inputs)
+            allocated.append(weakref.ref(array))
+            return array
+        return allocate_and_track
+
+    monkeypatch.setattr(plan, "workspaces", [w._replace(allocate=tracked(w.allocate)) for w in plan.workspaces])
+    launch = plan.launch_kernel
+    monkeypatch.setattr(plan, "launch_kernel", lambda *args: (alive_at_launch.append(
+        bool(allocated) and all(ref() is not None for ref in allocated)), launch(*args))[1])
+    cupyflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    assert alive_at_launch and all(alive_at_launch)
+
+
+@pytest.mark.gpu
 def test_cupy_plans_keep_scratch_per_stream_and_a_dropped_lse_apart():
     """A backward keeps its (small) scratch per stream: repeated calls on one stream reuse it, each
     stream gets its own, a call under capture allocates its own, and every result equals the first

@@ -272,8 +272,8 @@ class Plan:
         zeroing = ()
         if self.workspaces:
             if workspaces is None:
-                # Held until the launches are queued: released before them, memory that a pool-less
-                # allocator frees at once would be what the kernels read.
+                # Held until the launches are queued: an allocator without a pool frees a released
+                # array's memory at once, before the kernels read it.
                 scratch = self._scratch(inputs, stream)
                 bases = [pointer_of(workspace) for workspace in scratch]
             else:  # the caller's, aligned up; a zeroed one is zeroed on the stream (capturable, unlike an allocation)

@@ -279,8 +279,12 @@ def test_a_calls_scratch_is_alive_when_its_kernels_launch(monkeypatch):
 
     monkeypatch.setattr(plan, "workspaces", [w._replace(allocate=tracked(w.allocate)) for w in plan.workspaces])
     launch = plan.launch_kernel
-    monkeypatch.setattr(plan, "launch_kernel", lambda *args: (alive_at_launch.append(
-        bool(allocated) and all(ref() is not None for ref in allocated)), launch(*args))[1])
+
+    def launch_and_check(*args):
+        alive_at_launch.append(bool(allocated) and all(ref() is not None for ref in allocated))
+        return launch(*args)
+
+    monkeypatch.setattr(plan, "launch_kernel", launch_and_check)
     cupyflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
     assert alive_at_launch and all(alive_at_launch)
 

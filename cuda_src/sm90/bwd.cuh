@@ -48,7 +48,7 @@ struct Sm90BwdTile {
     // per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg only moves them between
     // warpgroups: a consumer that asks for more than the producer gave up waits for ever.
     static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-    // hd64 on 128 query rows a step holds hd128's S^T and dP^T beside its own dK and dV.
+    // hd64 on 128 query rows a step holds S^T and dP^T of 64 keys x 128 queries (64 registers each).
     static constexpr int kConsumerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 224 : 232;
     static constexpr int kProducerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 56 : 40;
     static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * kLaunchRegisters,

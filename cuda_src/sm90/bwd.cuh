@@ -588,7 +588,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             }
             fence_proxy_async();  // dS^T's stores, then wgmma reads them
 
-            // dV += P^T dO, dK += dS^T Q (B N-major: the rows of dO and Q are the k dimension here).
+            // dV += P^T dO, then dQ = dS K, then dK += dS^T Q, three groups: dQ is stored while dK
+            // runs (its product's latency and its store then overlap the tensor cores' work).
+            // dV and dK: B N-major (the rows of dO and Q are the k dimension here).
             wgmma_fence();
             const uint64 do_n_desc = n_major_descriptor(s_do(stage), 0, BLOCK_M);
             const uint64 q_n_desc = n_major_descriptor(s_q(stage), 0, BLOCK_M);
@@ -596,14 +598,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 constexpr int kk = decltype(kk_)::value;
                 wgmma_rs<HEADDIM, BF16>(flat(acc_dv), p_frag[kk], descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(do_n_desc), true);
             });
-            static_for<BLOCK_M / 16>([&](auto kk_) {
-                constexpr int kk = decltype(kk_)::value;
-                wgmma_rs<HEADDIM, BF16>(flat(acc_dk), ds_frag[kk], descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(q_n_desc), true);
-            });
             wgmma_commit();
 
-            // dQ = dS K: A is dS^T's tile read MN-major (split rows: this consumer's column block of
-            // it), B the K tile read N-major (split columns: this consumer's column block of it).
+            // dQ: A is dS^T's tile read MN-major (split rows: this consumer's column block of it), B
+            // the K tile read N-major (split columns: this consumer's column block of it).
             float dq[1][kDQWidth / 8][4];
             constexpr bool kAllKeys = T::kSplitDQColumns || T::kSplitDQRows;
             constexpr int kDQKeys = kAllKeys ? BLOCK_N : 64;
@@ -623,11 +621,13 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                                                      descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(kb_desc), kk > 0);
             });
             wgmma_commit();
-            wgmma_wait<1>();  // dV and dK are done with Q and dO
+            static_for<BLOCK_M / 16>([&](auto kk_) {
+                constexpr int kk = decltype(kk_)::value;
+                wgmma_rs<HEADDIM, BF16>(flat(acc_dk), ds_frag[kk], descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(q_n_desc), true);
+            });
+            wgmma_commit();
+            wgmma_wait<1>();  // dV and dQ are done
             fence_operands(flat(acc_dv));
-            fence_operands(flat(acc_dk));
-            mbarrier_arrive(q_empty(stage));
-            wgmma_wait<0>();
             fence_operands(flat(dq));
 
             // dQ into shared memory in dq_accum's layout (dq_accum_index: each warp's pair stores fill
@@ -649,6 +649,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             fence_proxy_async();  // the stores, then the copy engine reads them
             __syncwarp();
             if (arrives) mbarrier_arrive(dq_full);
+            wgmma_wait<0>();  // dK is done with Q (and dV with dO)
+            fence_operands(flat(acc_dk));
+            mbarrier_arrive(q_empty(stage));
         }
 
         store_dk_dv<BF16>(p, seq, batch, head_k, warp_key0, 0, acc_dk, acc_dv);

@@ -406,16 +406,33 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             }
             consumers_sync(2);  // P^T and dS^T are stored
 
-            // dV += P^T dO and dK += dS^T Q over this consumer's columns: A K-major (keys as rows,
-            // queries contiguous), B N-major (two 64-wide column blocks of dO and Q).
-            wgmma_fence();
+            // Four groups: dV += P^T dO, dQ = dS K in two 64-column chunks, dK += dS^T Q, so that each
+            // chunk's reductions are issued while the later products run. dV and dK over this
+            // consumer's columns: A K-major (keys as rows, queries contiguous), B N-major (two 64-wide
+            // column blocks of dO and Q). dQ: A dS^T's tile read MN-major, B the K tile read N-major.
+            static_assert(kHalf == 128, "dQ in two 64-column chunks");
             const uint64 p_desc = k_major_descriptor(s_ds(0), 0, BLOCK_N), ds_desc = k_major_descriptor(s_ds(1), 0, BLOCK_N);
             const uint64 do_desc = n_major_descriptor(s_do(stage) + 2 * consumer * BLOCK_M * kSwizzleRowBytes, 0, BLOCK_M);
             const uint64 q_desc = n_major_descriptor(s_q(stage) + 2 * consumer * BLOCK_M * kSwizzleRowBytes, 0, BLOCK_M);
+            const uint64 ds_mn_desc = n_major_descriptor(s_ds(1), 0, BLOCK_N);
+            float dq[2][1][8][4];
+            wgmma_fence();
             static_for<BLOCK_M / 16>([&](auto kk_) {
                 constexpr int kk = decltype(kk_)::value;
                 wgmma_ss<kHalf, BF16, false, true>(flat(acc_dv), descriptor_plus<k_major_offset(kk, BLOCK_N), false>(p_desc),
                                                    descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(do_desc), true);
+            });
+            wgmma_commit();
+            static_for<2>([&](auto chunk_) {
+                constexpr int chunk = decltype(chunk_)::value;
+                const int block = 2 * consumer + chunk;  // 64-wide column block of K and dQ
+                const uint64 kb_desc = n_major_descriptor(s_k + block * BLOCK_N * kSwizzleRowBytes, 0, BLOCK_N);
+                static_for<BLOCK_N / 16>([&](auto kk_) {
+                    constexpr int kk = decltype(kk_)::value;
+                    wgmma_ss<64, BF16, true, true>(flat(dq[chunk]), descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(ds_mn_desc),
+                                                   descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(kb_desc), kk > 0);
+                });
+                wgmma_commit();
             });
             static_for<BLOCK_M / 16>([&](auto kk_) {
                 constexpr int kk = decltype(kk_)::value;
@@ -424,9 +441,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             });
             wgmma_commit();
 
-            // dQ = dS K over this consumer's columns, 64 at a time: A dS^T's tile read MN-major, B
-            // the K tile read N-major; added to dq_accum (rows past the sequence's end add nothing).
-            const uint64 ds_mn_desc = n_major_descriptor(s_ds(1), 0, BLOCK_N);
+            // dQ's chunks added to dq_accum (rows past the sequence's end add nothing).
             float* dq_rows = p.dq_accum + seq.padded_row0(p, batch, head) * HEADDIM;
             int* counter = nullptr;
             if constexpr (DETERMINISTIC) {  // this key block's turn (named barrier 4: both consumers wait for it)
@@ -437,41 +452,29 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 }
                 consumers_sync(4);
             }
-#pragma unroll
-            for (int chunk = 0; chunk < kHalf / 64; ++chunk) {
-                const int block = consumer * (kHalf / 64) + chunk;  // 64-wide column block of K and dQ
-                float dq[1][8][4];
-                const uint64 kb_desc = n_major_descriptor(s_k + block * BLOCK_N * kSwizzleRowBytes, 0, BLOCK_N);
-                wgmma_fence();
-                static_for<BLOCK_N / 16>([&](auto kk_) {
-                    constexpr int kk = decltype(kk_)::value;
-                    wgmma_ss<64, BF16, true, true>(flat(dq), descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(ds_mn_desc),
-                                                   descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(kb_desc), kk > 0);
-                });
-                wgmma_commit();
-                if (chunk == 0) {
-                    wgmma_wait<1>();  // dV and dK are done with Q and dO
-                    fence_operands(flat(acc_dv));
-                    fence_operands(flat(acc_dk));
-                    mbarrier_arrive(q_empty(stage));
-                }
-                wgmma_wait<0>();
-                fence_operands(flat(dq));
+            static_for<2>([&](auto chunk_) {
+                constexpr int chunk = decltype(chunk_)::value;
+                wgmma_wait<2 - chunk>();  // dV and the chunks up to this one
+                fence_operands(flat(dq[chunk]));
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int row = row0 + lane_row + 8 * half;
                     if (row < seq.seqlen_q) {
 #pragma unroll
                         for (int nt = 0; nt < 8; ++nt)
-                            atomic_add_pair(dq_rows + dq_accum_index(row, 64 * block + fragment_col(nt, 0), HEADDIM),
-                                            dq[0][nt][2 * half], dq[0][nt][2 * half + 1]);
+                            atomic_add_pair(dq_rows + dq_accum_index(row, 64 * (2 * consumer + chunk) + fragment_col(nt, 0), HEADDIM),
+                                            dq[chunk][0][nt][2 * half], dq[chunk][0][nt][2 * half + 1]);
                     }
                 }
-            }
+            });
             if constexpr (DETERMINISTIC) {  // every consumer thread's adds are issued before the next block's turn
                 consumers_sync(4);
                 if (threadIdx.x == 128) add_release(counter, 1);
             }
+            wgmma_wait<0>();  // dK: the products are done with Q, dO, P^T and dS^T
+            fence_operands(flat(acc_dv));
+            fence_operands(flat(acc_dk));
+            mbarrier_arrive(q_empty(stage));
             if (consumer == 1 && step + 1 < steps) consumers_arrive(3);
         }
 

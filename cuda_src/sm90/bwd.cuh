@@ -15,12 +15,14 @@
 //   -> P^T = 2^(S^T scale_log2 - lse_log2), dS^T = P^T (dP^T - D) (lse_log2 and D per column)
 //   -> dV += P^T dO, dK += dS^T Q (wgmma, A from registers, dO and Q read N-major)
 // and store dS^T to shared memory, from which dQ = dS K is a product with both operands read
-// MN-major: at hd128 each consumer computes half of dQ's columns over all BLOCK_N keys (after a
-// barrier of the two), at hd64 all of them over its own 64 keys. The consumers leave dQ in shared
-// memory in dq_accum's layout, and a second producer thread adds it to dq_accum by bulk
-// reductions (the copy engine's, off the consumers' path). Rows past a sequence's end have
-// lse_log2 = +inf (flash_bwd_dot pads them), so their P is 0 and no query-side mask is needed;
-// keys past its end and causal or window edges are masked.
+// MN-major: at hd128 each consumer computes half of dQ's columns, at hd64 on 128-row steps half of
+// its rows, over all BLOCK_N keys (after a barrier of the two); on hd64's 64-row steps (the
+// options') all of dQ over its own 64 keys. The products go out as three groups, dV, dQ, dK, so
+// that dQ is stored while dK runs. The consumers leave dQ in shared memory in dq_accum's layout,
+// and a second producer thread adds it to dq_accum by bulk reductions (the copy engine's, off the
+// consumers' path). Rows past a sequence's end have lse_log2 = +inf (flash_bwd_dot pads them), so
+// their P is 0 and no query-side mask is needed; keys past its end and causal or window edges are
+// masked.
 #pragma once
 #include "../common/fragment.cuh"
 #include "../common/mask.cuh"

@@ -7,6 +7,7 @@ CuPy's otherwise), and results are handed back in the caller's kind: torch outpu
 torch's allocator, JAX outputs are CuPy buffers that JAX adopts through DLPack.
 """
 
+import contextlib
 import dataclasses
 import functools
 import operator
@@ -149,6 +150,17 @@ class Caller:
         """A context that makes the caller's device current (CuPy's allocations and launches)."""
         import cupy
         return cupy.cuda.Device(self.device_id)
+
+    @contextlib.contextmanager
+    def context(self):
+        """device(), with the device's primary context current on this thread: driver calls (tensor
+        map encoding, module loads) fail without one, and a thread whose first CUDA call this is
+        (autograd's backward thread) has none, since cupy.cuda.Device skips setting the device it
+        reads as current."""
+        import cupy
+        with self.device():
+            cupy.cuda.runtime.setDevice(self.device_id)
+            yield
 
     def launchable(self, array):
         """`array` as the launch path takes it: torch tensors and CuPy arrays as they are, the rest

@@ -183,9 +183,7 @@ class Plan:
         self.input_names = list(inputs)  # the order of call()'s inputs
         self.alignments = [_alignment(name, array) for name, array in inputs.items()]
         self.kernels = [l.kernel for l in launches]
-        self.set_device = cupy.cuda.runtime.setDevice
-        with caller.device():  # a kernel's CUfunction belongs to the device current when it is loaded
-            self.set_device(self.device_id)  # its primary context current on this thread
+        with caller.context():  # a kernel's CUfunction belongs to the context current when it is loaded
             launches = [l for l in launches if 0 not in l.grid]
             functions = [load(l.kernel, caller.device()).kernel.ptr for l in launches]
             self.context = cupy.cuda.driver.ctxGetCurrent()
@@ -258,8 +256,7 @@ class Plan:
         if self.current_context() != self.context:
             # Launches need the device's context current: another device's may be, or none (a new
             # thread, such as autograd's, whose first CUDA call this may be).
-            with self.caller.device():
-                self.set_device(self.device_id)
+            with self.caller.context():
                 return self.call(inputs, seed, into, stream, dropped, workspaces)
         if into or dropped:
             results = [into[name] if into and name in into else self._sink(name, allocate, inputs)
@@ -422,7 +419,8 @@ def _tensor_maps(call, inputs, strides, boxes):
         specs.append((call.dtype, (shape.headdim, rows, heads, batch),
                       (2 * row_stride, 2 * head_stride, 2 * batch_stride), (64, block, 1, 1)))
     try:
-        return _tma.Maps(specs, [call.caller.data_pointer(inputs[name]) for name in boxes], tuple(boxes))
+        with call.caller.context():
+            return _tma.Maps(specs, [call.caller.data_pointer(inputs[name]) for name in boxes], tuple(boxes))
     except RuntimeError:
         return None
 

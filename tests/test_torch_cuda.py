@@ -119,3 +119,32 @@ def test_outputs_come_from_torch_allocator():
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     assert torch.cuda.memory_allocated() - before >= dq.nbytes + dk.nbytes + dv.nbytes
     assert all(g.device == q.device and g.dtype == q.dtype for g in (dq, dk, dv))
+
+
+
+# The first fwd+bwd of a fresh process: its backward's plan is made on autograd's new thread.
+_FIRST_BACKWARD = """
+import torch
+from cupyflash import _plan
+from cupyflash.torch import flash_attn_func
+q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+grads = torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), torch.randn_like(q))
+assert all(torch.isfinite(g).all() for g in grads)
+print(sorted({k.wgmma for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "bwd"}))
+"""
+
+
+@pytest.mark.gpu
+def test_eager_backward_on_hopper_runs_the_wgmma_kernels():
+    """The drop-in's eager backward makes its plan on autograd's backward thread, which has no CUDA
+    context current at its first call (and the driver encodes no tensor map without one): on
+    compute capability 9.0 it still runs the wgmma kernels, not the mma.sync fallback."""
+    import os
+    import subprocess
+    import sys
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernels run on compute capability 9.0")
+    env = {name: value for name, value in os.environ.items() if name not in ("CUPYFLASH_FAMILY", "CUPYFLASH_TILES")}
+    run = subprocess.run([sys.executable, "-c", _FIRST_BACKWARD], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[True]", run.stdout

@@ -121,7 +121,6 @@ def test_outputs_come_from_torch_allocator():
     assert all(g.device == q.device and g.dtype == q.dtype for g in (dq, dk, dv))
 
 
-
 # The first fwd+bwd of a fresh process: its backward's plan is made on autograd's new thread.
 _FIRST_BACKWARD = """
 import torch

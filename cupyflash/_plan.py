@@ -160,7 +160,7 @@ class _Workspace(typing.NamedTuple):
     """One buffer of a plan's scratch, carved into the scratch outputs of one kind (plain or zeroed)."""
     allocate: object  # a function of a call's inputs (Plan.call's) that returns a new one
     offsets: list     # (parameter slot, byte offset) of each scratch output in it
-    kept: bool        # kept per stream (Plan._scratch)
+    keepable: bool    # small and plain: kept per stream where the call keeps buffers (Plan._scratch)
     nbytes: int
     zeroed: bool
 
@@ -201,9 +201,10 @@ class Plan:
         self.result_names = [o.name for o in results]
         self.allocators = [caller.allocator(o.shape, o.dtype, o.zeroed, position(_twin(o, inputs)), anchor)
                            for o in results]
-        # Buffers a plan keeps across calls (scratch per stream, sinks): not for torch, whose
-        # allocator is cheap and whose graph pools (torch.compile's graph trees warm up there
-        # outside capture) must hold no tensor of ours across calls.
+        # Buffers a plan keeps across calls (scratch per stream, sinks): not by default for torch,
+        # whose graph pools (torch.compile's graph trees warm up there outside capture) must hold
+        # no tensor of ours across calls; the drop-in's eager calls, which run in none, ask for
+        # kept scratch (call's `keep`).
         self.keeps_buffers = caller.kind != "torch"
         self.workspaces = []
         for zeroed in (False, True):
@@ -213,9 +214,9 @@ class Plan:
                     offsets.append((slot(o.name), size))
                     size += -(-o.nbytes // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT
             if offsets:
-                kept = not zeroed and size <= _KEPT_SCRATCH_BYTES and self.keeps_buffers
+                keepable = not zeroed and size <= _KEPT_SCRATCH_BYTES
                 self.workspaces.append(_Workspace(caller.allocator((size,), "uint8", zeroed, None, anchor), offsets,
-                                                  kept, size, zeroed))
+                                                  keepable, size, zeroed))
         # The block's pointer words in the order call() gathers them: inputs, results, scratch.
         self.slots = ([slot(name) for name in self.input_names] + [slot(name) for name in self.result_names]
                       + [s for w in self.workspaces for s, _ in w.offsets])
@@ -243,8 +244,9 @@ class Plan:
         """call() with the inputs by name."""
         return self.call([arrays[name] for name in self.input_names], seed, into, stream, dropped, workspaces)
 
-    def call(self, inputs, seed=None, into=None, stream=None, dropped=(), workspaces=None):
-        """The class's run, with the inputs (arrays or addresses) in the order of `input_names`.
+    def call(self, inputs, seed=None, into=None, stream=None, dropped=(), workspaces=None, keep=None):
+        """The class's run, with the inputs (arrays or addresses) in the order of `input_names`;
+        `keep` says whether its small scratch is kept per stream (default: the caller's policy).
         Eager calls run it thousands of times a training step, in a torch fwd+bwd loop with cold
         caches after each thread switch: every step here costs, so it takes as few as it can."""
         pointer_of = self.pointer_of
@@ -257,7 +259,7 @@ class Plan:
             # Launches need the device's context current: another device's may be, or none (a new
             # thread, such as autograd's, whose first CUDA call this may be).
             with self.caller.context():
-                return self.call(inputs, seed, into, stream, dropped, workspaces)
+                return self.call(inputs, seed, into, stream, dropped, workspaces, keep)
         if into or dropped:
             results = [into[name] if into and name in into else self._sink(name, allocate, inputs)
                        if name in dropped else allocate(inputs)
@@ -271,7 +273,7 @@ class Plan:
             if workspaces is None:
                 # Held until the launches are queued: an allocator without a pool frees a released
                 # array's memory at once, before the kernels read it.
-                scratch = self._scratch(inputs, stream)
+                scratch = self._scratch(inputs, stream, self.keeps_buffers if keep is None else keep)
                 bases = [pointer_of(workspace) for workspace in scratch]
             else:  # the caller's, aligned up; a zeroed one is zeroed on the stream (capturable, unlike an allocation)
                 bases = [-(-address // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT for address in workspaces]
@@ -295,25 +297,26 @@ class Plan:
             return tuple(None if a is None else self.caller.give_back(a) for a in results)
         return results
 
-    def _scratch(self, inputs, stream):
+    def _scratch(self, inputs, stream, keep):
         """The workspaces (arrays) of a call on `stream` (`inputs`: call()'s, which their allocators
-        take). A small plain workspace is kept per stream and reused by the plan's calls on it: the
-        stream runs them one after another (a call's launches are enqueued together, under the
-        lock), so none reads another's scratch, and the call spends no allocation. The rest, and
-        every workspace of a call under graph capture (whose replays may run beside other calls),
-        are allocated per call."""
-        capturing = self.keeps_buffers and self.caller.capturing()
+        take). Where `keep`, a small plain workspace is kept per stream and reused by the plan's
+        calls on it: the stream runs them one after another (a call's launches are enqueued
+        together, under the lock), so none reads another's scratch, and the call spends no
+        allocation. The rest, and every workspace of a call under graph capture (whose replays may
+        run beside other calls), are allocated per call."""
+        capturing = keep and self.caller.capturing()
         result = []
         for index, w in enumerate(self.workspaces):
-            workspace = self.scratch_by_stream.get((stream, index)) if w.kept and not capturing else None
+            kept = keep and w.keepable and not capturing
+            workspace = self.scratch_by_stream.get((stream, index)) if kept else None
             if workspace is None:
                 workspace = w.allocate(inputs)
-                if w.kept and not capturing:
+                if kept:
                     if len(self.scratch_by_stream) >= _MAX_KEPT_SCRATCH:
                         self.scratch_by_stream.clear()
                     self.scratch_by_stream[stream, index] = workspace
             result.append(workspace)
-        if capturing:  # CuPy's pool would hand these to later arrays while replays still write them
+        if capturing and self.keeps_buffers:  # CuPy's pool would hand these to later arrays while replays write them
             self.captured_scratch.append(result)
         return result
 
@@ -321,7 +324,7 @@ class Plan:
         """Whether a run on `stream` with results `names` given by address (`into`) and the plan's
         own scratch allocates: a result not among them, or scratch that is not kept for the stream."""
         return (any(name not in names for name in self.result_names)
-                or any(not w.kept or (stream, index) not in self.scratch_by_stream
+                or any(not w.keepable or (stream, index) not in self.scratch_by_stream
                        for index, w in enumerate(self.workspaces)))
 
     def _sink(self, name, allocate, inputs):

@@ -420,7 +420,8 @@ class _Resolved:
 
     def forward(self, q, k, v, alibi_slopes, attn_bias, seed):
         given = (q, k, v, alibi_slopes, attn_bias)
-        result = self.plan.call([given[i] for i in self.forward_positions], None if seed is None else int(seed))
+        result = self.plan.call([given[i] for i in self.forward_positions], None if seed is None else int(seed),
+                                keep=True)
         if result is None:
             result = _forward.compute(dict(self.arguments, q=q, k=k, v=v, alibi_slopes=alibi_slopes,
                                            attn_bias=attn_bias, seed=seed))
@@ -444,7 +445,7 @@ class _Resolved:
         grads = None
         if planned:
             plan, positions = planned
-            grads = plan.call([given[i] for i in positions], None if seed is None else int(seed))
+            grads = plan.call([given[i] for i in positions], None if seed is None else int(seed), keep=True)
         if grads is None:
             grads = _backward.compute(dict(self.arguments, dout=dout, q=q, k=k, v=v, out=out, lse=lse,
                                            alibi_slopes=alibi_slopes, attn_bias=attn_bias, seed=seed,

@@ -332,3 +332,42 @@ def test_cupy_plans_keep_scratch_per_stream_and_a_dropped_lse_apart():
     forward = api.plan_of("fwd", dict(q=q, k=k, v=v), None, True, {}, "test")
     assert all((o == out).all() for o in outs)
     assert forward.sinks["lse"].data.ptr not in {o.data.ptr for o in outs} | {lse.data.ptr}
+
+
+@pytest.mark.gpu
+def test_torch_eager_backward_keeps_scratch_per_stream():
+    """The drop-in's eager backward keeps its small scratch per stream, as CuPy's plans do: calls
+    on one stream reuse one workspace, another stream gets its own, a captured call allocates its
+    own (in the graph's pool) and leaves the kept ones alone, and every result equals the first
+    call's bit for bit (deterministic)."""
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch as cft
+    case = Case(**CASE, deterministic=True)
+    arrays = {n: torch.as_tensor(a, device="cuda").to(torch.bfloat16)
+              for n, a in _check.random_inputs(case, 4).items() if n in ("q", "k", "v", "dout")}
+    leaves = [arrays[n].requires_grad_() for n in ("q", "k", "v")]
+
+    def step():
+        out = cft.flash_attn_func(*leaves, causal=True, deterministic=True)
+        return (out, *torch.autograd.grad(out, leaves, arrays["dout"]))
+
+    cft._resolved.clear()  # so that the one resolved signature is this test's
+    want = step()
+    plans = [plan for resolved in cft._resolved.values() if resolved
+             for plan, _ in filter(None, resolved.backward_plans.values())]
+    assert len(plans) == 1 and plans[0].workspaces[0].keepable
+    plan = plans[0]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                assert all(torch.equal(x, y) for x, y in zip(step(), want))
+        torch.cuda.current_stream().wait_stream(stream)
+    kept = {key: workspace.data_ptr() for key, workspace in plan.scratch_by_stream.items()}
+    assert len({stream for stream, _ in kept}) == len(kept) >= len(streams) + 1  # the default stream's too
+    graph, captured = _torch_capture(torch, step, warmups=0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(x, y) for x, y in zip(captured, want))
+    assert {key: workspace.data_ptr() for key, workspace in plan.scratch_by_stream.items()} == kept

@@ -267,7 +267,7 @@ def test_a_calls_scratch_is_alive_when_its_kernels_launch(monkeypatch):
     out, lse = cupyflash.flash_attn_func(q, k, v, causal=True, return_lse=True)
     plan = api.plan_of("bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse), None, True,
                        dict(deterministic=True), "test")
-    assert any(w.zeroed and not w.kept for w in plan.workspaces)  # allocated by every call
+    assert any(w.zeroed and not w.keepable for w in plan.workspaces)  # allocated by every call
     allocated, alive_at_launch = [], []
 
     def tracked(allocate):
@@ -309,7 +309,7 @@ def test_cupy_plans_keep_scratch_per_stream_and_a_dropped_lse_apart():
     want = [cupy.asnumpy(g) for g in backward()]
     plan = api.plan_of("bwd", dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse), None, True,
                        dict(deterministic=True), "test")  # the calls' cached plan
-    assert plan.workspaces[0][2]  # its plain workspace is small enough to keep
+    assert plan.workspaces[0].keepable  # its plain workspace is small enough to keep
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
     for stream in streams:
         with stream:
@@ -345,14 +345,14 @@ def test_torch_eager_backward_keeps_scratch_per_stream():
     case = Case(**CASE, deterministic=True)
     arrays = {n: torch.as_tensor(a, device="cuda").to(torch.bfloat16)
               for n, a in _check.random_inputs(case, 4).items() if n in ("q", "k", "v", "dout")}
-    leaves = [arrays[n].requires_grad_() for n in ("q", "k", "v")]
 
-    def step():
+    def step(leaves):
         out = cft.flash_attn_func(*leaves, causal=True, deterministic=True)
         return (out, *torch.autograd.grad(out, leaves, arrays["dout"]))
 
     cft._resolved.clear()  # so that the one resolved signature is this test's
-    want = step()
+    leaves = [arrays[n].requires_grad_() for n in ("q", "k", "v")]
+    want = step(leaves)
     plans = [plan for resolved in cft._resolved.values() if resolved
              for plan, _ in filter(None, resolved.backward_plans.values())]
     assert len(plans) == 1 and plans[0].workspaces[0].keepable
@@ -362,12 +362,16 @@ def test_torch_eager_backward_keeps_scratch_per_stream():
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):
-                assert all(torch.equal(x, y) for x, y in zip(step(), want))
+                assert all(torch.equal(x, y) for x, y in zip(step(leaves), want))
         torch.cuda.current_stream().wait_stream(stream)
     kept = {key: workspace.data_ptr() for key, workspace in plan.scratch_by_stream.items()}
     assert len({stream for stream, _ in kept}) == len(kept) >= len(streams) + 1  # the default stream's too
-    graph, captured = _torch_capture(torch, step, warmups=0)
+    # Leaves of their own: autograd ties a leaf's gradient node to the stream of its first use.
+    captured_leaves = [x.detach().clone().requires_grad_() for x in leaves]
+    graph, captured = _torch_capture(torch, lambda: step(captured_leaves))
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(x, y) for x, y in zip(captured, want))
-    assert {key: workspace.data_ptr() for key, workspace in plan.scratch_by_stream.items()} == kept
+    after = {key: workspace.data_ptr() for key, workspace in plan.scratch_by_stream.items()}
+    assert {key: after.get(key) for key in kept} == kept
+    assert len(after) == len(kept) + 1  # the warm-ups' side stream's; none for the capture

@@ -162,6 +162,7 @@ def backward_table(features, deterministic):
 # (first dtype, LOCAL), each feature alone.
 _CHECKED_FLAGS = {"fwd": (((), False), (FEATURES, False)), "bwd": (((), False),),
                   "bwd_options": ((FEATURES, False), (FEATURES, True)), "bwd_deterministic": (((), True),),
+                  "bwd_full": (((), False),),
                   "decode": (((), False), (DECODE_FEATURES, False)),
                   "decode_paged": (((), False), (DECODE_FEATURES, False))}
 _SINGLE_FLAGS = {"fwd": tuple(((f,), False) for f in FEATURES),

@@ -182,7 +182,7 @@ def decode_table(page_size):
 FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
 # The tile tables of each GPU family (see kernel_pass).
-TABLES = ("fwd", "bwd", "bwd_options", "bwd_deterministic", "bwd_full", "decode", "decode_paged")
+TABLES = ("fwd", "bwd", "bwd_options", "bwd_deterministic", "decode", "decode_paged")
 
 
 def kernel_pass(table):

@@ -492,8 +492,8 @@ def _backward_plan(call, inputs, return_dbias):
         tile = _schedule.tile(table, shape.headdim, device_id, _config.WGMMA)
         maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n,
                                                     "dout": tile.block_m})
-    if maps is None:
-        tile = _schedule.tile(table, shape.headdim, device_id)
+    if maps is None:  # the mma.sync kernels ('bwd_full' is wgmma's alone)
+        tile = _schedule.tile("bwd" if table == "bwd_full" else table, shape.headdim, device_id)
     padded = (*shape.stats[:-1], _padded_rows(shape, tile.block_m))
     outputs = [_Output("dq", tuple(q.shape), call.dtype), _Output("dk", tuple(k.shape), call.dtype),
                _Output("dv", tuple(v.shape), call.dtype), _Output("dout_dot_out", padded, "float32", scratch=True),

@@ -238,6 +238,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     // flash_bwd_dot pads, is padded below, inside the head's padded rows.)
     static_assert(BLOCK_M % Sequence::kPaddedRows == 0 || T::kDQTransposed, "a query block starts a sequence's padded rows' piece");
     static_assert(BLOCK_M == 64 || !DROPOUT, "a step's dropout decisions are one word: 64 query rows");
+    static_assert(!T::kDQTransposed || (!LOCAL && FEATURES == 0 && !DETERMINISTIC),
+                  "the 80-row tile serves plain calls without causal or window edges");
     constexpr int kDQWidth = T::kSplitDQColumns ? HEADDIM / T::kConsumers : HEADDIM;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -588,7 +590,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                     probabilities_transposed<BF16, LOCAL, FEATURES>(s[0], grad, nt, p, seq, batch, head, row0, warp_key0,
                                                                     masked, lse);
                 gradients_transposed<BF16, FEATURES>(s[0][nt], dp[0][nt], grad[0], nt, p, seq, batch, head, row0, warp_key0,
-                                                     dot, kept >> (4 * nt));
+                                                     dot, DROPOUT ? kept >> (4 * nt) : 0u);
                 p_frag[nt / 2][2 * (nt % 2)] = pack_pair<BF16>(s[0][nt][0], s[0][nt][1]);
                 p_frag[nt / 2][2 * (nt % 2) + 1] = pack_pair<BF16>(s[0][nt][2], s[0][nt][3]);
                 ds_frag[nt / 2][2 * (nt % 2)] = pack_pair<BF16>(dp[0][nt][0], dp[0][nt][1]);
@@ -599,11 +601,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             // lane l names query row l % 8 of piece l / 8, whose 8 keys are one 16-byte chunk).
             if constexpr (T::kDQTransposed) {
                 const int lane = threadIdx.x % 32, piece = lane / 8;
-                const int key0 = wg_key0 + 16 * (threadIdx.x / 32 % 4) + 8 * (piece % 2);
+                const int piece_key0 = wg_key0 + 16 * (threadIdx.x / 32 % 4) + 8 * (piece % 2);
 #pragma unroll
                 for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
                     const int query = 16 * kk + 8 * (piece / 2) + lane % 8;
-                    stmatrix_x4_trans(s_ds(buffer) + swizzled_offset(query, key0, BLOCK_M), ds_frag[kk][0], ds_frag[kk][1],
+                    stmatrix_x4_trans(s_ds(buffer) + swizzled_offset(query, piece_key0, BLOCK_M), ds_frag[kk][0], ds_frag[kk][1],
                                       ds_frag[kk][2], ds_frag[kk][3]);
                 }
             } else {

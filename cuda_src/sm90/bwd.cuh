@@ -58,8 +58,8 @@ struct Sm90BwdTile {
     // warpgroups: a consumer that asks for more than the producer gave up waits for ever.
     static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
     // hd64 on 128 query rows a step holds S^T and dP^T of 64 keys x 128 queries (64 registers each).
-    static constexpr int kConsumerRegisters = HEADDIM == 64 ? (BLOCK_M == 64 ? 224 : 232) : 240;
-    static constexpr int kProducerRegisters = HEADDIM == 64 ? (BLOCK_M == 64 ? 56 : 40) : 24;
+    static constexpr int kConsumerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 224 : 232;
+    static constexpr int kProducerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 56 : 40;
     static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * kLaunchRegisters,
                   "the consumers' registers are the producer's");
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;     // K or V
@@ -292,7 +292,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         setmaxnreg_dec<T::kProducerRegisters>();
         if (T::kSplitKeys && threadIdx.x == 32) {  // dQ's adder
             int head = first_head, row0 = first_row0;
-#pragma unroll 1
             for (int step = 0; step < steps; ++step, advance(head, row0)) {
                 mbarrier_wait(dq_full, step & 1);
                 float* dq_accum = p.dq_accum + (seq.padded_row0(p, batch, head) + row0) * HEADDIM;
@@ -327,7 +326,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         load_tile<BLOCK_N, HEADDIM>(s_k, &maps.k, kv_full, seq.first_row_k + key0, head_k, batch_coord);
         load_tile<BLOCK_N, HEADDIM>(s_v, &maps.v, kv_full, seq.first_row_k + key0, head_k, batch_coord);
         int head = first_head, row0 = first_row0;
-#pragma unroll 1
         for (int step = 0; step < steps; ++step, advance(head, row0)) {
             const int stage = step % STAGES;
             if (step >= STAGES) mbarrier_wait(q_empty(stage), ((step / STAGES) & 1) ^ 1);

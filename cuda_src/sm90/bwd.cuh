@@ -57,9 +57,10 @@ struct Sm90BwdTile {
     // per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg only moves them between
     // warpgroups: a consumer that asks for more than the producer gave up waits for ever.
     static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-    // hd64 on 128 query rows a step holds S^T and dP^T of 64 keys x 128 queries (64 registers each).
-    static constexpr int kConsumerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 224 : 232;
-    static constexpr int kProducerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 56 : 40;
+    // hd64 on 128 query rows a step holds S^T and dP^T of 64 keys x 128 queries (64 registers each);
+    // hd128 on 80 rows spills at 232 (dQ^T's 80 columns), so its producer keeps 24 (as FA3's).
+    static constexpr int kConsumerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 224 : BLOCK_M == 80 ? 240 : 232;
+    static constexpr int kProducerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 56 : BLOCK_M == 80 ? 24 : 40;
     static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * kLaunchRegisters,
                   "the consumers' registers are the producer's");
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;     // K or V
@@ -292,6 +293,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         setmaxnreg_dec<T::kProducerRegisters>();
         if (T::kSplitKeys && threadIdx.x == 32) {  // dQ's adder
             int head = first_head, row0 = first_row0;
+#pragma unroll 1  // (unrolled, it spills at 24 registers)
             for (int step = 0; step < steps; ++step, advance(head, row0)) {
                 mbarrier_wait(dq_full, step & 1);
                 float* dq_accum = p.dq_accum + (seq.padded_row0(p, batch, head) + row0) * HEADDIM;

@@ -149,6 +149,9 @@ TILES[WGMMA] = {"sm90": {
 # query rows, whose dropout decisions are one word a step.
 TILES[WGMMA]["sm90"]["bwd_options"] = {**TILES[WGMMA]["sm90"]["bwd"], 64: (64, 128, 12, 2)}
 TILES[WGMMA]["sm90"]["bwd_deterministic"] = TILES[WGMMA]["sm90"]["bwd_options"]
+# The plain backward without causal or window edges and without varlen: hd128 on 80 query rows a
+# step, dQ transposed (sm90/bwd.cuh, kDQTransposed).
+TILES[WGMMA]["sm90"]["bwd_full"] = {128: (80, 128, 12, 2)}
 SHORT_SEQLEN = 1024
 
 
@@ -214,7 +217,7 @@ class Tile:
             if self.headdim <= 128:  # dS^T x 2, dQ (in one or two pieces), a dropout word per consumer thread
                 dq_pieces = 1 if self.headdim == 128 or self.block_m == 128 else 2
                 trade = (4 * self.block_n * self.block_m + 4 * dq_pieces * self.block_m * self.headdim
-                         + 4 * (self.threads - 128))
+                         + (4 * (self.threads - 128) if self.block_m == 64 else 0))
             else:  # P^T, dS^T, dP^T (fp32)
                 trade = 8 * self.block_n * self.block_m
             return (1024 + 2 * self.headdim * (2 * self.block_n + 2 * self.stages * self.block_m) + trade

@@ -162,6 +162,7 @@ def backward_table(features, deterministic):
 # (first dtype, LOCAL), each feature alone.
 _CHECKED_FLAGS = {"fwd": (((), False), (FEATURES, False)), "bwd": (((), False),),
                   "bwd_options": ((FEATURES, False), (FEATURES, True)), "bwd_deterministic": (((), True),),
+                  "bwd_full": (((), False),),
                   "decode": (((), False), (DECODE_FEATURES, False)),
                   "decode_paged": (((), False), (DECODE_FEATURES, False))}
 _SINGLE_FLAGS = {"fwd": tuple(((f,), False) for f in FEATURES),
@@ -178,6 +179,8 @@ def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
             _config.all_tiles(families, kernel_family), DTYPES, (False, True), (False, True)):
         if even_k and (wgmma or _config.kernel_pass(table) == "decode"):
             continue
+        if local and table == "bwd_full":
+            continue  # (its tile serves no causal or window edge: sm90/bwd.cuh asserts it)
         if wgmma and _config.kernel_pass(table) == "fwd" and table not in (
                 _config.forward_table(tile.headdim, seqlen_q, local) for seqlen_q in (1, _config.SHORT_SEQLEN + 1)):
             continue  # no call runs it (a LOCAL one of a head dim with a 'fwd_local' tile, say)

@@ -394,7 +394,7 @@ def _padded_rows(shape, block_m):
     pad = lambda n, unit: -(-n // unit) * unit  # noqa: E731
     if shape.varlen:
         return pad(shape.total_q, _PADDED_ROWS) + _PADDED_ROWS * (shape.batch + 1)
-    return pad(shape.seqlen_q, max(_PADDED_ROWS, block_m))
+    return pad(pad(shape.seqlen_q, block_m), _PADDED_ROWS)
 
 
 def _kernel(pass_, call, tile):
@@ -478,6 +478,10 @@ def _wgmma_forward_plan(call, inputs, strides):
 def _backward_plan(call, inputs, return_dbias):
     shape, varlen, device_id = call.shape, call.varlen is not None, call.caller.device_id
     table = _kernels.backward_table(call.features, call.needs("deterministic"))
+    if (table == "bwd" and not call.local and not varlen
+            and _config.padded_headdim(shape.headdim, tuple(_config.TILES[_config.WGMMA]["sm90"]["bwd"])) == 128
+            and _schedule.kernel_family("bwd_full", device_id, shape.headdim) == _config.WGMMA):
+        table = "bwd_full"
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     strides = {name: _tensor_strides(_arrays.element_strides(inputs[name]), varlen)
                for name in ("dout", "q", "k", "v", "out")}
@@ -488,8 +492,8 @@ def _backward_plan(call, inputs, return_dbias):
         tile = _schedule.tile(table, shape.headdim, device_id, _config.WGMMA)
         maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n,
                                                     "dout": tile.block_m})
-    if maps is None:
-        tile = _schedule.tile(table, shape.headdim, device_id)
+    if maps is None:  # the mma.sync kernels ('bwd_full' is wgmma's alone)
+        tile = _schedule.tile("bwd" if table == "bwd_full" else table, shape.headdim, device_id)
     padded = (*shape.stats[:-1], _padded_rows(shape, tile.block_m))
     outputs = [_Output("dq", tuple(q.shape), call.dtype), _Output("dk", tuple(k.shape), call.dtype),
                _Output("dv", tuple(v.shape), call.dtype), _Output("dout_dot_out", padded, "float32", scratch=True),

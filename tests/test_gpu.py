@@ -86,6 +86,26 @@ def test_the_kernel_family_on_hopper(family, headdim, monkeypatch):
             family == "wgmma"}
 
 
+@pytest.mark.parametrize("case, block_m", [
+    (Case(1000, 777, 128, "bfloat16", False, nheads=4, nheads_k=2), 80),
+    (Case(161, 1000, 96, "float16", False, nheads=6, nheads_k=1), 80),
+    (Case(1000, 777, 128, "bfloat16", True, nheads=4, nheads_k=2), 64),
+    (Case(300, 300, 128, "float16", False, nheads=4, window_size=(40, 9)), 64),
+    (Case(300, 300, 128, "bfloat16", False, nheads=4, softcap=4.0), 64),
+    (Case.packed((17, 300, 1), (40, 300, 7), 128, "bfloat16", False, nheads=4), 64),
+], ids=str)
+def test_the_full_and_the_edged_backward_tables(case, block_m, monkeypatch):
+    """On compute capability 9.0 a plain hd128 backward without causal or window edges and without
+    varlen runs the 'bwd_full' tile (80 query rows a step, dQ transposed); causal, window, varlen
+    and options' calls keep 64-row steps. Each passes against float64."""
+    _needs_hopper(monkeypatch)
+    from cupyflash import _plan
+    monkeypatch.setattr(_plan, "_plans", {})
+    _assert_ok(_check.run_gpu_case(case, _seed(case)))
+    assert {k.tile.block_m for plan in _plan._plans.values() for k in plan.kernels
+            if k.pass_ == "bwd" and k.wgmma} == {block_m}
+
+
 @pytest.mark.parametrize("short_seqlen", [0, 1 << 20])
 @pytest.mark.parametrize("case", [
     Case(1000, 1000, 64, "bfloat16", True, batch=4, nheads=8, nheads_k=2),

@@ -363,3 +363,14 @@ def test_cubin_resources_agree_with_ptxas(tile, tmp_path, monkeypatch):
         assert stack_frame > 0 and spill_stores > 0
     report = _compile.resource_report(cubin_path.read_bytes(), "")
     assert report.spills == (0 if stack_frame == 0 else None)
+
+
+@pytest.mark.parametrize("block_m", [64, 80, 128])
+@pytest.mark.parametrize("seqlen", [1, 63, 64, 80, 81, 1000, 1024])
+def test_a_heads_padded_rows_hold_whole_query_blocks_from_a_multiple_of_64(seqlen, block_m):
+    """The backward's padded rows per head (dq_accum, lse_log2, D): whole query blocks of the tile,
+    rounded up to 64 (every head's rows start at a multiple of 64, Sequence::padded_row0)."""
+    import types
+    from cupyflash import _plan
+    rows = _plan._padded_rows(types.SimpleNamespace(varlen=False, seqlen_q=seqlen), block_m)
+    assert rows % 64 == 0 and rows >= -(-seqlen // block_m) * block_m and rows < -(-seqlen // block_m) * block_m + 64

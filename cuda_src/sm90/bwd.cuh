@@ -31,6 +31,13 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 
+// Four 8 x 8 matrices stored transposed (stmatrix's fragments): lane l's address names row l % 8 of
+// matrix l / 8's transpose (a column of the fragment's matrix).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32 addr, uint32 r0, uint32 r1, uint32 r2, uint32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
 // Tensor maps of q, k, v and dout, 4-D as the forward's (FwdMaps): boxes of 64 columns by
 // BLOCK_M (q, dout) or BLOCK_N (k, v) rows.
 struct BwdMaps {
@@ -50,9 +57,10 @@ struct Sm90BwdTile {
     // per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg only moves them between
     // warpgroups: a consumer that asks for more than the producer gave up waits for ever.
     static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-    // hd64 on 128 query rows a step holds S^T and dP^T of 64 keys x 128 queries (64 registers each).
-    static constexpr int kConsumerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 224 : 232;
-    static constexpr int kProducerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 56 : 40;
+    // hd64 on 128 query rows a step holds S^T and dP^T of 64 keys x 128 queries (64 registers each);
+    // hd128 on 80 rows spills at 232 (dQ^T's 80 columns), so its producer keeps 24 (as FA3's).
+    static constexpr int kConsumerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 224 : BLOCK_M == 80 ? 240 : 232;
+    static constexpr int kProducerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 56 : BLOCK_M == 80 ? 24 : 40;
     static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * kLaunchRegisters,
                   "the consumers' registers are the producer's");
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;     // K or V
@@ -64,6 +72,10 @@ struct Sm90BwdTile {
     // adds one piece. hd64 on 64 rows: each consumer takes its own keys' part of dQ (two pieces to
     // add, no barrier between them).
     static constexpr bool kSplitDQColumns = HEADDIM == 128;
+    // hd128 on 80 query rows a step (no causal or window edge, no options): dQ^T = K^T dS^T, each
+    // consumer 64 of dQ's columns as the rows of its product (wgmma's N is the 80 queries), dS
+    // stored query-major (transposed by stmatrix) as that product's K-major B operand.
+    static constexpr bool kDQTransposed = HEADDIM == 128 && BLOCK_M == 80;
     static constexpr bool kSplitDQRows = HEADDIM == 64 && BLOCK_M == 128;
     static constexpr int kDQPieces = kSplitDQColumns || kSplitDQRows ? 1 : kConsumers;
     static constexpr int kDQBytes = BLOCK_M * HEADDIM * 4;     // one piece of dQ, fp32
@@ -74,7 +86,7 @@ struct Sm90BwdTile {
     // Dropout's decisions of a step, a word per consumer thread, wait in shared memory for dS^T
     // (split keys): kept in a register through the step, the LOCAL kernels spill. (hd256 keeps
     // them in a register, and its tile fills the 227 KiB.)
-    static constexpr int kKeptBytes = kSplitKeys ? 128 * kConsumers * 4 : 0;
+    static constexpr int kKeptBytes = kSplitKeys && BLOCK_M == 64 ? 128 * kConsumers * 4 : 0;
     static constexpr int kBarrierBytes = 8 * (3 + 2 * STAGES);
     // Tiles first (each a multiple of 1024 bytes, as the swizzle needs), then the rows' floats and
     // the barriers; the dynamic shared memory's start is aligned up to 1024 bytes in the kernel.
@@ -82,7 +94,8 @@ struct Sm90BwdTile {
                                       + STAGES * 2 * kRowBytes + kKeptBytes + kBarrierBytes;
     static_assert(kSplitKeys ? (HEADDIM == 64 || HEADDIM == 128) && BLOCK_N == 128 : HEADDIM == 256 && BLOCK_N == 64,
                   "64 keys by HEADDIM (split keys) or by HEADDIM / 2 (hd256) of dK and dV per consumer");
-    static_assert(BLOCK_M == 64 || kSplitDQRows, "S^T is 64 keys by 64 queries per consumer (hd64: or by 128)");
+    static_assert(BLOCK_M == 64 || kSplitDQRows || kDQTransposed,
+                  "S^T is 64 keys by 64 queries per consumer (hd64: or by 128; hd128: or by 80)");
 };
 
 // Dropout's decisions for a consumer thread's elements of S^T tiles 2 k and 2 k + 1 (keys as rows
@@ -222,8 +235,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     // with either, each tile's P^T, d/ds and dS^T in one pass after both products.
     constexpr bool kEarlyProbabilities = (FEATURES & (feature::softcap | feature::bias)) == 0;
     constexpr int DT = HEADDIM / 8, MT = BLOCK_M / 8;  // accumulator column tiles: of dK/dV, of S^T
-    static_assert(BLOCK_M % Sequence::kPaddedRows == 0, "a query block starts a sequence's padded rows' piece");
+    // (The 80-row tile serves no varlen call; its last block, which may reach past the rows that
+    // flash_bwd_dot pads, is padded below, inside the head's padded rows.)
+    static_assert(BLOCK_M % Sequence::kPaddedRows == 0 || T::kDQTransposed, "a query block starts a sequence's padded rows' piece");
     static_assert(BLOCK_M == 64 || !DROPOUT, "a step's dropout decisions are one word: 64 query rows");
+    static_assert(!T::kDQTransposed || (!LOCAL && FEATURES == 0 && !DETERMINISTIC),
+                  "the 80-row tile serves plain calls without causal or window edges");
     constexpr int kDQWidth = T::kSplitDQColumns ? HEADDIM / T::kConsumers : HEADDIM;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -276,6 +293,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         setmaxnreg_dec<T::kProducerRegisters>();
         if (T::kSplitKeys && threadIdx.x == 32) {  // dQ's adder
             int head = first_head, row0 = first_row0;
+#pragma unroll 1  // (unrolled, it spills at 24 registers)
             for (int step = 0; step < steps; ++step, advance(head, row0)) {
                 mbarrier_wait(dq_full, step & 1);
                 float* dq_accum = p.dq_accum + (seq.padded_row0(p, batch, head) + row0) * HEADDIM;
@@ -503,9 +521,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 // 0 pads its rows here, before either reads them. Its generic stores are ordered before
                 // the producer's next copies into the stage by its fence before q_empty.
                 if (row0 + BLOCK_M > seq.seqlen_q) {
-                    static_assert(BLOCK_M == 128, "a consumer thread per row");
+                    static_assert(BLOCK_M <= 128, "a consumer thread per row");
                     const int row = threadIdx.x % 128;
-                    if (consumer == 0 && row0 + row >= seq.seqlen_q) {
+                    if (consumer == 0 && row < BLOCK_M && row0 + row >= seq.seqlen_q) {
                         asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(s_lse(stage) + 4 * row), "f"(CUPYFLASH_INF) : "memory");
                         asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(s_dot(stage) + 4 * row), "f"(0.f) : "memory");
                     }
@@ -572,14 +590,25 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                     probabilities_transposed<BF16, LOCAL, FEATURES>(s[0], grad, nt, p, seq, batch, head, row0, warp_key0,
                                                                     masked, lse);
                 gradients_transposed<BF16, FEATURES>(s[0][nt], dp[0][nt], grad[0], nt, p, seq, batch, head, row0, warp_key0,
-                                                     dot, kept >> (4 * nt));
+                                                     dot, DROPOUT ? kept >> (4 * nt) : 0u);
                 p_frag[nt / 2][2 * (nt % 2)] = pack_pair<BF16>(s[0][nt][0], s[0][nt][1]);
                 p_frag[nt / 2][2 * (nt % 2) + 1] = pack_pair<BF16>(s[0][nt][2], s[0][nt][3]);
                 ds_frag[nt / 2][2 * (nt % 2)] = pack_pair<BF16>(dp[0][nt][0], dp[0][nt][1]);
                 ds_frag[nt / 2][2 * (nt % 2) + 1] = pack_pair<BF16>(dp[0][nt][2], dp[0][nt][3]);
             }
-            // dS^T to shared memory, keys as rows (its 64 query columns are one swizzled column block).
-            {
+            // dS^T to shared memory, keys as rows (its 64 query columns are one swizzled column block);
+            // for the transposed dQ, dS with queries as rows (each 8 x 8 piece transposed by stmatrix:
+            // lane l names query row l % 8 of piece l / 8, whose 8 keys are one 16-byte chunk).
+            if constexpr (T::kDQTransposed) {
+                const int lane = threadIdx.x % 32, piece = lane / 8;
+                const int piece_key0 = wg_key0 + 16 * (threadIdx.x / 32 % 4) + 8 * (piece % 2);
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+                    const int query = 16 * kk + 8 * (piece / 2) + lane % 8;
+                    stmatrix_x4_trans(s_ds(buffer) + swizzled_offset(query, piece_key0, BLOCK_M), ds_frag[kk][0], ds_frag[kk][1],
+                                      ds_frag[kk][2], ds_frag[kk][3]);
+                }
+            } else {
                 const int row = wg_key0 + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
 #pragma unroll
                 for (int nt = 0; nt < MT; ++nt) {
@@ -607,7 +636,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
 
             // dQ: A is dS^T's tile read MN-major (split rows: this consumer's column block of it), B
             // the K tile read N-major (split columns: this consumer's column block of it).
-            float dq[1][kDQWidth / 8][4];
+            float dq[1][T::kDQTransposed ? BLOCK_M / 8 : kDQWidth / 8][4];  // (transposed: dQ^T's)
             constexpr bool kAllKeys = T::kSplitDQColumns || T::kSplitDQRows;
             constexpr int kDQKeys = kAllKeys ? BLOCK_N : 64;
             const uint32 ds_tile = s_ds(buffer) + (T::kSplitDQRows ? consumer * BLOCK_N * kSwizzleRowBytes
@@ -619,12 +648,22 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             if constexpr (kAllKeys) consumers_sync(1);
             else warpgroup_sync(2 + consumer);
             wgmma_fence();
-            const uint64 ds_desc = n_major_descriptor(ds_tile, 0, BLOCK_N), kb_desc = n_major_descriptor(k_tile, 0, BLOCK_N);
-            static_for<kDQKeys / 16>([&](auto kk_) {
-                constexpr int kk = decltype(kk_)::value;
-                wgmma_ss<kDQWidth, BF16, true, true>(flat(dq), descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(ds_desc),
-                                                     descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(kb_desc), kk > 0);
-            });
+            const uint64 kb_desc = n_major_descriptor(k_tile, 0, BLOCK_N);
+            if constexpr (T::kDQTransposed) {  // dQ^T = K^T dS^T: A the K tile's column block MN-major, B dS K-major
+                const uint64 dst_desc = k_major_descriptor(s_ds(buffer), 0, BLOCK_M);
+                static_for<BLOCK_N / 16>([&](auto kk_) {
+                    constexpr int kk = decltype(kk_)::value;
+                    wgmma_ss<BLOCK_M, BF16, true, false>(flat(dq), descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(kb_desc),
+                                                         descriptor_plus<k_major_offset(kk, BLOCK_M), false>(dst_desc), kk > 0);
+                });
+            } else {
+                const uint64 ds_desc = n_major_descriptor(ds_tile, 0, BLOCK_N);
+                static_for<kDQKeys / 16>([&](auto kk_) {
+                    constexpr int kk = decltype(kk_)::value;
+                    wgmma_ss<kDQWidth, BF16, true, true>(flat(dq), descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(ds_desc),
+                                                         descriptor_plus<kk * 16 * kSwizzleRowBytes, false>(kb_desc), kk > 0);
+                });
+            }
             wgmma_commit();
             static_for<BLOCK_M / 16>([&](auto kk_) {
                 constexpr int kk = decltype(kk_)::value;
@@ -638,7 +677,15 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             // dQ into shared memory in dq_accum's layout (dq_accum_index: each warp's pair stores fill
             // 256 contiguous bytes), once the adder has read the last step's.
             if (step > 0) mbarrier_wait(dq_empty, (step - 1) & 1);
-            {
+            if constexpr (T::kDQTransposed) {  // a thread's pairs are two query rows of one column
+                const int col = consumer * 64 + fragment_row(threadIdx.x / 32 % 4, 0);
+#pragma unroll
+                for (int nt = 0; nt < BLOCK_M / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(s_dq + 4 * uint32(dq_accum_index(
+                                         fragment_col(nt, e), col + 8 * (e / 2), HEADDIM))), "f"(dq[0][nt][e]) : "memory");
+            } else {
                 const int q_row = (T::kSplitDQRows ? 64 * consumer : 0) + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
                 const int col0 = (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0);
                 const uint32 piece = s_dq + (T::kDQPieces == 1 ? 0 : consumer * T::kDQBytes);

@@ -19,7 +19,8 @@ CASES = [Case(113, 113, 72, "float16", True, batch=1),
          Case(17, 300, 40, "bfloat16", False, batch=1, nheads=4, nheads_k=1),
          Case(300, 17, 256, "bfloat16", True, batch=1),
          Case(65, 129, 128, "float16", True, batch=1, nheads=2, nheads_k=1),
-         Case(200, 233, 120, "bfloat16", False, batch=1, nheads=2),  # the two-stage forward and the 80-row backward (hd128), partial last blocks
+         # the two-stage forward and the 80-row backward (hd128), partial last blocks
+         Case(200, 233, 120, "bfloat16", False, batch=1, nheads=2),
          # the options: window (LOCAL kernels), every option of the OPTIONS kernels with dbias, deterministic, varlen
          Case(113, 150, 64, "bfloat16", False, batch=1, nheads=2, window_size=(20, 7)),
          Case(70, 90, 96, "float16", True, batch=2, nheads=2, nheads_k=1, softcap=2.0, alibi_slopes=True, attn_bias="full",

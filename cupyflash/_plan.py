@@ -324,7 +324,7 @@ class Plan:
         """Whether a run on `stream` with results `names` given by address (`into`) and the plan's
         own scratch allocates: a result not among them, or scratch that is not kept for the stream."""
         return (any(name not in names for name in self.result_names)
-                or any(not w.keepable or (stream, index) not in self.scratch_by_stream
+                or any(not (self.keeps_buffers and w.keepable) or (stream, index) not in self.scratch_by_stream
                        for index, w in enumerate(self.workspaces)))
 
     def _sink(self, name, allocate, inputs):
@@ -478,8 +478,9 @@ def _wgmma_forward_plan(call, inputs, strides):
 def _backward_plan(call, inputs, return_dbias):
     shape, varlen, device_id = call.shape, call.varlen is not None, call.caller.device_id
     table = _kernels.backward_table(call.features, call.needs("deterministic"))
+    wgmma_tables = _config.TILES[_config.WGMMA]["sm90"]
     if (table == "bwd" and not call.local and not varlen
-            and _config.padded_headdim(shape.headdim, tuple(_config.TILES[_config.WGMMA]["sm90"]["bwd"])) == 128
+            and _config.padded_headdim(shape.headdim, tuple(wgmma_tables["bwd"])) in wgmma_tables["bwd_full"]
             and _schedule.kernel_family("bwd_full", device_id, shape.headdim) == _config.WGMMA):
         table = "bwd_full"
     q, k, v = inputs["q"], inputs["k"], inputs["v"]

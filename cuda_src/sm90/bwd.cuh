@@ -52,6 +52,10 @@ struct Sm90BwdTile {
     static constexpr bool kSplitKeys = HEADDIM <= 128;
     static constexpr int kConsumers = 2;
     static constexpr int kThreads = 128 * (1 + kConsumers);
+    // hd128 on 80 query rows a step (no causal or window edge, no options): dQ^T = K^T dS^T, each
+    // consumer 64 of dQ's columns as the rows of its product (wgmma's N is the 80 queries), dS
+    // stored query-major (transposed by stmatrix) as that product's K-major B operand.
+    static constexpr bool kDQTransposed = HEADDIM == 128 && BLOCK_M == 80;
     // Registers per thread: hd128's consumers hold dK and dV (128) besides S^T, dP^T and dQ; hd64's
     // need fewer, and the producer's two threads use more there. A CTA starts with kLaunchRegisters
     // per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg only moves them between
@@ -59,8 +63,8 @@ struct Sm90BwdTile {
     static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
     // hd64 on 128 query rows a step holds S^T and dP^T of 64 keys x 128 queries (64 registers each);
     // hd128 on 80 rows spills at 232 (dQ^T's 80 columns), so its producer keeps 24 (as FA3's).
-    static constexpr int kConsumerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 224 : BLOCK_M == 80 ? 240 : 232;
-    static constexpr int kProducerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 56 : BLOCK_M == 80 ? 24 : 40;
+    static constexpr int kConsumerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 224 : kDQTransposed ? 240 : 232;
+    static constexpr int kProducerRegisters = HEADDIM == 64 && BLOCK_M == 64 ? 56 : kDQTransposed ? 24 : 40;
     static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <= (1 + kConsumers) * kLaunchRegisters,
                   "the consumers' registers are the producer's");
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;     // K or V
@@ -72,10 +76,6 @@ struct Sm90BwdTile {
     // adds one piece. hd64 on 64 rows: each consumer takes its own keys' part of dQ (two pieces to
     // add, no barrier between them).
     static constexpr bool kSplitDQColumns = HEADDIM == 128;
-    // hd128 on 80 query rows a step (no causal or window edge, no options): dQ^T = K^T dS^T, each
-    // consumer 64 of dQ's columns as the rows of its product (wgmma's N is the 80 queries), dS
-    // stored query-major (transposed by stmatrix) as that product's K-major B operand.
-    static constexpr bool kDQTransposed = HEADDIM == 128 && BLOCK_M == 80;
     static constexpr bool kSplitDQRows = HEADDIM == 64 && BLOCK_M == 128;
     static constexpr int kDQPieces = kSplitDQColumns || kSplitDQRows ? 1 : kConsumers;
     static constexpr int kDQBytes = BLOCK_M * HEADDIM * 4;     // one piece of dQ, fp32

@@ -202,7 +202,7 @@ def check_dropout_p(value, call=None):
     return p
 
 
-DROPOUT_BITS = 16  # random bits per element (cuda_src/common/score.cuh: kDropoutBits)
+DROPOUT_BITS = 8  # random bits per element (cuda_src/common/score.cuh: kDropoutBits)
 
 
 def dropout_keep_threshold(dropout_p):
@@ -313,7 +313,7 @@ OPTIONS = (
            _check_bias, _fill_bias, kernels="bias", varlen=False, example=_example_bias, forms=("full", "heads", "keys"),
            gradient=True),
     Option("dropout_p", "real", 0.0,
-           "probability of dropping an attention probability, in [0, 1), applied as a multiple of 2**-16 "
+           "probability of dropping an attention probability, in [0, 1), applied as a multiple of 2**-8 "
            "(dropout_keep_threshold); needs `seed`",
            check_dropout_p, _fill_dropout, kernels="dropout", needs=("seed",), example=lambda rng, sizes, form: 0.17),
     Option("seed", "seed", None,

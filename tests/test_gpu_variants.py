@@ -137,8 +137,9 @@ def test_dropout_mask_is_the_references_and_the_same_in_both_passes(dropout_p):
     assert numpy.array_equal(forward, reference.dropout_keep_mask(seed, dropout_p, *forward.shape))
     n = forward.size
     kept = forward.sum()
-    sigma = (n * dropout_p * (1 - dropout_p)) ** 0.5
-    assert abs(kept - n * (1 - dropout_p)) < 5 * sigma, (kept, n)
+    keep = 1 / reference.dropout_rescale(dropout_p)  # the kept fraction: 1 - dropout_p to 2**-8
+    sigma = (n * keep * (1 - keep)) ** 0.5
+    assert abs(kept - n * keep) < 5 * sigma, (kept, n)
     other, _ = _dropout_probe(dropout_p, seed + 1)
     assert not numpy.array_equal(forward, other)
     again, _ = _dropout_probe(dropout_p, seed)

@@ -28,18 +28,18 @@ def philox_by_hand(counter, key):
 
 
 def keep_count_by_hand(dropout_p):
-    """Of 2**16 values of an element's 16 random bits, how many keep it: 1 - dropout_p to the nearest step."""
-    return max(1, math.floor((1 - dropout_p) * 2**16 + 0.5))
+    """Of 2**8 values of an element's 8 random bits, how many keep it: 1 - dropout_p to the nearest step."""
+    return max(1, math.floor((1 - dropout_p) * 2**8 + 0.5))
 
 
 def kept_by_hand(seed, dropout_p, b, h, i, j, nheads):
     """Whether dropout keeps score element (b, h, i, j), from the written spec alone, in the
-    kernels' form: the element's 16 bits shifted to the top of the word, against keep * 2**16 - 1."""
-    words = philox_by_hand((j & ~9, i & ~8, b * nheads + h, 0), (seed & WORD, seed >> 32))
+    kernels' form: the element's byte shifted to the top of the word, against keep * 2**24 - 1."""
+    words = philox_by_hand((j & ~9, i & ~9, b * nheads + h, 0), (seed & WORD, seed >> 32))
     keep = keep_count_by_hand(dropout_p)
-    word = words[2 * ((i >> 3) & 1) + (j & 1)]
-    tile = (j >> 3) & 1  # which of the call's two 8-column tiles: the word's low or high half
-    return (word << (16 - 16 * tile)) & WORD <= (keep << 16) - 1
+    word = words[2 * (i & 1) + (j & 1)]
+    byte = 2 * ((i >> 3) & 1) + ((j >> 3) & 1)
+    return (word << (24 - 8 * byte)) & WORD <= (keep << 24) - 1
 
 
 # --- Philox ------------------------------------------------------------------------------------
@@ -87,20 +87,20 @@ def test_philox_rejects_words_outside_32_bits():
 # --- the keep mask -----------------------------------------------------------------------------
 
 def test_keep_threshold():
-    assert ref.dropout_keep_threshold(0.5) == 2**15
-    assert ref.dropout_keep_threshold(0.0) == 2**16  # every element kept (dropout_p = 0 means none)
-    assert ref.dropout_keep_threshold(0.1) == 58982  # 0.9 * 2**16 = 58982.4, to the nearest
-    assert ref.dropout_keep_threshold(0.9) == 6554  # 6553.6, to the nearest
-    assert ref.dropout_keep_threshold(1 / 3) == 43691  # 43690.67
-    assert ref.dropout_keep_threshold(np.float32(0.25)) == 3 * 2**14
-    assert ref.dropout_keep_threshold(1 - 2**-18) == 1  # rounds to 0: one step is kept
-    assert ref.dropout_keep_threshold(2**-17) == 2**16  # 65535.5 rounds up: all kept
-    assert ref.dropout_rescale(0.1) == 2**16 / 58982
+    assert ref.dropout_keep_threshold(0.5) == 2**7
+    assert ref.dropout_keep_threshold(0.0) == 2**8  # every element kept (dropout_p = 0 means none)
+    assert ref.dropout_keep_threshold(0.1) == 230  # 0.9 * 2**8 = 230.4, to the nearest
+    assert ref.dropout_keep_threshold(0.9) == 26  # 25.6, to the nearest
+    assert ref.dropout_keep_threshold(1 / 3) == 171  # 170.67
+    assert ref.dropout_keep_threshold(np.float32(0.25)) == 3 * 2**6
+    assert ref.dropout_keep_threshold(1 - 2**-10) == 1  # rounds to 0: one step is kept
+    assert ref.dropout_keep_threshold(2**-9) == 2**8  # 255.5 rounds up: all kept
+    assert ref.dropout_rescale(0.1) == 2**8 / 230
     assert ref.dropout_rescale(0.5) == 2.0
 
 
-# 0.4, and the keep counts' ends: 2**16 (everything kept) and 1 (one value in 2**16 kept).
-@pytest.mark.parametrize("dropout_p", [0.4, 2**-20, 1 - 2**-17])
+# 0.4, and the keep counts' ends: 2**8 (everything kept) and 1 (one value in 2**8 kept).
+@pytest.mark.parametrize("dropout_p", [0.4, 2**-12, 1 - 2**-9])
 def test_mask_follows_the_word_mapping_element_by_element(dropout_p):
     seed, batch, nheads, seqlen_q, seqlen_k = 0x0123456789ABCDEF, 2, 3, 27, 19
     mask = ref.dropout_keep_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k)
@@ -109,28 +109,30 @@ def test_mask_follows_the_word_mapping_element_by_element(dropout_p):
         assert mask[index] == kept_by_hand(seed, dropout_p, *index, nheads), index
 
 
-def test_one_philox_call_gives_two_mma_fragments():
-    # Rows i, i + 8 (i with bit 3 clear) and columns j, j + 1 (j even, bit 3 clear) take the low
-    # halves of words 0..3 of one call, and the same rows at columns j + 8, j + 9 the high halves.
+def test_one_philox_call_gives_four_mma_fragments_of_a_lane_pair():
+    # Rows i, i + 1, i + 8, i + 9 and columns j, j + 1, j + 8, j + 9 (i and j with bits 0 and 3
+    # clear): word 2 (row bit 0) + (column bit 0), byte 2 (row bit 3) + (column bit 3).
     seed, nheads, threshold = 99 + (5 << 32), 2, ref.dropout_keep_threshold(0.5)
     mask = ref.dropout_keep_mask(seed, 0.5, 2, nheads, 40, 30)
-    for b, h, i, j in [(0, 0, 0, 0), (1, 1, 3, 6), (1, 0, 16, 18), (0, 1, 23, 4)]:
+    for b, h, i, j in [(0, 0, 0, 0), (1, 1, 2, 6), (1, 0, 16, 18), (0, 1, 22, 4)]:
         words = philox_by_hand((j, i, b * nheads + h, 0), (99, 5))
-        for tile in (0, 1):
-            c = j + 8 * tile
-            fragment = [mask[b, h, i, c], mask[b, h, i, c + 1], mask[b, h, i + 8, c], mask[b, h, i + 8, c + 1]]
-            assert fragment == [(w >> 16 * tile) & 0xFFFF < threshold for w in words]
+        for row_tile in (0, 1):
+            for col_tile in (0, 1):
+                r, c = i + 8 * row_tile, j + 8 * col_tile
+                elements = [mask[b, h, r, c], mask[b, h, r, c + 1], mask[b, h, r + 1, c], mask[b, h, r + 1, c + 1]]
+                byte = 2 * row_tile + col_tile
+                assert elements == [(w >> 8 * byte) & 0xFF < threshold for w in words]
 
 
 @pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
 def test_kept_fraction_is_binomial(dropout_p):
     mask = ref.dropout_keep_mask(2024, dropout_p, 2, 4, 64, 128)
-    n, keep = mask.size, ref.dropout_keep_threshold(dropout_p) / 2**16
+    n, keep = mask.size, ref.dropout_keep_threshold(dropout_p) / 2**8
     # Under independent Bernoulli(keep) draws, the count lies within 5 sigma with probability
     # 1 - 6e-7; the expected fraction is the threshold's, not exactly 1 - dropout_p.
     assert abs(mask.sum() - n * keep) <= 5 * math.sqrt(n * keep * (1 - keep))
     # Each word position of the fragment (and each head) is kept at the same rate.
-    for part in (mask[..., ::2], mask[..., 1::2], mask[:, :, 8:16], mask[..., 8:16], mask[:, 3]):
+    for part in (mask[..., ::2], mask[..., 1::2], mask[:, :, 1::2], mask[:, :, 8:16], mask[..., 8:16], mask[:, 3]):
         m = part.size
         assert abs(part.sum() - m * keep) <= 5 * math.sqrt(m * keep * (1 - keep))
 
@@ -209,7 +211,7 @@ def test_dropout_output_is_kept_probabilities_rescaled_and_lse_unchanged():
     mask = ref.dropout_keep_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k).transpose(0, 2, 1, 3)
     for causal in (False, True):
         p, lse = ref.attention_forward(q, k, v, causal=causal)
-        expected = np.where(mask, p * 2**16 / keep_count_by_hand(dropout_p), 0)
+        expected = np.where(mask, p * 2**8 / keep_count_by_hand(dropout_p), 0)
         for forward in (ref.attention_forward, ref.attention_forward_tiled):
             out, lse_d = forward(q, k, v, causal=causal, dropout_p=dropout_p, seed=seed)
             np.testing.assert_allclose(out, expected, rtol=1e-14, atol=1e-15)
@@ -230,7 +232,7 @@ def test_lowp_dropout_rounds_each_step():
     round16 = lambda x: ref.round_to(x, dtype)  # noqa: E731
     heads_first = lambda x: np.ascontiguousarray(round16(x).transpose(0, 2, 1, 3))  # noqa: E731
     keep = ref.dropout_keep_mask(seed, dropout_p, 1, nheads, n, n)
-    rescale = np.float32(2**16 / keep_count_by_hand(dropout_p))
+    rescale = np.float32(2**8 / keep_count_by_hand(dropout_p))
     options = {"softmax_scale": scale, "causal": True}
     # The rounded softmax, seen through v = identity without dropout.
     p = heads_first(ref.attention_forward_lowp(q, k, eye_v, dtype, **options))

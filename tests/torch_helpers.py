@@ -132,7 +132,8 @@ RESULT_NAMES = ("out", "lse", "dq", "dk", "dv", "dbias")
 
 def _assert_matches(got, ref, names=RESULT_NAMES):
     """Each result within a few units of its dtype's roundoff of the float64 one, relative to the largest
-    magnitude; -inf (lse of rows that see no key) exactly where the reference has it."""
+    magnitude (8: the gradients' sums run in another order); -inf (lse of rows that see no key) exactly
+    where the reference has it."""
     for name, x, r in zip(names, got, ref):
         if r is None:
             assert x is None, name
@@ -143,7 +144,7 @@ def _assert_matches(got, ref, names=RESULT_NAMES):
         assert torch.equal(torch.isneginf(x.double()), torch.isneginf(r)), name
         finite = torch.isfinite(r)
         error = (x.double() - r)[finite].abs().max().item() if finite.any() else 0.0
-        bound = 4 * torch.finfo(x.dtype).eps * (1 + r[finite].abs().max().item() if finite.any() else 1)
+        bound = 8 * torch.finfo(x.dtype).eps * (1 + r[finite].abs().max().item() if finite.any() else 1)
         assert error <= bound, f"{name}: error {error:.3g} > {bound:.3g}"
 
 

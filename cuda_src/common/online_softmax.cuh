@@ -58,16 +58,6 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const Sc
     });
 }
 
-// Dropout on a warp's probabilities (tile at row0, col0): dropped elements become 0. The caller
-// scales the kept ones by p.dropout_scale.
-template <int MT, int NT>
-__device__ __forceinline__ void apply_dropout(float (&s)[MT][NT][4], const FlashParams& p, int batch, int head,
-                                              int row0, int col0) {
-    for_each_dropout_decision<MT, NT>(p, true, batch, head, row0, col0, [&](int mt, int nt, int e, bool kept) {
-        if (!kept) s[mt][nt][e] = 0.f;
-    });
-}
-
 // The online softmax of one key block in base 2: s becomes p = 2^(s * scale_log2 - max * scale_log2),
 // one FFMA per element, row_sum gains it, and O is rescaled where a row's maximum moved. Scores come
 // in units of `unit` (common/score.cuh, score_unit; 1 but where softcap folds), multiplied in

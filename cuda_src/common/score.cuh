@@ -311,15 +311,39 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, unsigned long long seed)
     return c;
 }
 
-// Dropout draws kDropoutBits random bits per element, so one Philox call decides 128 / kDropoutBits
-// elements: a thread's four in each of kDropoutTiles neighbouring m16n8 accumulator tiles. The
-// counter is (the group's first column, row, batch * nheads + head, 0), with row % 16 < 8 and the
-// column's bits 0 and 3 up to the group's clear; element e of the group's tile g is kept iff bits
-// [kDropoutBits * g, kDropoutBits * (g + 1)) of word e are below the keep count k, that is iff the
-// word shifted left to put them on top is at most p.dropout_keep_max = k * 2^(32 - kDropoutBits) - 1.
-// cupyflash/reference/philox.py draws the same bits (its DROPOUT_BITS is this constant).
-constexpr int kDropoutBits = 16;
-constexpr int kDropoutTiles = 128 / kDropoutBits / 4;
+// Dropout draws kDropoutBits = 8 random bits per element, so one Philox call decides a group of 16
+// elements: the rows and columns that agree but in their bits 0 and 3. The counter is (column with
+// bits 0 and 3 clear, row with bits 0 and 3 clear, batch * nheads + head, 0); element (i, j) takes
+// byte 2 (i bit 3) + (j bit 3) of word 2 (i bit 0) + (j bit 0) and is kept iff that byte is below
+// the keep count k, that is iff the word shifted left to put it on top is at most
+// p.dropout_keep_max = k * 2^24 - 1. cupyflash/reference/philox.py draws the same bits.
+// In an accumulator fragment a group spans two lanes four apart (rows i and i ^ 1 in the m16n8
+// layout; keys j and j ^ 1 in the backward's transposed one), so each lane of the pair draws one of
+// two groups and they trade the two words the other needs: a call per 16 of a lane's elements.
+constexpr int kDropoutBits = 8;
+
+// The two words of a call that a lane whose bit-0 coordinate (the row's, ROW_PARITY; else the
+// column's) is `parity` uses: {its elements of bit-0 coordinate 0 of the other axis, of 1}.
+template <bool ROW_PARITY>
+__device__ __forceinline__ uint2 dropout_words_of(uint4 r, int parity) {
+    if constexpr (ROW_PARITY) return parity ? make_uint2(r.z, r.w) : make_uint2(r.x, r.y);
+    else return parity ? make_uint2(r.y, r.w) : make_uint2(r.x, r.z);
+}
+
+// A lane pair's trade: `drawn` is this lane's call (the group of its parity); returns the words
+// this lane uses of the pair's group 0 (drawn by parity 0) and group 1.
+template <bool ROW_PARITY>
+__device__ __forceinline__ void trade_dropout_words(uint4 drawn, int parity, uint2& group0, uint2& group1) {
+    const uint2 own = dropout_words_of<ROW_PARITY>(drawn, parity), given = dropout_words_of<ROW_PARITY>(drawn, parity ^ 1);
+    const uint2 got = make_uint2(__shfl_xor_sync(0xffffffffu, given.x, 4), __shfl_xor_sync(0xffffffffu, given.y, 4));
+    group0 = parity ? got : own;
+    group1 = parity ? own : got;
+}
+
+// Whether the element at byte `byte` of `word` is kept (see kDropoutBits).
+__device__ __forceinline__ bool dropout_kept(uint32 word, int byte, uint32 keep_max) {
+    return word << (32 - kDropoutBits * (byte + 1)) <= keep_max;
+}
 
 // Dropout's Philox key: the call's seed, or read on the device (where a graph replay must see a new one).
 __device__ __forceinline__ unsigned long long dropout_seed(const FlashParams& p) {
@@ -327,31 +351,77 @@ __device__ __forceinline__ unsigned long long dropout_seed(const FlashParams& p)
                                             : __ldg(static_cast<const unsigned long long*>(p.dropout_seed_device));
 }
 
-// f(mt, nt, e, kept) for each element of a warp's fragment tile at (row0, col0); col0 is a
-// multiple of 8 * NT, as every warp's column offset is. Where dropout is off every element is
-// kept: words of zeros pass every bound.
+// f(mt, kk, words) for each group of a warp's fragment tile at (row0, col0): m-tile mt, tiles
+// 2 kk and 2 kk + 1; words are this lane's (the row's bit 0 is its own), .x for the even columns
+// and .y for the odd. row0 is a multiple of 16, and so is col0 unless the warp spans one tile (NT
+// 1: half a group, its columns' bit 3 that of col0). Where dropout is off, words of zeros keep
+// every element.
+template <int MT, int NT, typename F>
+__device__ __forceinline__ void for_each_dropout_group(const FlashParams& p, bool on, int batch, int head, int row0,
+                                                       int col0, F f) {
+    static_assert(NT % 2 == 0 || NT == 1, "a warp's columns are whole groups of 16, or one tile");
+    constexpr int kRowGroups = (NT + 1) / 2, kGroups = MT * kRowGroups;  // group q: m-tile q / kRowGroups
+    const unsigned long long key = dropout_seed(p);
+    const int g = threadIdx.x % 32 / 4, parity = g & 1;
+    const auto draw = [&](int q) {
+        return on ? philox4x32_10(make_uint4((col0 & ~8) + 16 * (q % kRowGroups) + 2 * (threadIdx.x % 4),
+                                             row0 + 16 * (q / kRowGroups) + (g & ~1), batch * p.nheads + head, 0), key)
+                  : make_uint4(0, 0, 0, 0);
+    };
+#pragma unroll
+    for (int q = 0; q + 1 < kGroups; q += 2) {
+        uint2 group0, group1;
+        trade_dropout_words<true>(draw(q + parity), parity, group0, group1);
+        f(q / kRowGroups, q % kRowGroups, group0);
+        f((q + 1) / kRowGroups, (q + 1) % kRowGroups, group1);
+    }
+    if constexpr (kGroups % 2 == 1)
+        f(MT - 1, kRowGroups - 1, dropout_words_of<true>(draw(kGroups - 1), parity));
+}
+
+// f(mt, nt, e, kept) for each element of a warp's fragment tile at (row0, col0) (as for_each_dropout_group).
 template <int MT, int NT, typename F>
 __device__ __forceinline__ void for_each_dropout_decision(const FlashParams& p, bool on, int batch, int head, int row0,
                                                           int col0, F f) {
-    // A warp spanning fewer tiles than a group draws the group's words for each of its tiles.
-    constexpr int kStep = NT % kDropoutTiles == 0 ? kDropoutTiles : 1;
-    const unsigned long long key = dropout_seed(p);
     const uint32 keep_max = static_cast<uint32>(p.dropout_keep_max);
+    for_each_dropout_group<MT, NT>(p, on, batch, head, row0, col0, [&](int mt, int kk, uint2 words) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+        for (int n = 0; n < (NT == 1 ? 1 : 2); ++n) {
+            const int column_bit3 = NT == 1 ? (col0 >> 3) & 1 : n;
 #pragma unroll
-        for (int nt0 = 0; nt0 < NT; nt0 += kStep) {
-            const int col = col0 + fragment_col(nt0, 0);
-            const uint4 r = on ? philox4x32_10(make_uint4(col & ~(8 * (kDropoutTiles - 1)), row0 + fragment_row(mt, 0),
-                                                          batch * p.nheads + head, 0), key)
-                               : make_uint4(0, 0, 0, 0);
-            const uint32 words[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-            for (int step = 0; step < kStep; ++step) {
-                const int tile = kStep == kDropoutTiles ? step : (col >> 3) % kDropoutTiles;
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    f(mt, nt0 + step, e, words[e] << (32 - kDropoutBits * (tile + 1)) <= keep_max);
-            }
+            for (int e = 0; e < 4; ++e)  // (row bit 3, column bit 0) = (e / 2, e % 2)
+                f(mt, 2 * kk + n, e, dropout_kept(e % 2 ? words.y : words.x, 2 * (e / 2) + column_bit3, keep_max));
         }
+    });
+}
+
+// Bit 7 of each byte of the result is set iff that byte of `word` is at least the keep count k,
+// that is iff its element is dropped: the carry out of the byte's sum with 256 - k (`complement`,
+// in every byte), four bytes at once. The low seven bits' sums cannot carry into the next byte,
+// and the carry out of bit 7 is the majority of the two bit 7s and the carry into it.
+__device__ __forceinline__ uint32 dropped_bytes(uint32 word, uint32 complement) {
+    const uint32 low = (word & 0x7F7F7F7Fu) + (complement & 0x7F7F7F7Fu);
+    return (word & complement) | (word & low) | (complement & low);
+}
+
+// Dropout on a warp's probabilities packed as the A operand of P V (m16n8k16 order: frag(mt, kk, r)
+// holds columns 2t, 2t + 1 of tile 2 kk + r / 2, row g + 8 (r % 2)): dropped elements become 0, by
+// a mask per pair of elements. The caller scales the kept ones by p.dropout_scale.
+template <int MT, int NT, typename Frag>
+__device__ __forceinline__ void apply_dropout_packed(Frag frag, const FlashParams& p, int batch, int head, int row0,
+                                                     int col0) {
+    static_assert(NT % 2 == 0, "P's registers pair whole groups");
+    const uint32 complement = (~static_cast<uint32>(p.dropout_keep_max) >> 24) * 0x01010101u;
+    for_each_dropout_group<MT, NT>(p, true, batch, head, row0, col0, [&](int mt, int kk, uint2 words) {
+        const uint32 even = dropped_bytes(words.x, complement), odd = dropped_bytes(words.y, complement);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            // byte 2 (row bit 3) + (column bit 3), its sign spread over 16 bits: from `even` in the
+            // low half (the even column's element), from `odd` in the high half
+            constexpr uint32 kSelectors[4] = {0xCC88u, 0xEEAAu, 0xDD99u, 0xFFBBu};
+            uint32 dropped;
+            asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(dropped) : "r"(even), "r"(odd), "r"(kSelectors[r]));
+            frag(mt, kk, r) &= ~dropped;
+        }
+    });
 }

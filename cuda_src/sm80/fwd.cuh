@@ -149,10 +149,6 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
         softmax_step(s, acc_o, row_max, row_sum, p, score_unit<FEATURES>(p), shift);
 
-        // Dropout acts on the probabilities after the softmax: the sums above keep every element,
-        // P V only the kept ones (scaled by p.dropout_scale at the end).
-        if (DROPOUT && p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
-
         uint32 p_frag[BLOCK_N / 16][MT][4];
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk)
@@ -163,6 +159,11 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 p_frag[kk][mt][2] = pack_pair<BF16>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
                 p_frag[kk][mt][3] = pack_pair<BF16>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
             }
+        // Dropout acts on the probabilities after the softmax: the sums above keep every element,
+        // P V only the kept ones (scaled by p.dropout_scale at the end).
+        if (DROPOUT && p.dropout_scale != 0.f)
+            apply_dropout_packed<MT, NT>([&](int mt, int kk, int r) -> uint32& { return p_frag[kk][mt][r]; }, p,
+                                         batch, head, row0 + warp_row0, key0);
         // (V's swizzled addresses are XORed after the step's offset at hd128 LOCAL: XORed bases
         // kept in registers make those kernels spill.)
         warp_gemm_a_in_registers<BF16, MT, DT, BLOCK_N, HEADDIM, false, LOCAL && HEADDIM == 128>(acc_o, p_frag, s_v_n, 0);

@@ -98,48 +98,35 @@ struct Sm90BwdTile {
                   "S^T is 64 keys by 64 queries per consumer (hd64: or by 128; hd128: or by 80)");
 };
 
-// Dropout's decisions for a consumer thread's elements of S^T tiles 2 k and 2 k + 1 (keys as rows
-// from warp_key0, queries as columns from row0): bit 4 n + e is set where element e of tile 2 k + n
-// is kept. They are the forward's (common/score.cuh, for_each_dropout_decision: the Philox counter
-// of (key, query) is (key with bits 0 and 3 cleared, query with bit 3 cleared, batch * nheads +
-// head, 0), its word 2 (query bit 3) + (key bit 0), the half that key bit 3 selects). Transposed, a
-// counter's words serve two lanes (g and g ^ 1, lanes 4 apart): each lane draws the counters of
-// its own key parity's query column and trades the words the other needs by two shuffles, so a
-// thread makes one Philox call per tile pair, as the forward does.
-__device__ __forceinline__ uint32 transposed_dropout_bits(const FlashParams& p, unsigned long long seed, int batch,
-                                                          int head, int row0, int k, int warp_key0) {
-    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4, parity = g & 1;
-    const uint4 r = philox4x32_10(make_uint4(warp_key0 + (g & ~1), row0 + 16 * k + 2 * t + parity,
-                                             batch * p.nheads + head, 0), seed);
-    // This lane's words: query column 2 t + parity (its own counter) and 2 t + (1 - parity) (the
-    // other lane's), for query bit 3 clear (tile 2 k) and set (tile 2 k + 1).
-    const uint32 own[2] = {parity ? r.y : r.x, parity ? r.w : r.z};
-    const uint32 other[2] = {__shfl_xor_sync(0xffffffffu, parity ? r.x : r.y, 4),
-                             __shfl_xor_sync(0xffffffffu, parity ? r.z : r.w, 4)};
-    const uint32 keep_max = static_cast<uint32>(p.dropout_keep_max);
-    uint32 bits = 0;
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {  // element e: key row g + 8 (e / 2), query column 2 t + e % 2
-            const uint32 word = (e % 2 == parity) ? own[n] : other[n];
-            const bool kept = word << (32 - kDropoutBits * (e / 2 + 1)) <= keep_max;
-            bits |= uint32(kept) << (4 * n + e);
-        }
-    return bits;
-}
-
-// Dropout's decisions of a consumer thread's whole step of S^T (BLOCK_M / 8 tiles of 8 query
-// columns, 4 bits each: tile nt at bit 4 nt), one word: drawn while the step's products run, the
-// Philox calls beside the tensor cores, and none of their temporaries live through the step.
+// Dropout's decisions of a consumer thread's whole step of S^T (keys as rows from warp_key0, queries
+// as columns from row0; BLOCK_M / 8 tiles of 8 query columns, 4 bits each: element e of tile nt at
+// bit 4 nt + e), one word: drawn while the step's products run, the Philox calls beside the tensor
+// cores, and none of their temporaries live through the step. They are the forward's
+// (common/score.cuh, kDropoutBits): transposed, a group's lanes hold keys j and j ^ 1, and each
+// draws every other group of 16 queries.
 template <int BLOCK_M>
 __device__ __forceinline__ uint32 step_dropout_bits(const FlashParams& p, int batch, int head, int row0, int warp_key0) {
-    static_assert(BLOCK_M / 8 * 4 <= 32, "a step's decisions are one word");
+    static_assert(BLOCK_M / 8 * 4 <= 32 && BLOCK_M % 32 == 0, "a step's decisions are one word, its groups pairs");
     const unsigned long long seed = dropout_seed(p);
+    const uint32 keep_max = static_cast<uint32>(p.dropout_keep_max);
+    const int g = threadIdx.x % 32 / 4, parity = g & 1;
     uint32 bits = 0;
+    const auto decide = [&](int k, uint2 words) {  // element e of tile 2 k + n: (j bit 3, i bit 0) = (e / 2, e % 2)
 #pragma unroll
-    for (int k = 0; k < BLOCK_M / 16; ++k)
-        bits |= transposed_dropout_bits(p, seed, batch, head, row0, k, warp_key0) << (8 * k);
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                bits |= uint32(dropout_kept(e % 2 ? words.y : words.x, 2 * n + e / 2, keep_max)) << (8 * k + 4 * n + e);
+    };
+#pragma unroll
+    for (int k = 0; k < BLOCK_M / 16; k += 2) {
+        const uint4 drawn = philox4x32_10(make_uint4(warp_key0 + (g & ~1), row0 + 16 * (k + parity) + 2 * (threadIdx.x % 4),
+                                                     batch * p.nheads + head, 0), seed);
+        uint2 group0, group1;
+        trade_dropout_words<false>(drawn, parity, group0, group1);
+        decide(k, group0);
+        decide(k + 1, group1);
+    }
     return bits;
 }
 

@@ -329,8 +329,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
             const SoftmaxStep<1> step = new_row_max(s, row_max, row_sum, p, score_unit<FEATURES>(p), shift);
             exponentiate(s, row_sum, step, p, score_unit<FEATURES>(p), shift);
-            // Dropout acts on the probabilities after the softmax: the sums keep every element.
-            if (DROPOUT && p.dropout_scale != 0.f) apply_dropout(s, p, batch, head, row0 + warp_row0, key0);
             if (!first || CARRY_IN) complete_pv();
             if constexpr (CARRY_IN) {
                 finish_tile(carried_max, carried_sum, carried_t);
@@ -344,6 +342,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 p_frag[kk][2] = pack_pair<BF16>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
                 p_frag[kk][3] = pack_pair<BF16>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
             }
+            // Dropout acts on the probabilities after the softmax: the sums keep every element.
+            if (DROPOUT && p.dropout_scale != 0.f)
+                apply_dropout_packed<1, NT>([&](int, int kk, int r) -> uint32& { return p_frag[kk][r]; }, p, batch,
+                                            head, row0 + warp_row0, key0);
             kept_stage = stage;
             kept_phase = phase;
             ++i;

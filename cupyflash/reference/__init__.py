@@ -18,7 +18,7 @@ Options (flash_attn's names and meaning; every default means "off"):
     alibi_slopes  (nheads,) or (batch, nheads): head h adds -slope[h] * |i + seqlen_k - seqlen_q - j|
     attn_bias     additive bias broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k)
     dropout_p     > 0 drops probabilities after the softmax and rescales the kept ones by
-                  1 / (1 - dropout_p), both with 1 - dropout_p rounded to a multiple of 2**-16
+                  1 / (1 - dropout_p), both with 1 - dropout_p rounded to a multiple of 2**-8
                   (dropout_rescale); the mask comes from a counter-based Philox RNG keyed by
     seed          (see dropout_keep_mask), so the CUDA kernels can reproduce it bit for bit
 All masking is aligned to the bottom-right corner (flash_attn >= 2.1).

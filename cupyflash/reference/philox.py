@@ -50,9 +50,6 @@ def philox4x32_10(counter, key):
     return np.stack(np.broadcast_arrays(c0, c1, c2, c3)).astype(np.uint32)
 
 
-_TILES = 128 // DROPOUT_BITS // 4  # accumulator tiles whose elements one Philox call decides
-
-
 def _philox_keep(seed, threshold, batch_index, nheads, i, j):
     """Keep mask (len(batch_index), nheads, len(i), len(j)) of the score elements at those coordinates.
 
@@ -61,27 +58,24 @@ def _philox_keep(seed, threshold, batch_index, nheads, i, j):
     batch_index, i, j = (np.asarray(x, dtype=np.int64) for x in (batch_index, i, j))
     batch_head = (batch_index[:, None] * nheads + np.arange(nheads)[None, :])[:, :, None, None]
     i, j = i[:, None], j[None, :]
-    # One Philox call covers the elements (i, j), (i, j+1), (i+8, j), (i+8, j+1) that one thread
-    # holds in each of _TILES neighbouring mma.m16n8k16 accumulator tiles (i with bit 3 clear, j
-    # even, 8 columns a tile), so the counter drops j's bit 0, i's bit 3 and j's bits naming the
-    # tile; those pick the word (i's bit 3, j's bit 0) and the bits in it (the tile).
-    tile_bits = 8 * (_TILES - 1)
-    words = philox4x32_10((j & ~(1 | tile_bits), i & ~8, batch_head, 0), (seed & 0xFFFFFFFF, seed >> 32))
-    word_index = 2 * ((i >> 3) & 1) + (j & 1)
-    tile = (j & tile_bits) >> 3
-    bits = (np.choose(word_index, words).astype(np.int64) >> (DROPOUT_BITS * tile)) & (2 ** DROPOUT_BITS - 1)
+    # One Philox call covers the 16 elements whose rows and columns agree but in bits 0 and 3, so
+    # that a call serves two neighbouring accumulator tiles of a lane pair (common/score.cuh); bit 0
+    # of the row and the column picks the word, bit 3 of each the byte in it.
+    words = philox4x32_10((j & ~9, i & ~9, batch_head, 0), (seed & 0xFFFFFFFF, seed >> 32))
+    word_index = 2 * (i & 1) + (j & 1)
+    byte = 2 * ((i >> 3) & 1) + ((j >> 3) & 1)
+    bits = (np.choose(word_index, words).astype(np.int64) >> (DROPOUT_BITS * byte)) & (2 ** DROPOUT_BITS - 1)
     return bits < threshold
 
 
 def dropout_keep_mask(seed, dropout_p, batch, nheads, seqlen_q, seqlen_k):
     """Bool array (batch, nheads, seqlen_q, seqlen_k): which attention probabilities dropout keeps.
 
-    With T = 128 // (4 * DROPOUT_BITS) (2: accumulator tiles per Philox call) and
-    t = (j // 8) % T, element (b, h, i, j) takes bits [DROPOUT_BITS * t, DROPOUT_BITS * (t + 1))
-    of word 2 * ((i >> 3) & 1) + (j & 1) of
-    philox4x32_10((j & ~(1 | 8 * (T - 1)), i & ~8, b * nheads + h, 0), (seed & 0xffffffff, seed >> 32))
-    and is kept iff they are below dropout_keep_threshold(dropout_p); the kept ones are scaled by
-    dropout_rescale(dropout_p). The mask of an element does not depend on seqlen_q or seqlen_k.
+    Element (b, h, i, j) takes byte 2 * ((i >> 3) & 1) + ((j >> 3) & 1) (bits 8 * byte to
+    8 * byte + 7; DROPOUT_BITS is 8) of word 2 * (i & 1) + (j & 1) of
+    philox4x32_10((j & ~9, i & ~9, b * nheads + h, 0), (seed & 0xffffffff, seed >> 32))
+    and is kept iff that byte is below dropout_keep_threshold(dropout_p); the kept ones are scaled
+    by dropout_rescale(dropout_p). The mask of an element does not depend on seqlen_q or seqlen_k.
     (For varlen, b is the sequence index and i, j are positions inside the sequence.) This applies
     the rule even at dropout_p = 0, where the attention functions apply no dropout at all.
     """

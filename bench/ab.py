@@ -2,6 +2,7 @@
 
     python bench/ab.py --compile TREE [TREE ...]   # beforehand, wherever NVRTC is: fill the kernel cache
     python bench/ab.py TREE [TREE ...]             # on the GPU machine, with the same CUPYFLASH_CACHE_DIR
+    python bench/ab.py --options '{"dropout_p": 0.1, "seed": 1}' TREE ...   # calls with options
 
 A TREE is a directory holding one version's cupyflash/ and cuda_src/ (for a commit:
 `mkdir DIR && git archive REV cupyflash cuda_src | tar -x -C DIR`), or `.` for this checkout. Each
@@ -36,7 +37,8 @@ def parse_cell(text):
 
 def compile_jobs(pass_, dtype):
     """(arch, kernel) of this process's cupyflash that the H200 runs for `pass_` at `dtype`, plain and
-    causal: the forward's wgmma kernels where the version has them, else its sm_90 mma.sync ones."""
+    causal: the forward's wgmma kernels where the version has them, else its sm_90 mma.sync ones.
+    (With --options, the options' kernels compile on the GPU machine, in the untimed first calls.)"""
     from cupyflash import _kernels
     jobs = [(arch, k) for arch, k in _kernels.compile_jobs()
             if arch.startswith("90") and k.dtype == dtype and not k.options]
@@ -54,7 +56,7 @@ def worker_compile(pass_, dtype):
     print(json.dumps({"kernels": len(jobs), "unclean": unclean}))
 
 
-def worker_time(pass_, dtype, cells):
+def worker_time(pass_, dtype, cells, given):
     import cupy
     import numpy
     from cupyflash import flash_attn_backward, flash_attn_func
@@ -66,9 +68,9 @@ def worker_time(pass_, dtype, cells):
         batch, nheads = TOKENS // seqlen, HIDDEN // hd
         q, k, v, dout = (cupy.random.standard_normal((batch, seqlen, nheads, hd), dtype=cupy.float32).astype(element)
                          for _ in range(4))
-        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
-        call = ((lambda: flash_attn_func(q, k, v, causal=causal)) if pass_ == "fwd"
-                else (lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal)))
+        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, **given)
+        call = ((lambda: flash_attn_func(q, k, v, causal=causal, **given)) if pass_ == "fwd"
+                else (lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **given)))
         for _ in range(3):
             call()
         start, end, times = cupy.cuda.Event(), cupy.cuda.Event(), []
@@ -88,7 +90,7 @@ def run_tree(tree, mode, args):
     """Runs this script's worker `mode` with `tree`'s cupyflash; returns its JSON result or None."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     command = [sys.executable, __file__, mode, "--pass", args.pass_, "--dtype", args.dtype,
-               "--cells", ",".join(args.cells)]
+               "--cells", ",".join(args.cells), "--options", json.dumps(args.options)]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         print(f"{tree}: {mode} failed\n{done.stderr[-2000:]}", flush=True)
@@ -104,6 +106,8 @@ def main(argv):
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--cells", type=lambda s: s.split(","), default=ALL_CELLS,
                         help="hd:seqlen:causal,... (default: hd 64/128/256, 1k/4k/16k, causal and not)")
+    parser.add_argument("--options", type=json.loads, default={},
+                        help='keyword options of every call, as JSON (e.g. \'{"softcap": 30.0}\')')
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--worker-compile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-time", action="store_true", help=argparse.SUPPRESS)
@@ -113,7 +117,7 @@ def main(argv):
     if args.worker_compile:
         return worker_compile(args.pass_, args.dtype)
     if args.worker_time:
-        return worker_time(args.pass_, args.dtype, args.cells)
+        return worker_time(args.pass_, args.dtype, args.cells, args.options)
     trees = [tree.resolve() for tree in args.trees]
     for tree in trees:
         if not (tree / "cupyflash").is_dir() or not (tree / "cuda_src").is_dir():
@@ -128,7 +132,7 @@ def main(argv):
         for column, tree in zip(columns, trees):
             for cell, value in (run_tree(tree, "--worker-time", args) or {}).items():
                 results.setdefault((cell, column), []).append(value)
-    print(f"{args.pass_} {args.dtype} TFLOP/s, median of {args.rounds} rounds")
+    print(f"{args.pass_} {args.dtype} {json.dumps(args.options)} TFLOP/s, median of {args.rounds} rounds")
     print(f"{'cell (hd:seqlen:causal)':24}" + "".join(f"{column:>16}" for column in columns))
     for cell in args.cells:
         values = [results.get((cell, column)) for column in columns]

@@ -117,7 +117,8 @@ def test_short_and_local_forwards_take_their_tables_where_they_have_the_head_dim
 
 
 @pytest.mark.parametrize("headdim, padded", [(8, 64), (64, 64), (72, 128), (128, 128), (136, 256), (256, 256)])
-def test_wgmma_backward_tiles_cover_every_head_dim(headdim, padded):
+def test_wgmma_backward_tiles_cover_every_head_dim(headdim, padded, monkeypatch):
+    monkeypatch.delenv("CUPYFLASH_FAMILY", raising=False)  # (a suite run that forces a family)
     tile = _config.tile_for("bwd", headdim, (9, 0), 227 * 1024, kernel_family=_config.WGMMA)
     assert tile == _config.Tile(padded, *_config.TILES[_config.WGMMA]["sm90"]["bwd"][padded], _config.WGMMA)
     assert tile.smem_bytes("bwd") <= 227 * 1024 and tile.threads == 3 * 128  # a producer, two consumers

@@ -186,6 +186,16 @@ def test_every_tile_table(family, case, monkeypatch):
     _assert_ok(_check.run_gpu_case(case, _seed(case) + len(family)))
 
 
+@pytest.mark.parametrize("family", ["sm80", "sm86", "sm90"])
+@pytest.mark.parametrize("case", [Case(150, 170, d, "float16", causal, batch=1, nheads=2, nheads_k=1, dropout_p=0.2)
+                                  for d in (64, 160, 256) for causal in (False, True)], ids=str)
+def test_dropout_on_every_tile_table(family, case, monkeypatch):
+    """Dropout on each family's option tiles, whose warps draw their decisions in lane pairs:
+    sm86's hd160 backward has warps one 8-column tile wide, half a Philox group each."""
+    monkeypatch.setenv("CUPYFLASH_TILES", family)
+    _assert_ok(_check.run_gpu_case(case, _seed(case) + len(family)))
+
+
 @pytest.mark.parametrize("block_major", [False, True])
 @pytest.mark.parametrize("case", [Case(300, 300, 64, "bfloat16", True, batch=3, nheads=4, nheads_k=2),
                                   Case(300, 260, 128, "float16", False, batch=3, nheads=4, nheads_k=2, window_size=(70, 20)),

@@ -1,4 +1,5 @@
-"""The benchmark's bookkeeping: a peer's wrong results left blank, turns, derived backward times; bench/ab.py's cells."""
+"""The benchmark's bookkeeping: a peer's wrong results left blank, turns, derived backward times; bench/ab.py's cells;
+bench/power.py's runs and samples."""
 
 import pytest
 
@@ -61,18 +62,18 @@ def test_a_backward_without_its_own_timer_is_derived_from_fwd_and_fwd_bwd():
     assert ("torch", "bwd") not in times and ("slow", "bwd") not in times and ("missing", "bwd") not in times
 
 
-def _ab_script():
+def _bench_script(name):
     import importlib.util
     import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "ab.py"
-    spec = importlib.util.spec_from_file_location("bench_ab", path)
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_the_ab_script_reads_cells_and_picks_the_kernels_the_h200_runs():
-    ab = _ab_script()
+    ab = _bench_script("ab")
     assert ab.parse_cell("128:4096:1") == (128, 4096, True) and len(ab.ALL_CELLS) == 18
     for bad in ("128:1000:1", "128:4096:2", "100:4096:0"):
         with pytest.raises(ValueError, match="a cell is hd:seqlen:causal"):
@@ -82,6 +83,23 @@ def test_the_ab_script_reads_cells_and_picks_the_kernels_the_h200_runs():
         ("90a", hd, local) for hd in (64, 128, 256) for local in (False, True)}
     bwd = ab.compile_jobs("bwd", "float16")
     assert bwd and all(k.pass_ != "fwd" and k.dtype == "float16" and not k.options for _, k in bwd)
+
+
+def test_the_power_script_reads_runs_and_takes_the_steady_samples():
+    power = _bench_script("power")
+    assert power.parse_run("cudnn:bwd:64:1") == ("cudnn", "bwd", 64, True, False)
+    assert power.parse_run("cupyflash:fwd:128:0:dropout") == ("cupyflash", "fwd", 128, False, True)
+    for run in power.DEFAULT_RUNS:
+        power.parse_run(run)
+    for bad in ("fa4:fwd:128:0", "cupyflash:dq:128:0", "cupyflash:fwd:100:0", "cupyflash:fwd:128:2",
+                "cupyflash:fwd:128:0:softcap", "cupyflash:fwd:128"):
+        with pytest.raises(ValueError, match="a run is impl:pass:headdim:causal"):
+            power.parse_run(bad)
+    # warm-up samples (the first) are left out; a line that is not 'clock, power' is skipped
+    lines = ["1980, 300.5", "1980, 320.0", "[N/A]", "1680, 690.0", "1695, 688.0", "1665, 691.5"]
+    assert power.steady_medians(lines, 3) == (1680.0, 690.0)
+    with pytest.raises(RuntimeError, match="no samples"):
+        power.steady_medians(["[N/A]"], 3)
 
 
 def test_option_rows_are_selected_by_words_and_keep_the_plain_row():

@@ -1,0 +1,117 @@
+"""Clock and power of the GPU while one implementation's calls run back to back: is a cell held by the
+power cap (the H200's 700 W) rather than by its kernel's instructions or latency?
+
+    python bench/power.py                                   # the default runs below
+    python bench/power.py cupyflash:fwd:128:1 cudnn:fwd:128:1 cupyflash:fwd:128:0:dropout
+
+A run is impl:pass:headdim:causal[:dropout], impl one of cupyflash, cudnn and flash (PyTorch SDPA's
+backends), pass fwd or bwd. Each runs in a process of its own for RUN_S seconds of 10-call batches
+between CUDA events while nvidia-smi samples the SM clock and the board power every 100 ms; a row is
+the time per call, TFLOP/s (FLOPs as in ../shared/peers/README.md, at 16384 tokens and hidden 2048,
+seqlen 4096), and the medians of the samples of the last STEADY_S seconds (the first include
+compiling and warming up). A kernel at the cap runs below the top clock (1980 MHz) at 680-700 W, and
+there the energy of its work, not its instruction count, sets its speed (bench/notes/v36).
+"""
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+TOKENS, HIDDEN, SEQLEN = 16384, 2048, 4096
+RUN_S, STEADY_S, SAMPLE_MS = 4.0, 3.0, 100
+DEFAULT_RUNS = [f"{impl}:{pass_}:{hd}:{causal}" for pass_, hd in (("fwd", 128), ("bwd", 128), ("fwd", 64), ("fwd", 256))
+                for causal in (0, 1) for impl in ("cupyflash", "cudnn")] + ["cupyflash:fwd:128:0:dropout"]
+
+
+def parse_run(text):
+    """'impl:pass:headdim:causal[:dropout]' -> (impl, pass, headdim, causal, dropout)."""
+    parts = text.split(":")
+    if (len(parts) not in (4, 5) or parts[0] not in ("cupyflash", "cudnn", "flash") or parts[1] not in ("fwd", "bwd")
+            or not parts[2].isdigit() or HIDDEN % int(parts[2]) or parts[3] not in ("0", "1")
+            or parts[4:] not in ([], ["dropout"])):
+        raise ValueError(f"a run is impl:pass:headdim:causal[:dropout] with impl cupyflash, cudnn or flash, pass fwd or "
+                         f"bwd, headdim dividing {HIDDEN} and causal 0 or 1, got {text!r}")
+    return parts[0], parts[1], int(parts[2]), parts[3] == "1", len(parts) == 5
+
+
+def steady_medians(lines, samples):
+    """Medians (MHz, W) of the last `samples` of nvidia-smi's 'clock, power' lines."""
+    values = [tuple(float(x) for x in line.split(",")) for line in lines if line.count(",") == 1]
+    values = values[-samples:]
+    if not values:
+        raise RuntimeError("nvidia-smi gave no samples")
+    return statistics.median(c for c, _ in values), statistics.median(p for _, p in values)
+
+
+def worker(text):
+    """Runs `text`'s calls for RUN_S seconds; prints {"ms": per call, "tflops": ...} as JSON."""
+    impl, pass_, hd, causal, dropout = parse_run(text)
+    batch, nheads = TOKENS // SEQLEN, HIDDEN // hd
+    flops = 4 * batch * nheads * SEQLEN ** 2 * hd / (2 if causal else 1) * (2.5 if pass_ == "bwd" else 1)
+    if impl == "cupyflash":
+        import cupy
+        from cupyflash import flash_attn_backward, flash_attn_func
+        from cupyflash._arrays import bfloat16_dtype
+        options = dict(dropout_p=0.1, seed=1) if dropout else {}
+        q, k, v, dout = (cupy.random.standard_normal((batch, SEQLEN, nheads, hd), dtype=cupy.float32)
+                         .astype(bfloat16_dtype()) for _ in range(4))
+        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, **options)
+        call = ((lambda: flash_attn_func(q, k, v, causal=causal, **options)) if pass_ == "fwd"
+                else (lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **options)))
+        new_event, elapsed_ms = cupy.cuda.Event, cupy.cuda.get_elapsed_time
+    else:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[impl]
+        q, k, v, dout = (torch.randn(batch, nheads, SEQLEN, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                         for _ in range(4))
+        dropout_p = 0.1 if dropout else 0.0
+
+        def forward():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+        out = forward()
+        call = forward if pass_ == "fwd" else (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+        new_event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+        elapsed_ms = lambda start, end: start.elapsed_time(end)  # noqa: E731
+    for _ in range(5):
+        call()
+    start, end = new_event(), new_event()
+    calls, began = 0, time.time()
+    start.record()
+    while time.time() - began < RUN_S:
+        for _ in range(10):
+            call()
+        calls += 10
+        end.record()
+        end.synchronize()
+    ms = elapsed_ms(start, end) / calls
+    print(json.dumps({"ms": ms, "tflops": flops / ms / 1e9}))
+
+
+def main(argv):
+    if argv[:1] == ["--worker"]:
+        return worker(argv[1])
+    runs = argv or DEFAULT_RUNS
+    for text in runs:
+        parse_run(text)
+    print(f"seqlen {SEQLEN}, {TOKENS} tokens, hidden {HIDDEN}, bf16; medians of the last {STEADY_S:.0f} s of samples")
+    print(f"{'run':34}{'ms':>9}{'TFLOP/s':>9}{'MHz':>7}{'W':>7}")
+    for text in runs:
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                "-lms", str(SAMPLE_MS)], stdout=subprocess.PIPE, text=True)
+        done = subprocess.run([sys.executable, __file__, "--worker", text], capture_output=True, text=True)
+        smi.terminate()
+        lines = smi.communicate()[0].splitlines()
+        if done.returncode:
+            print(f"{text:34} failed: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+            continue
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        mhz, watts = steady_medians(lines, int(STEADY_S * 1000 / SAMPLE_MS))
+        print(f"{text:34}{result['ms']:9.4f}{result['tflops']:9.1f}{mhz:7.0f}{watts:7.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -3,6 +3,7 @@ power cap (the H200's 700 W) rather than by its kernel's instructions or latency
 
     python bench/power.py                                   # the default runs below
     python bench/power.py cupyflash:fwd:128:1 cudnn:fwd:128:1 cupyflash:fwd:128:0:dropout
+    python bench/power.py --dram cupyflash:fwd:128:1 cudnn:fwd:128:1   # and each main kernel's DRAM bytes (ncu)
 
 A run is impl:pass:headdim:causal[:dropout], impl one of cupyflash, cudnn and flash (PyTorch SDPA's
 backends), pass fwd or bwd. Each runs in a process of its own for RUN_S seconds of 10-call batches
@@ -10,7 +11,9 @@ between CUDA events while nvidia-smi samples the SM clock and the board power ev
 the time per call, TFLOP/s (FLOPs as in ../shared/peers/README.md, at 16384 tokens and hidden 2048,
 seqlen 4096), and the medians of the samples of the last STEADY_S seconds (the first include
 compiling and warming up). A kernel at the cap runs below the top clock (1980 MHz) at 680-700 W, and
-there the energy of its work, not its instruction count, sets its speed (bench/notes/v36).
+there the energy of its work, not its instruction count, sets its speed (bench/notes/v36). With
+--dram, ncu also reads the DRAM bytes of one launch of the run's main kernel (NCU_KERNELS; q, k and v
+are 64 MiB each, so a forward that reads each once reads ~201 MB).
 """
 
 import json
@@ -21,6 +24,11 @@ import time
 
 TOKENS, HIDDEN, SEQLEN = 16384, 2048, 4096
 RUN_S, STEADY_S, SAMPLE_MS = 4.0, 3.0, 100
+# ncu's name filter for each implementation's main kernel (not the backward's dot and dq conversion)
+NCU_KERNELS = {"cupyflash": "regex:cupyflash_(fwd|bwd)_(bfloat16|float16)", "cudnn": "regex:fprop|bprop",
+               "flash": "regex:flash_fwd|flash_bwd"}
+DRAM_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
+_UNIT_BYTES = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
 DEFAULT_RUNS = [f"{impl}:{pass_}:{hd}:{causal}" for pass_, hd in (("fwd", 128), ("bwd", 128), ("fwd", 64), ("fwd", 256))
                 for causal in (0, 1) for impl in ("cupyflash", "cudnn")] + ["cupyflash:fwd:128:0:dropout"]
 
@@ -45,8 +53,29 @@ def steady_medians(lines, samples):
     return statistics.median(c for c, _ in values), statistics.median(p for _, p in values)
 
 
-def worker(text):
-    """Runs `text`'s calls for RUN_S seconds; prints {"ms": per call, "tflops": ...} as JSON."""
+def ncu_bytes(report):
+    """{metric: bytes} of DRAM_METRICS in ncu's printed report (the last launch's, where several)."""
+    found = {}
+    for line in report.splitlines():
+        words = line.split()
+        if len(words) == 3 and words[0] in DRAM_METRICS and words[1] in _UNIT_BYTES:
+            found[words[0]] = float(words[2].replace(",", "")) * _UNIT_BYTES[words[1]]
+    return found
+
+
+def dram_bytes(text):
+    """(read, written) bytes of one launch of `text`'s main kernel, by ncu, or None where it fails."""
+    impl = parse_run(text)[0]
+    done = subprocess.run(["ncu", "-k", NCU_KERNELS[impl], "--launch-skip", "5", "--launch-count", "1",
+                           "--metrics", ",".join(DRAM_METRICS), sys.executable, __file__, "--worker", text, "--short"],
+                          capture_output=True, text=True)
+    found = ncu_bytes(done.stdout)
+    return None if done.returncode or len(found) < len(DRAM_METRICS) else tuple(found[m] for m in DRAM_METRICS)
+
+
+def worker(text, short=False):
+    """Runs `text`'s calls for RUN_S seconds (short: 10 calls, for ncu); prints {"ms": per call,
+    "tflops": ...} as JSON."""
     impl, pass_, hd, causal, dropout = parse_run(text)
     batch, nheads = TOKENS // SEQLEN, HIDDEN // hd
     flops = 4 * batch * nheads * SEQLEN ** 2 * hd / (2 if causal else 1) * (2.5 if pass_ == "bwd" else 1)
@@ -81,7 +110,7 @@ def worker(text):
     start, end = new_event(), new_event()
     calls, began = 0, time.time()
     start.record()
-    while time.time() - began < RUN_S:
+    while time.time() - began < RUN_S and not (short and calls):
         for _ in range(10):
             call()
         calls += 10
@@ -93,12 +122,13 @@ def worker(text):
 
 def main(argv):
     if argv[:1] == ["--worker"]:
-        return worker(argv[1])
-    runs = argv or DEFAULT_RUNS
+        return worker(argv[1], short=argv[2:] == ["--short"])
+    dram = argv[:1] == ["--dram"]
+    runs = argv[dram:] or DEFAULT_RUNS
     for text in runs:
         parse_run(text)
     print(f"seqlen {SEQLEN}, {TOKENS} tokens, hidden {HIDDEN}, bf16; medians of the last {STEADY_S:.0f} s of samples")
-    print(f"{'run':34}{'ms':>9}{'TFLOP/s':>9}{'MHz':>7}{'W':>7}")
+    print(f"{'run':34}{'ms':>9}{'TFLOP/s':>9}{'MHz':>7}{'W':>7}" + (f"{'DRAM read MB':>14}{'written MB':>12}" if dram else ""))
     for text in runs:
         smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
                                 "-lms", str(SAMPLE_MS)], stdout=subprocess.PIPE, text=True)
@@ -110,7 +140,11 @@ def main(argv):
             continue
         result = json.loads(done.stdout.strip().splitlines()[-1])
         mhz, watts = steady_medians(lines, int(STEADY_S * 1000 / SAMPLE_MS))
-        print(f"{text:34}{result['ms']:9.4f}{result['tflops']:9.1f}{mhz:7.0f}{watts:7.0f}", flush=True)
+        row = f"{text:34}{result['ms']:9.4f}{result['tflops']:9.1f}{mhz:7.0f}{watts:7.0f}"
+        if dram:
+            moved = dram_bytes(text)
+            row += f"{moved[0] / 1e6:14.1f}{moved[1] / 1e6:12.1f}" if moved else f"{'ncu failed':>26}"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,13 @@ def test_the_power_script_reads_runs_and_takes_the_steady_samples():
     assert power.steady_medians(lines, 3) == (1680.0, 690.0)
     with pytest.raises(RuntimeError, match="no samples"):
         power.steady_medians(["[N/A]"], 3)
+    report = """  cupyflash_fwd_bfloat16_wgmma_hd128_m128_n128_s2_local (132, 1, 1)x(384, 1, 1), Context 1, Stream 7
+    Section: Command line profiler metrics
+    dram__bytes_read.sum          Gbyte         1.12
+    dram__bytes_write.sum         Mbyte        57.23
+    gpu__time_duration.sum           us       598.14"""
+    assert power.ncu_bytes(report) == {"dram__bytes_read.sum": 1.12e9, "dram__bytes_write.sum": 57.23e6}
+    assert power.ncu_bytes("==PROF== no kernels were profiled") == {}
 
 
 def test_option_rows_are_selected_by_words_and_keep_the_plain_row():

@@ -22,7 +22,9 @@ import subprocess
 import sys
 import time
 
-TOKENS, HIDDEN, SEQLEN = 16384, 2048, 4096
+from cupyflash.benchmark import HIDDEN, TOKENS, attention_flops
+
+SEQLEN = 4096
 RUN_S, STEADY_S, SAMPLE_MS = 4.0, 3.0, 100
 # ncu's name filter for each implementation's main kernel (not the backward's dot and dq conversion)
 NCU_KERNELS = {"cupyflash": "regex:cupyflash_(fwd|bwd)_(bfloat16|float16)", "cudnn": "regex:fprop|bprop",
@@ -78,7 +80,7 @@ def worker(text, short=False):
     "tflops": ...} as JSON."""
     impl, pass_, hd, causal, dropout = parse_run(text)
     batch, nheads = TOKENS // SEQLEN, HIDDEN // hd
-    flops = 4 * batch * nheads * SEQLEN ** 2 * hd / (2 if causal else 1) * (2.5 if pass_ == "bwd" else 1)
+    flops = attention_flops(batch, nheads, SEQLEN, hd, causal, pass_)
     if impl == "cupyflash":
         import cupy
         from cupyflash import flash_attn_backward, flash_attn_func

@@ -411,7 +411,7 @@ template <int MT, int NT, typename Frag>
 __device__ __forceinline__ void apply_dropout_packed(Frag frag, const FlashParams& p, int batch, int head, int row0,
                                                      int col0) {
     static_assert(NT % 2 == 0, "P's registers pair whole groups");
-    const uint32 complement = (~static_cast<uint32>(p.dropout_keep_max) >> 24) * 0x01010101u;
+    const uint32 complement = (~static_cast<uint32>(p.dropout_keep_max) >> (32 - kDropoutBits)) * 0x01010101u;
     for_each_dropout_group<MT, NT>(p, true, batch, head, row0, col0, [&](int mt, int kk, uint2 words) {
         const uint32 even = dropped_bytes(words.x, complement), odd = dropped_bytes(words.y, complement);
 #pragma unroll

@@ -204,12 +204,18 @@ class Tile:
     def threads(self):
         return 32 * self.warps
 
+    def takes_tiles_from_counter(self, local):
+        """Whether this tile's wgmma forward kernel can take its tiles from a counter as it finishes
+        them (kTileSlots in cuda_src/sm90/fwd.cuh): the LOCAL kernels below hd256."""
+        return self.kernel_family == WGMMA and local and self.headdim < 256
+
     def smem_bytes(self, pass_):
         if self.kernel_family == WGMMA and kernel_pass(pass_) == "fwd":
-            # alignment, Q x (2 with two consumers where they fit, else 1), (K, V) x stages, barriers
+            # alignment, Q x (2 with two consumers where they fit, else 1), (K, V) x stages, barriers,
+            # a tile index per Q buffer
             def with_q_buffers(n):
                 return (1024 + 2 * self.headdim * (n * self.block_m + 2 * self.stages * self.block_n)
-                        + 8 * (2 * n + 4 * self.stages))
+                        + 8 * (3 * n + 4 * self.stages))
             two = self.block_m == 128 and with_q_buffers(2) <= FAMILY_SMEM_LIMIT["sm90"]
             return with_q_buffers(2 if two else 1)
         if self.kernel_family == WGMMA:

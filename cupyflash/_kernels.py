@@ -115,7 +115,9 @@ class Kernel:
             flags = ", ".join(flags)
             return (_sources.translation_unit(header) + "\n" + _params.size_assert() + "\n"
                     + f"static_assert({traits}<{args}>::kSmemBytes == {self.smem_bytes} && "
-                    + f"{traits}<{args}>::kThreads == {self.threads}, "
+                    + f"{traits}<{args}>::kThreads == {self.threads}"
+                    + (f" && {traits}<{args}, {_bool(self.local)}>::kTileSlots == "
+                       f"{_bool(t.takes_tiles_from_counter(self.local))}" if self.pass_ == "fwd" else "") + ", "
                     + '"the wgmma tile differs from cupyflash/_config.py");\n'
                     + f'extern "C" __global__ void __launch_bounds__({self.threads}, 1) {self.name}('
                     + f"const __grid_constant__ FlashParams p, const __grid_constant__ {maps} maps) "

@@ -359,7 +359,7 @@ def _tensor_strides(strides, varlen):
     return (0, *strides[:2]) if varlen else strides[:3]
 
 
-def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0):
+def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0, head_groups=1):
     """The FlashParams block without pointers; `strides` maps each (batch, seqlen, heads, headdim)
     tensor of the call (q, k, v, out, dout, dq, dk, dv) to its (batch, row, head) element strides."""
     shape, scale = call.shape, call.scale
@@ -369,7 +369,7 @@ def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0):
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
                   seqlen_k=shape.seqlen_k, total_q=shape.total_q, total_k=shape.total_k,
                   headdim=shape.headdim, headdim_padded=tile.headdim,
-                  block_major=int(block_major), softmax_scale=scale, scale_log2=scale * math.log2(math.e),
+                  block_major=int(block_major), head_groups=head_groups, softmax_scale=scale, scale_log2=scale * math.log2(math.e),
                   stats_batch_stride=stats_strides[0], stats_head_stride=stats_strides[1],
                   padded_batch_stride=padded_strides[0], padded_head_stride=padded_strides[1],
                   inv_softmax_scale=1.0 / scale, dq_semaphore_blocks=semaphore_blocks)
@@ -466,11 +466,14 @@ def _wgmma_forward_plan(call, inputs, strides):
     attributes = _schedule.device_attributes(call.caller.device_id)
     grid = (min(tiles, attributes["MultiProcessorCount"]), 1, 1)
     _, block_major = _schedule.block_grid(m_blocks, shape.nheads, shape.batch, call.local)  # the tiles' order
-    if block_major:  # as a group of (batch entry, head) pairs
-        kv_bytes_per_pair = 2 * shape.seqlen_k * tile.headdim * 2 * shape.nheads_k // shape.nheads
-        block_major = _schedule.tile_group(shape.nheads * shape.batch, kv_bytes_per_pair, attributes["L2CacheSize"],
-                                           grid[0])
     outputs = [_Output("out", tuple(inputs["q"].shape), call.dtype), _Output("lse", shape.stats, "float32")]
+    if block_major:  # as groups of (batch entry, head) pairs
+        pairs = shape.nheads * shape.batch
+        kv_bytes_per_pair = 2 * shape.seqlen_k * tile.headdim * 2 * shape.nheads_k // shape.nheads
+        counter = tile.takes_tiles_from_counter(call.local)
+        block_major = _schedule.tile_group(pairs, kv_bytes_per_pair, attributes["L2CacheSize"], grid[0], counter)
+        if counter and block_major < pairs:  # the CTAs take tiles from a counter (next_tile in cuda_src/sm90/fwd.cuh)
+            outputs.append(_Output("tile_counter", (1,), "int32", zeroed=True, scratch=True))
     return Plan(call.caller, _param_block(call, tile, strides, inputs, block_major), inputs, outputs,
                 [_Launch(kernel, grid)], lambda o: (o["out"], o["lse"]), maps)
 
@@ -508,7 +511,15 @@ def _backward_plan(call, inputs, return_dbias):
     grid, block_major = _schedule.block_grid(-(-shape.seqlen_k // tile.block_n), shape.nheads_k, shape.batch,
                                              call.local)
     kernel = _kernel("bwd", call, tile)
-    params = _param_block(call, tile, strides, inputs, block_major, semaphore_blocks)
+    head_groups = 1
+    if block_major and kernel.wgmma:  # the heads in groups whose rows fit the L2 (grid_slot in cuda_src/common/mask.cuh)
+        bytes_per_head = shape.nheads // shape.nheads_k * shape.seqlen_q * tile.headdim * (2 + 2 + 4)
+        heads = _schedule.head_group(shape.nheads_k, bytes_per_head,
+                                     _schedule.device_attributes(device_id)["L2CacheSize"])
+        if shape.batch * (shape.nheads_k // heads) <= MAX_GRID_YZ:
+            head_groups = shape.nheads_k // heads
+            grid = (heads, grid[1], shape.batch * head_groups)
+    params = _param_block(call, tile, strides, inputs, block_major, semaphore_blocks, head_groups)
     if not (call.local or kernel.options or kernel.deterministic or varlen or kernel.wgmma):  # those that may split (sm80/bwd.cuh, kMaySplit)
         grid = _split_last_wave(kernel, call.caller.device(), shape, grid, params, outputs)
     if return_dbias:

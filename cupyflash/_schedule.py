@@ -48,15 +48,30 @@ def block_grid(blocks, heads, batch, local):
 GROUP_L2_SHARE = 0.75
 
 
-def tile_group(pairs, kv_bytes_per_pair, l2_bytes, ctas):
-    """The persistent forward's block-major group (FlashParams.block_major; fwd_tile in
+def tile_group(pairs, kv_bytes_per_pair, l2_bytes, ctas, counter):
+    """The persistent LOCAL forward's block-major group (FlashParams.block_major; fwd_tile in
     cuda_src/sm90/fwd.cuh): how many (batch entry, head) pairs walk their blocks level by level
     together. As many as keep their K and V in GROUP_L2_SHARE of the L2, so that each level reads
-    them there, not from DRAM, but no fewer than a third of the CTAs, so that a round of tiles spans
-    at most three levels (tiles of about one weight); all pairs where they fit, or where that many
-    would not."""
+    them there, not from DRAM (at least one pair). A group smaller than all pairs makes rounds of
+    tiles of uneven weight: where the kernel takes its tiles from a counter as it finishes them
+    (`counter`: FlashParams.tile_counter, next_tile) that leaves the CTAs balanced; in static rounds
+    only a group of a third of the CTAs or more does (a round spans at most three levels), else all
+    pairs walk together (bench/notes/v26)."""
     fit = int(l2_bytes * GROUP_L2_SHARE // max(kv_bytes_per_pair, 1))
-    return pairs if fit >= pairs or 3 * fit < ctas else fit
+    if fit >= pairs:
+        return pairs
+    if counter:
+        return max(fit, 1)
+    return pairs if 3 * fit < ctas else fit
+
+
+def head_group(heads, bytes_per_head, l2_bytes):
+    """The wgmma LOCAL backward's heads per group (FlashParams.head_groups; grid_slot in
+    cuda_src/common/mask.cuh): the most heads, a divisor of `heads`, whose rows (`bytes_per_head`:
+    Q, dO and dQ's float32 sums, which every key block of a head reads or adds to) fit
+    GROUP_L2_SHARE of the L2; at least one. The CTAs in flight then mostly share a group's heads."""
+    fit = max(int(l2_bytes * GROUP_L2_SHARE // max(bytes_per_head, 1)), 1)
+    return max(g for g in range(1, min(fit, heads) + 1) if heads % g == 0)
 
 
 def resident_ctas(kernel, device):

@@ -47,6 +47,21 @@ CASES = [Case(113, 113, 72, "float16", True, batch=1),
          Case(300, 200, 64, "bfloat16", True, batch=2, nheads=70, nheads_k=10),
          # LOCAL hd128 tiles back to back, rows that see no key among them
          Case(600, 150, 128, "bfloat16", True, batch=2, nheads=70, nheads_k=10)]
+# LOCAL tiles taken from the tile counter (next_tile in cuda_src/sm90/fwd.cuh) in groups of 3 (batch entry,
+# head) pairs, as calls whose K and V exceed the L2 take them, with varlen rows that see no key; the
+# backward's kv heads one group each
+COUNTER_CASES = [Case(300, 200, 64, "float16", True, batch=2, nheads=60, nheads_k=10),
+                 Case.packed((0, 370, 45, 600), (9, 300, 0, 500), 128, "bfloat16", True, nheads=16, nheads_k=4,
+                             window_size=(90, 0))]
+
+
+def in_groups(group):
+    """Plans from here on walk LOCAL forward tiles in groups of `group` pairs (_schedule.tile_group) and
+    run the LOCAL backward's kv heads in groups of one (_schedule.head_group)."""
+    from cupyflash import _plan, _schedule
+    _plan._plans.clear()
+    _schedule.tile_group = lambda pairs, kv_bytes_per_pair, l2_bytes, ctas, counter: min(group, pairs)
+    _schedule.head_group = lambda heads, bytes_per_head, l2_bytes: 1
 
 def kvcache_cases():
     """flash_attn_with_kvcache calls for the sanitizer (append and rotary, split decode, combine): paged
@@ -88,7 +103,11 @@ if __name__ == "__main__":
     if "--plant" in sys.argv:
         plant_out_of_bounds_write()
     failed = 0
-    for i, case in enumerate(CASES if "--kvcache-only" not in sys.argv else ()):
+    cases = [] if "--kvcache-only" in sys.argv else CASES + [None] + COUNTER_CASES
+    for i, case in enumerate(cases):
+        if case is None:
+            in_groups(3)
+            continue
         result = _check.run_gpu_case(case, seed=i)
         print(f"{'ok  ' if result.ok else 'FAIL'} {case}: {result.describe()}", flush=True)
         failed += not result.ok

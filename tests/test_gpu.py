@@ -220,12 +220,34 @@ def test_local_kernels_in_either_grid_order(block_major, case, monkeypatch):
                          ids=str)
 def test_local_forward_in_groups_of_pairs(group, case, monkeypatch):
     """The persistent forward's block-major order in groups of (batch entry, head) pairs
-    (_schedule.tile_group, fwd_tile in cuda_src/sm90/fwd.cuh): groups of one pair, of five (the last
-    of 12 pairs holds two), and of all; the H200's shapes reach groups only at 1k tokens and more."""
+    (_schedule.tile_group, fwd_tile in cuda_src/sm90/fwd.cuh): groups of one pair and of five (the last
+    of 12 pairs holds two), whose tiles the CTAs take from a counter (next_tile), and of all, taken
+    in rounds; the H200's shapes reach groups only at 1k tokens and more."""
     from cupyflash import _plan, _schedule
     monkeypatch.setattr(_plan, "_plans", {})
-    monkeypatch.setattr(_schedule, "tile_group", lambda pairs, kv_bytes_per_pair, l2_bytes, ctas: min(group, pairs))
+    monkeypatch.setattr(_schedule, "tile_group", lambda pairs, kv_bytes_per_pair, l2_bytes, ctas, counter: min(group, pairs))
     _assert_ok(_check.run_gpu_case(case, _seed(case) + group))
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("case", [Case(300, 300, 64, "bfloat16", True, batch=3, nheads=4, nheads_k=4),
+                                  Case(300, 260, 128, "float16", False, batch=2, nheads=8, nheads_k=4, window_size=(70, 20)),
+                                  Case(200, 200, 128, "bfloat16", True, batch=2, nheads=4, deterministic=True),
+                                  Case.packed((300, 17, 250), (300, 17, 250), 256, "bfloat16", True, nheads=4, nheads_k=2)],
+                         ids=str)
+def test_local_backward_in_head_groups(heads, case, monkeypatch):
+    """The wgmma LOCAL backward's grid in groups of `heads` kv heads (_schedule.head_group, grid_slot in
+    cuda_src/common/mask.cuh), z running over (batch entry, group); the H200's shapes reach groups only
+    at 4k tokens and more."""
+    from cupyflash import _plan, _schedule
+    monkeypatch.setattr(_plan, "_plans", {})
+    monkeypatch.setattr(_schedule, "head_group", lambda kv_heads, bytes_per_head, l2_bytes: heads)
+    _assert_ok(_check.run_gpu_case(case, _seed(case) + heads))
+    backwards = [(plan.kernels[1], plan.launches[1][1]) for plan in _plan._plans.values() if len(plan.launches) == 3]
+    assert backwards
+    for kernel, grid in backwards:  # (the mma.sync backward, where forced, keeps its grid)
+        per_group = heads if kernel.wgmma else case.nheads_k
+        assert grid[0] == per_group and grid[2] == case.batch * case.nheads_k // per_group
 
 
 # (case, CTAs at once) -> (split key blocks, pieces each), as _schedule.tail_split gives them

@@ -176,17 +176,43 @@ def test_the_backward_splits_its_last_partial_wave_where_that_saves_time(units, 
     assert _tail_split(units, steps, resident=132) == split
 
 
-@pytest.mark.parametrize("pairs, kv_bytes_per_pair, group", [
-    (256, 2 * 1024 * 128 * 2, 90),    # hd128 at 1k, batch 16: 90 pairs' K and V fill 3/4 of the L2
-    (512, 2 * 1024 * 64 * 2, 180),    # hd64 at 1k
-    (128, 2 * 1024 * 256 * 2, 45),    # hd256 at 1k: a round of 132 tiles spans 3 levels
-    (64, 2 * 4096 * 128 * 2, 64),     # hd128 at 4k: 22 would fit, too few (6 levels a round)
-    (16, 2 * 16384 * 128 * 2, 16),    # hd128 at 16k, batch 1
-    (32, 2 * 128 * 128 * 2, 32),      # everything fits
+@pytest.mark.parametrize("pairs, kv_bytes_per_pair, counter, group", [
+    (256, 2 * 1024 * 128 * 2, False, 90),   # hd128 at 1k, batch 16: 90 pairs' K and V fill 3/4 of the L2
+    (512, 2 * 1024 * 64 * 2, False, 180),   # hd64 at 1k
+    (128, 2 * 1024 * 256 * 2, False, 45),   # hd256 at 1k: a round of 132 tiles spans 3 levels
+    (64, 2 * 4096 * 128 * 2, False, 64),    # hd128 at 4k in rounds: 22 would fit, too few (6 levels a round)
+    (64, 2 * 4096 * 128 * 2, True, 22),     # ... taken from a counter: the 22 that fit
+    (16, 2 * 16384 * 128 * 2, False, 16),   # hd128 at 16k, batch 1
+    (16, 2 * 16384 * 128 * 2, True, 5),
+    (32, 2 * 128 * 128 * 2, True, 32),      # everything fits
+    (4, 2 * 131072 * 256 * 2, True, 1),     # one pair's K and V exceed the L2: one at a time
 ])
-def test_the_persistent_forward_groups_pairs_whose_k_and_v_fit_the_l2(pairs, kv_bytes_per_pair, group):
+def test_the_persistent_forward_groups_pairs_whose_k_and_v_fit_the_l2(pairs, kv_bytes_per_pair, counter, group):
     from cupyflash._schedule import tile_group
-    assert tile_group(pairs, kv_bytes_per_pair, l2_bytes=60 << 20, ctas=132) == group
+    assert tile_group(pairs, kv_bytes_per_pair, l2_bytes=60 << 20, ctas=132, counter=counter) == group
+
+
+@pytest.mark.parametrize("heads, bytes_per_head, group", [
+    (16, 1024 * 128 * 8, 16),   # hd128 at 1k: all 16 heads' Q, dO and dQ sums (16 MiB) fit
+    (16, 4096 * 128 * 8, 8),    # at 4k 11 would fit: the largest divisor of 16 below
+    (16, 16384 * 128 * 8, 2),   # at 16k
+    (8, 16384 * 256 * 8, 1),    # hd256 at 16k: one head's rows take 32 MiB
+    (6, 4096 * 128 * 8 * 4, 2), # GQA, 4 query heads per kv head at 4k: 16 MiB a kv head, 2 fit
+    (9, 4096 * 128 * 8 * 4, 1), # ... and 2 do not divide 9
+    (7, 1 << 30, 1),            # a head beyond the L2: one at a time
+])
+def test_the_local_wgmma_backward_groups_heads_whose_rows_fit_the_l2(heads, bytes_per_head, group):
+    from cupyflash._schedule import head_group
+    assert head_group(heads, bytes_per_head, l2_bytes=60 << 20) == group
+
+
+def test_the_local_wgmma_forwards_below_hd256_can_take_tiles_from_a_counter():
+    tables = _config.TILES[_config.WGMMA]["sm90"]
+    for table in ("fwd", "fwd_short", "fwd_local"):
+        for hd, entry in tables[table].items():
+            tile = _config.Tile(hd, *entry, _config.WGMMA)
+            assert tile.takes_tiles_from_counter(True) == (hd < 256) and not tile.takes_tiles_from_counter(False)
+    assert not _config.Tile(128, *_config.TILES[_config.MMA_SYNC]["sm90"]["fwd"][128]).takes_tiles_from_counter(True)
 
 
 # ----------------------------------------------------------------------------- kernel variants

@@ -60,6 +60,8 @@ struct FlashParams {
     int headdim_padded;    // the kernel's head dim (the tile's), >= headdim
     int block_major;       // LOCAL kernels: the grid is (heads, blocks, batch), not (blocks, heads, batch) (mask.cuh grid_slot);
                            // the persistent forward: its tiles go block-major in groups of this many (batch, head) pairs
+    int head_groups;       // the wgmma backward's block-major grid: blockIdx.z runs over (batch entry, group of
+                           // gridDim.x heads) (mask.cuh grid_slot)
 
     // Softmax scale, and the same times log2(e) so the kernels can use exp2.
     float softmax_scale;
@@ -120,6 +122,7 @@ struct FlashParams {
     int tail_parts;
     float* dkv_accum;               // fp32, zeroed: the split key blocks' dK and dV, summed by the pieces
     int* tail_pieces_done;          // zeroed: one count per split key block
+    int* tile_counter;              // the persistent LOCAL forward (sm90/fwd.cuh next_tile): zeroed, the tiles taken
 
     // The KV cache (sm80/decode.cuh): k and v above are the caches, whose batch stride steps one
     // cache row or, paged, one block of page_size rows. Lengths, rows and block ids read on the

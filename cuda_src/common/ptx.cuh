@@ -10,6 +10,17 @@ __device__ __forceinline__ uint32 smem_address(const void* ptr) {
     return static_cast<uint32>(__cvta_generic_to_shared(ptr));
 }
 
+// A 32-bit word of shared memory by its shared address (volatile: a value another thread wrote
+// before a barrier that this one has since waited on).
+__device__ __forceinline__ void st_shared_u32(uint32 address, uint32 value) {
+    asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(address), "r"(value) : "memory");
+}
+__device__ __forceinline__ uint32 ld_shared_u32(uint32 address) {
+    uint32 value;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(value) : "r"(address) : "memory");
+    return value;
+}
+
 // 16-byte asynchronous global -> shared copy. When `valid` is false nothing is read and the
 // 16 bytes are zero-filled, which is how tiles are padded past the end of a sequence or head.
 __device__ __forceinline__ void cp_async_16(uint32 dst, const void* src, bool valid) {

@@ -245,7 +245,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     auto q_empty = [&](int stage) { return kv_full + 8 * (1 + STAGES + stage); };
     const uint32 dq_full = kv_full + 8 * (1 + 2 * STAGES), dq_empty = dq_full + 8;
 
-    const GridSlot slot = grid_slot<LOCAL>(p);
+    const GridSlot slot = grid_slot<LOCAL, true>(p);
     const int n_block = slot.block, head_k = slot.head, batch = slot.batch;
     const int key0 = n_block * BLOCK_N;
     const Sequence seq(p, batch);

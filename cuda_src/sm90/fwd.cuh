@@ -1,7 +1,8 @@
 // Forward pass on Hopper (sm_90a): what sm80/fwd.cuh computes, on wgmma and TMA.
 //
-// Persistent: one CTA per SM takes tiles (query block of 64 CONSUMERS rows, head, batch) in
-// rounds, those that see the most keys first (fwd_tile). The first warpgroup is the producer: one
+// Persistent: one CTA per SM takes tiles (query block of 64 CONSUMERS rows, head, batch), those
+// that see the most keys first (fwd_tile): in rounds, or in the LOCAL kernels, whose tiles differ
+// in weight, as each CTA finishes one (next_tile). The first warpgroup is the producer: one
 // thread issues the TMA copies of each tile's Q and of its key blocks' K and V into a ring of
 // STAGES buffers, running ahead into the next tile while the consumers finish one. The others
 // (two, or three at hd64) are consumers, each owning 64 query rows; per key block (from the last
@@ -29,16 +30,21 @@ struct FwdMaps {
     TensorMap q, k, v;
 };
 
-template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS>
+template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool LOCAL = false>
 struct Sm90FwdTile {
     static constexpr int kBlockM = 64 * CONSUMERS;          // a consumer warpgroup's 64 rows each
     static constexpr int kThreads = 128 * (1 + CONSUMERS);
-    // Registers per thread: the producer gives all but 24 to the consumers. A CTA starts with
-    // kLaunchRegisters per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg only moves
-    // them between warpgroups: a consumer that asks for more than the producer gave up waits for ever.
+    // The LOCAL kernels hand every tile to the consumers through its Q buffer's slot, so that a
+    // call may take them from a counter (next_tile); the producer spills at 24 registers with that
+    // code, and hd256's consumers, which hold 240, have none to give it.
+    static constexpr bool kTileSlots = LOCAL && HEADDIM < 256;
+    // Registers per thread: the producer gives all but 24 (32 with tile slots) to the consumers. A
+    // CTA starts with kLaunchRegisters per thread (65536 / kThreads, as ptxas rounds it) and
+    // setmaxnreg only moves them between warpgroups: a consumer that asks for more than the
+    // producer gave up waits for ever.
     static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-    static constexpr int kProducerRegisters = 24;
-    static constexpr int kConsumerRegisters = CONSUMERS == 2 ? 240 : 160;
+    static constexpr int kProducerRegisters = kTileSlots ? 32 : 24;
+    static constexpr int kConsumerRegisters = CONSUMERS == 3 ? 160 : kTileSlots ? 232 : 240;
     static_assert(kProducerRegisters + CONSUMERS * kConsumerRegisters <= (1 + CONSUMERS) * kLaunchRegisters,
                   "the consumers' registers are the producer's");
     static constexpr int kQBytes = kBlockM * HEADDIM * 2;
@@ -46,9 +52,9 @@ struct Sm90FwdTile {
     // The dynamic shared memory's start is aligned up to 1024 bytes (the swizzle's atom) in the
     // kernel. Q has two buffers with two consumers where they fit (the producer loads a tile's Q
     // while the consumers work on the tile before), else one (three consumers' LOCAL kernels spill
-    // with the second's bookkeeping).
+    // with the second's bookkeeping). After the barriers, a Q buffer's tile index (8 bytes each).
     static constexpr int smem_bytes_with(int q_buffers) {
-        return 1024 + q_buffers * kQBytes + 2 * STAGES * kKVBytes + 8 * (2 * q_buffers + 4 * STAGES);
+        return 1024 + q_buffers * kQBytes + 2 * STAGES * kKVBytes + 8 * (3 * q_buffers + 4 * STAGES);
     }
     static constexpr int kQBuffers = CONSUMERS == 2 && smem_bytes_with(2) <= 227 * 1024 ? 2 : 1;
     static constexpr int kSmemBytes = smem_bytes_with(kQBuffers);
@@ -76,12 +82,23 @@ struct Sm90FwdTile {
 // CTA c takes tile c of each round of gridDim.x tiles in even rounds and tile gridDim.x - 1 - c
 // in odd ones: with weights falling along the order, a plain c, c + gridDim.x, ... would give CTA 0
 // the heaviest tile of every round (a quarter more work than the last CTA at hd256, 16k, causal).
+// A LOCAL call whose pairs' K and V do not all fit the L2 takes its tiles from a counter instead
+// (next_tile): groups that fit make rounds of tiles of uneven weight, which a static turn leaves
+// unbalanced (bench/notes/v26, v36).
 struct FwdTileSlot {
     int m_block, head, batch;
 };
 
 __device__ __forceinline__ int round_tile(int round) {
     return round * gridDim.x + (round & 1 ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+}
+
+// The producer's next tile: round `round`'s, or where a kernel with tile slots has a counter
+// (p.tile_counter, zeroed by the call's plan) the counter's next. The consumers of a kernel with
+// tile slots read it from the tile's Q buffer slot.
+template <bool TILE_SLOTS>
+__device__ __forceinline__ int next_tile(const FlashParams& p, int round) {
+    return TILE_SLOTS && p.tile_counter != nullptr ? atomicAdd(p.tile_counter, 1) : round_tile(round);
 }
 
 template <bool LOCAL>
@@ -102,7 +119,8 @@ __device__ __forceinline__ FwdTileSlot fwd_tile(const FlashParams& p, int t, int
 
 template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool BF16, bool LOCAL, int FEATURES>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
-    typedef Sm90FwdTile<HEADDIM, BLOCK_N, STAGES, CONSUMERS> T;
+    typedef Sm90FwdTile<HEADDIM, BLOCK_N, STAGES, CONSUMERS, LOCAL> T;
+    constexpr bool SLOTS = T::kTileSlots;
     constexpr bool OPTIONS = FEATURES != 0, DROPOUT = (FEATURES & feature::dropout) != 0;  // (as in sm80/fwd.cuh)
     constexpr int BLOCK_M = T::kBlockM, NT = BLOCK_N / 8, DT = HEADDIM / 8;
     constexpr int kOWidth = HEADDIM == 64 ? 64 : 128;  // columns of O per P V wgmma
@@ -125,6 +143,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     auto v_full = [&](int stage) { return barriers + 8 * (2 * QB + STAGES + stage); };
     auto k_empty = [&](int stage) { return barriers + 8 * (2 * QB + 2 * STAGES + stage); };
     auto v_empty = [&](int stage) { return barriers + 8 * (2 * QB + 3 * STAGES + stage); };
+    // With tile slots: the index of the tile whose Q buffer `buffer` holds, written before its q_full arrival
+    auto tile_slot = [&](int buffer) { return barriers + 8 * (2 * QB + 4 * STAGES + buffer); };
 
     const int m_blocks = ceil_div(p.seqlen_q, BLOCK_M), tiles = m_blocks * p.nheads * p.batch;
     const int warpgroup = threadIdx.x / 128;
@@ -148,19 +168,35 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     if (warpgroup == 0) {
         setmaxnreg_dec<T::kProducerRegisters>();
         if (threadIdx.x != 0) return;
-        int i = 0, q_loads = 0;  // the ring's step; tiles whose Q was loaded
-        for (int round = 0, t; (t = round_tile(round)) < tiles; ++round) {
-            const FwdTileSlot tile = fwd_tile<LOCAL>(p, t, m_blocks);
-            const Sequence seq(p, tile.batch);
-            const int row0 = tile.m_block * BLOCK_M;
-            if (row0 >= seq.seqlen_q) continue;  // a varlen grid covers the longest sequence
-            const BlockRange blocks = key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N);
-            if (blocks.end <= blocks.first) continue;
-            const int batch_coord = p.cu_seqlens_q == nullptr ? tile.batch : 0;
-            const int head_k = tile.head / (p.nheads / p.nheads_k);
+        int i = 0, q_loads = 0;  // the ring's step; tiles that took a Q buffer
+        // A Q buffer for tile t; with tile slots t goes to the consumers in its slot, every tile's (the end's,
+        // t >= tiles, and those without a load too: then `arrive`, with no bytes to wait for).
+        auto take_q_buffer = [&](int t, bool arrive) {
             const int q_buffer = q_loads % QB;
             if (q_loads >= QB) mbarrier_wait(q_empty(q_buffer), (q_loads / QB - 1) & 1);
             ++q_loads;
+            if (SLOTS) st_shared_u32(tile_slot(q_buffer), t);
+            if (arrive) mbarrier_arrive(q_full(q_buffer));
+            return q_buffer;
+        };
+        for (int round = 0;; ++round) {
+            const int t = next_tile<SLOTS>(p, round);
+            if (t >= tiles) {
+                if (SLOTS) take_q_buffer(t, true);
+                break;
+            }
+            const FwdTileSlot tile = fwd_tile<LOCAL>(p, t, m_blocks);
+            const Sequence seq(p, tile.batch);
+            const int row0 = tile.m_block * BLOCK_M;
+            const BlockRange blocks = key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N);
+            // (a varlen grid covers the longest sequence: a tile may have no rows)
+            if (row0 >= seq.seqlen_q || blocks.end <= blocks.first) {
+                if (SLOTS) take_q_buffer(t, true);
+                continue;
+            }
+            const int batch_coord = p.cu_seqlens_q == nullptr ? tile.batch : 0;
+            const int head_k = tile.head / (p.nheads / p.nheads_k);
+            const int q_buffer = take_q_buffer(t, false);
             load_tile<BLOCK_M, HEADDIM>(s_q(q_buffer), &maps.q, q_full(q_buffer), seq.first_row_q + row0, tile.head,
                                         batch_coord);
             for (int n_block = blocks.end - 1; n_block >= blocks.first; --n_block, ++i) {
@@ -264,17 +300,28 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         carried = false;
     };
 
-    for (int round = 0, t; (t = round_tile(round)) < tiles; ++round) {
+    for (int round = 0;; ++round) {
+        // With tile slots the tile is the producer's, read from its Q buffer's slot once q_full completes
+        // (for a tile without a load, on the producer's arrival alone); its warps arrive on
+        // q_empty when done with it, at the end of its last Q K^T or here where it has none. The
+        // lane that arrives for its warp reads the slot, so that the read is ordered before the
+        // producer's next write.
+        const int q_buffer = q_loads % QB;
+        if (SLOTS) mbarrier_wait(q_full(q_buffer), (q_loads++ / QB) & 1);
+        const int t = SLOTS ? __shfl_sync(0xffffffffu, arrives ? static_cast<int>(ld_shared_u32(tile_slot(q_buffer))) : 0, 0)
+                            : round_tile(round);
+        if (t >= tiles) break;
         const FwdTileSlot tile = fwd_tile<LOCAL>(p, t, m_blocks);
         const int head = tile.head, batch = tile.batch;
         const Sequence seq(p, batch);
         const int row0 = tile.m_block * BLOCK_M;
-        if (row0 >= seq.seqlen_q) continue;
+        const bool has_rows = row0 < seq.seqlen_q;
         const BlockRange blocks = key_blocks_seen<LOCAL>(p, seq, row0, BLOCK_M, BLOCK_N);
-        const bool sees_keys = blocks.end > blocks.first;
+        const bool sees_keys = has_rows && blocks.end > blocks.first;
+        if (SLOTS && !sees_keys && arrives) mbarrier_arrive(q_empty(q_buffer));
+        if (!has_rows) continue;
         if (kCarry && carried && !sees_keys) finish_carried();  // its rows are zeros: the carried tile ends first
         if (!kCarry || !carried) zero(acc_o);  // (else after the carried tile's O has left, in the first block)
-        const int q_buffer = q_loads % QB;
         float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
         const ScoreMods<BF16, FEATURES> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
 
@@ -355,7 +402,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         // per block, in one loop.
         int n_block = blocks.end - 1;
         if (sees_keys) {
-            mbarrier_wait(q_full(q_buffer), (q_loads++ / QB) & 1);
+            if (!SLOTS) mbarrier_wait(q_full(q_buffer), (q_loads++ / QB) & 1);
             if constexpr (kSerial) {
                 for (bool first = true; n_block >= blocks.first; --n_block, first = false)
                     attend(n_block, Constant<kPerBlock>(), first, No());

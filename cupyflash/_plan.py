@@ -369,7 +369,8 @@ def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0, h
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
                   seqlen_k=shape.seqlen_k, total_q=shape.total_q, total_k=shape.total_k,
                   headdim=shape.headdim, headdim_padded=tile.headdim,
-                  block_major=int(block_major), head_groups=head_groups, softmax_scale=scale, scale_log2=scale * math.log2(math.e),
+                  block_major=int(block_major), head_groups=head_groups,
+                  softmax_scale=scale, scale_log2=scale * math.log2(math.e),
                   stats_batch_stride=stats_strides[0], stats_head_stride=stats_strides[1],
                   padded_batch_stride=padded_strides[0], padded_head_stride=padded_strides[1],
                   inv_softmax_scale=1.0 / scale, dq_semaphore_blocks=semaphore_blocks)
@@ -512,7 +513,7 @@ def _backward_plan(call, inputs, return_dbias):
                                              call.local)
     kernel = _kernel("bwd", call, tile)
     head_groups = 1
-    if block_major and kernel.wgmma:  # the heads in groups whose rows fit the L2 (grid_slot in cuda_src/common/mask.cuh)
+    if block_major and kernel.wgmma:  # kv heads in groups whose rows fit the L2 (grid_slot in common/mask.cuh)
         bytes_per_head = shape.nheads // shape.nheads_k * shape.seqlen_q * tile.headdim * (2 + 2 + 4)
         heads = _schedule.head_group(shape.nheads_k, bytes_per_head,
                                      _schedule.device_attributes(device_id)["L2CacheSize"])

@@ -216,6 +216,7 @@ def test_local_kernels_in_either_grid_order(block_major, case, monkeypatch):
 @pytest.mark.parametrize("group", [1, 5, 12])
 @pytest.mark.parametrize("case", [Case(300, 300, 64, "bfloat16", True, batch=3, nheads=4, nheads_k=2),
                                   Case(300, 260, 128, "float16", False, batch=3, nheads=4, nheads_k=2, window_size=(70, 20)),
+                                  Case(1100, 1100, 64, "float16", True, batch=2, nheads=6, nheads_k=3),  # 192-row tiles
                                   Case.packed((300, 17, 250), (300, 17, 250), 256, "bfloat16", True, nheads=4, nheads_k=2)],
                          ids=str)
 def test_local_forward_in_groups_of_pairs(group, case, monkeypatch):

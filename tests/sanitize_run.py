@@ -63,6 +63,7 @@ def in_groups(group):
     _schedule.tile_group = lambda pairs, kv_bytes_per_pair, l2_bytes, ctas, counter: min(group, pairs)
     _schedule.head_group = lambda heads, bytes_per_head, l2_bytes: 1
 
+
 def kvcache_cases():
     """flash_attn_with_kvcache calls for the sanitizer (append and rotary, split decode, combine): paged
     and dense, cache_batch_idx and cache_leftpad, a padded head dim; each against the NumPy path."""

@@ -409,10 +409,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const uint32 offset = swizzled_offset(lane_row + 8 * half, fragment_col(nt, 0), BLOCK_N);
-                        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(s_ds(0) + offset),
-                                     "r"(pack_pair<BF16>(x[0][nt][2 * half], x[0][nt][2 * half + 1])) : "memory");
-                        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(s_ds(1) + offset),
-                                     "r"(pack_pair<BF16>(dp[2 * half], dp[2 * half + 1])) : "memory");
+                        st_shared_u32(s_ds(0) + offset, pack_pair<BF16>(x[0][nt][2 * half], x[0][nt][2 * half + 1]));
+                        st_shared_u32(s_ds(1) + offset, pack_pair<BF16>(dp[2 * half], dp[2 * half + 1]));
                     }
                 }
                 fence_proxy_async();  // P^T's and dS^T's stores, then wgmma reads them
@@ -552,7 +550,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             if constexpr (DROPOUT) {
                 if (p.dropout_scale != 0.f) {
                     const uint32 bits = step_dropout_bits<BLOCK_M>(p, batch, head, row0, warp_key0);
-                    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(s_kept), "r"(bits) : "memory");
+                    st_shared_u32(s_kept, bits);
                 }
             }
             if constexpr (kEarlyProbabilities) {
@@ -573,8 +571,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             uint32 p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
             uint32 kept = ~0u;  // dropout's decisions: tile nt's at bit 4 nt (all kept where dropout is off)
             if constexpr (DROPOUT) {
-                if (p.dropout_scale != 0.f)
-                    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(kept) : "r"(s_kept) : "memory");
+                if (p.dropout_scale != 0.f) kept = ld_shared_u32(s_kept);
             }
 #pragma unroll
             for (int nt = 0; nt < MT; ++nt) {
@@ -608,8 +605,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const uint32 address = s_ds(buffer) + swizzled_offset(row + 8 * half, fragment_col(nt, 0), BLOCK_N);
-                        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(address), "r"(ds_frag[nt / 2][2 * (nt % 2) + half])
-                                     : "memory");
+                        st_shared_u32(address, ds_frag[nt / 2][2 * (nt % 2) + half]);
                     }
                 }
             }

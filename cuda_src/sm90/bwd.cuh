@@ -185,30 +185,56 @@ __device__ __forceinline__ void gradients_transposed(float (&s)[4], float (&dp)[
     }
 }
 
-// dK (times the softmax scale) and dV from a consumer's accumulators, straight from the registers:
-// its warp's keys from warp_key0, TILES column tiles from col0.
+// dK (times the softmax scale) and dV of a consumer warpgroup's 64 keys from key0 and TILES column
+// tiles from col0, through shared memory (stage_dk, stage_dv: 64 rows of TILES 16-byte chunks each,
+// a row's chunks swizzled by the row, so that both the stmatrix stores and the row reads below are
+// free of bank conflicts) to 16-byte global stores, a warp writing whole rows: stores straight from
+// the fragments write 4 bytes a thread into 8 rows an instruction. Each warp reads back only the
+// 16 rows it stored. dk and dv are the plan's own arrays: rows 16-byte aligned.
 template <bool BF16, int TILES>
-__device__ __forceinline__ void store_dk_dv(const FlashParams& p, const Sequence& seq, int batch, int head_k,
-                                            int warp_key0, int col0, const float (&acc_dk)[1][TILES][4],
-                                            const float (&acc_dv)[1][TILES][4]) {
+__device__ __forceinline__ void store_dk_dv(const FlashParams& p, const Sequence& seq, int batch, int head_k, int key0,
+                                            int col0, const float (&acc_dk)[1][TILES][4],
+                                            const float (&acc_dv)[1][TILES][4], uint32 stage_dk, uint32 stage_dv) {
+    static_assert(TILES % 2 == 0 && TILES >= 8, "pairs of column tiles; at least 8 chunks a row for the swizzle");
+    constexpr int kRowBytes = 16 * TILES;
+    const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    {
+        // stmatrix's matrix m = lane / 8 is column tile dt + m / 2, rows 8 (m % 2) to 8 (m % 2) + 7 of the warp's 16
+        const int row = 16 * warp + 8 * (lane / 8 % 2) + lane % 8;
+#pragma unroll
+        for (int dt = 0; dt < TILES; dt += 2) {
+            const uint32 offset = row * kRowBytes + (((dt + lane / 16) ^ (row % 8)) * 16);
+            const float scale = p.softmax_scale;
+            stmatrix_x4(stage_dk + offset, pack_pair<BF16>(acc_dk[0][dt][0] * scale, acc_dk[0][dt][1] * scale),
+                        pack_pair<BF16>(acc_dk[0][dt][2] * scale, acc_dk[0][dt][3] * scale),
+                        pack_pair<BF16>(acc_dk[0][dt + 1][0] * scale, acc_dk[0][dt + 1][1] * scale),
+                        pack_pair<BF16>(acc_dk[0][dt + 1][2] * scale, acc_dk[0][dt + 1][3] * scale));
+            stmatrix_x4(stage_dv + offset, pack_pair<BF16>(acc_dv[0][dt][0], acc_dv[0][dt][1]),
+                        pack_pair<BF16>(acc_dv[0][dt][2], acc_dv[0][dt][3]),
+                        pack_pair<BF16>(acc_dv[0][dt + 1][0], acc_dv[0][dt + 1][1]),
+                        pack_pair<BF16>(acc_dv[0][dt + 1][2], acc_dv[0][dt + 1][3]));
+        }
+    }
+    __syncwarp();
     uint16* dk = static_cast<uint16*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride
                  + seq.first_row_k * p.dk_row_stride;
     uint16* dv = static_cast<uint16*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride
                  + seq.first_row_k * p.dv_row_stride;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int key = warp_key0 + fragment_row(0, 2 * half);
-        if (key < seq.seqlen_k) {
-#pragma unroll
-            for (int dt = 0; dt < TILES; ++dt) {
-                const int col = col0 + fragment_col(dt, 0);
-                if (col < p.headdim) {
-                    *reinterpret_cast<uint32*>(dk + key * p.dk_row_stride + col) = pack_pair<BF16>(
-                        acc_dk[0][dt][2 * half] * p.softmax_scale, acc_dk[0][dt][2 * half + 1] * p.softmax_scale);
-                    *reinterpret_cast<uint32*>(dv + key * p.dv_row_stride + col) =
-                        pack_pair<BF16>(acc_dv[0][dt][2 * half], acc_dv[0][dt][2 * half + 1]);
-                }
-            }
+    for (int i = 0; i < TILES / 2; ++i) {  // 16 rows x TILES chunks, 32 a step
+        const int chunk_index = 32 * i + lane, row = 16 * warp + chunk_index / TILES, chunk = chunk_index % TILES;
+        const uint32 offset = row * kRowBytes + ((chunk ^ (row % 8)) * 16);
+        const int key = key0 + row, col = col0 + 8 * chunk;
+        uint4 dk_chunk, dv_chunk;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(dk_chunk.x), "=r"(dk_chunk.y), "=r"(dk_chunk.z), "=r"(dk_chunk.w) : "r"(stage_dk + offset));
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(dv_chunk.x), "=r"(dv_chunk.y), "=r"(dv_chunk.z), "=r"(dv_chunk.w) : "r"(stage_dv + offset));
+        if (key < seq.seqlen_k && col < p.headdim) {
+            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "l"(dk + key * p.dk_row_stride + col),
+                         "r"(dk_chunk.x), "r"(dk_chunk.y), "r"(dk_chunk.z), "r"(dk_chunk.w) : "memory");
+            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "l"(dv + key * p.dv_row_stride + col),
+                         "r"(dv_chunk.x), "r"(dv_chunk.y), "r"(dv_chunk.z), "r"(dv_chunk.w) : "memory");
         }
     }
 }
@@ -234,6 +260,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     const uint32 s_k = (smem_address(smem_raw) + 1023) & ~1023u, s_v = s_k + T::kKVBytes;
     auto s_q = [&](int stage) { return s_v + T::kKVBytes + stage * 2 * T::kQBytes; };
     auto s_do = [&](int stage) { return s_q(stage) + T::kQBytes; };
+    static_assert(STAGES >= 2 && 64 * 2 * (T::kSplitKeys ? HEADDIM : HEADDIM / 2) <= T::kQBytes,
+                  "consumer c's dK and dV (64 keys, its columns) fit stage c's Q and dO buffers (store_dk_dv)");
     const uint32 s_trade = s_q(STAGES), s_rows = s_trade + T::kTradeBytes;
     auto s_ds = [&](int buffer) { return s_trade + buffer * T::kDSBytes; };  // hd256: P^T is buffer 0, dS^T 1
     const uint32 s_dq = s_ds(2), s_dp = s_ds(2);  // (split keys: dQ; hd256: dP^T)
@@ -335,7 +363,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     }
 
     setmaxnreg_inc<T::kConsumerRegisters>();
-    const int consumer = warpgroup - 1;
+    // Broadcast from lane 0, the compiler knows it is the same across the warp and keeps what derives
+    // from it (the wgmma descriptors, shared-memory bases) in uniform registers: about 100 fewer
+    // instructions a step at 64 rows. At 80 rows the consumers then spill (their 240 registers are
+    // full), so those keep threadIdx's.
+    const int consumer = T::kDQTransposed ? warpgroup - 1 : __shfl_sync(0xffffffffu, warpgroup - 1, 0);
     if constexpr (!T::kSplitKeys) {
         // hd256: both consumers on all BLOCK_N keys, consumer c owning dK's and dV's columns
         // [128 c, 128 c + 128). Per step, consumer 1 computes dP^T and leaves it in shared memory
@@ -489,7 +521,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             if (consumer == 1 && step + 1 < steps) consumers_arrive(3);
         }
 
-        store_dk_dv<BF16>(p, seq, batch, head_k, warp_key0, kHalf * consumer, acc_dk, acc_dv);  // its columns
+        consumers_sync(5);  // both consumers' products are done with Q and dO, whose buffers take dK and dV
+        store_dk_dv<BF16>(p, seq, batch, head_k, key0, kHalf * consumer, acc_dk, acc_dv, s_q(consumer),
+                          s_do(consumer));  // its columns
     } else {
         const int wg_key0 = 64 * consumer;                             // this consumer's keys in the block
         const int warp_key0 = key0 + wg_key0 + 16 * (threadIdx.x / 32 % 4);  // this warp's first key
@@ -695,6 +729,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             mbarrier_arrive(q_empty(stage));
         }
 
-        store_dk_dv<BF16>(p, seq, batch, head_k, warp_key0, 0, acc_dk, acc_dv);
+        consumers_sync(5);  // both consumers' products are done with Q and dO, whose buffers take dK and dV
+        store_dk_dv<BF16>(p, seq, batch, head_k, key0 + wg_key0, 0, acc_dk, acc_dv, s_q(consumer), s_do(consumer));
     }
 }

@@ -206,8 +206,8 @@ class Tile:
 
     def takes_tiles_from_counter(self, local):
         """Whether this tile's wgmma forward kernel can take its tiles from a counter as it finishes
-        them (kTileSlots in cuda_src/sm90/fwd.cuh): the LOCAL kernels below hd256."""
-        return self.kernel_family == WGMMA and local and self.headdim < 256
+        them (kTileSlots in cuda_src/sm90/fwd.cuh): the LOCAL kernels."""
+        return self.kernel_family == WGMMA and local
 
     def smem_bytes(self, pass_):
         if self.kernel_family == WGMMA and kernel_pass(pass_) == "fwd":

@@ -471,10 +471,9 @@ def _wgmma_forward_plan(call, inputs, strides):
     if block_major:  # as groups of (batch entry, head) pairs
         pairs = shape.nheads * shape.batch
         kv_bytes_per_pair = 2 * shape.seqlen_k * tile.headdim * 2 * shape.nheads_k // shape.nheads
-        # (192-row tiles: their counter path has not yet run against float64 on a GPU, test_gpu's
-        # test_local_forward_in_groups_of_pairs; until it has, they keep static rounds)
-        counter = tile.takes_tiles_from_counter(call.local) and tile.block_m == 128
-        block_major = _schedule.tile_group(pairs, kv_bytes_per_pair, attributes["L2CacheSize"], grid[0], counter)
+        counter = tile.takes_tiles_from_counter(call.local)
+        block_major = _schedule.tile_group(pairs, kv_bytes_per_pair, attributes["L2CacheSize"], grid[0],
+                                           _schedule.COUNTER_GROUP_L2_SHARE[tile.headdim] if counter else None)
         if counter and block_major < pairs:  # the CTAs take tiles from a counter (next_tile in cuda_src/sm90/fwd.cuh)
             outputs.append(_Output("tile_counter", (1,), "int32", zeroed=True, scratch=True))
     return Plan(call.caller, _param_block(call, tile, strides, inputs, block_major), inputs, outputs,

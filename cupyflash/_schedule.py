@@ -46,23 +46,30 @@ def block_grid(blocks, heads, batch, local):
 # causal, bf16 (v26): 0.75 made hd128 11% faster and hd256 23%; 0.5 made hd128 14% faster and left
 # hd256's groups too small to take.
 GROUP_L2_SHARE = 0.75
+# The share a group taken from the tile counter may take once all pairs' K and V exceed
+# GROUP_L2_SHARE, by head dim. At 3/8 the next group's first levels find their K and V still in the
+# L2 (v38, causal: hd128 4k DRAM reads 344 -> 202 MB, cuDNN's 201; hd64 4k 415 -> 203 MB, 2% faster);
+# hd256 runs 3-8% faster at 4k with the larger groups of 3/4, though they read 22% more.
+COUNTER_GROUP_L2_SHARE = {64: 0.375, 128: 0.375, 256: GROUP_L2_SHARE}
 
 
-def tile_group(pairs, kv_bytes_per_pair, l2_bytes, ctas, counter):
+def tile_group(pairs, kv_bytes_per_pair, l2_bytes, ctas, counter_share):
     """The persistent LOCAL forward's block-major group (FlashParams.block_major; fwd_tile in
     cuda_src/sm90/fwd.cuh): how many (batch entry, head) pairs walk their blocks level by level
-    together. As many as keep their K and V in GROUP_L2_SHARE of the L2, so that each level reads
-    them there, not from DRAM (at least one pair). A group smaller than all pairs makes rounds of
-    tiles of uneven weight: where the kernel takes its tiles from a counter as it finishes them
-    (`counter`: FlashParams.tile_counter, next_tile) that leaves the CTAs balanced; in static rounds
-    only a group of a third of the CTAs or more does (a round spans at most three levels), else all
-    pairs walk together (bench/notes/v26)."""
-    fit = int(l2_bytes * GROUP_L2_SHARE // max(kv_bytes_per_pair, 1))
-    if fit >= pairs:
+    together. All of them where their K and V fit in GROUP_L2_SHARE of the L2, so that each level
+    reads them there, not from DRAM. Else a group smaller than all pairs makes rounds of tiles of
+    uneven weight: where the kernel takes its tiles from a counter as it finishes them
+    (FlashParams.tile_counter, next_tile) that leaves the CTAs balanced, and groups fit in
+    `counter_share` of the L2 (COUNTER_GROUP_L2_SHARE; at least one pair); in static rounds
+    (`counter_share` None) only a group of a third of the CTAs or more does (a round spans at most
+    three levels), else all pairs walk together (bench/notes/v26)."""
+    def fit(share):
+        return int(l2_bytes * share // max(kv_bytes_per_pair, 1))
+    if fit(GROUP_L2_SHARE) >= pairs:
         return pairs
-    if counter:
-        return max(fit, 1)
-    return pairs if 3 * fit < ctas else fit
+    if counter_share:
+        return max(fit(counter_share), 1)
+    return pairs if 3 * fit(GROUP_L2_SHARE) < ctas else fit(GROUP_L2_SHARE)
 
 
 def head_group(heads, bytes_per_head, l2_bytes):

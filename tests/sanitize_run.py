@@ -51,6 +51,8 @@ CASES = [Case(113, 113, 72, "float16", True, batch=1),
 # head) pairs, as calls whose K and V exceed the L2 take them, with varlen rows that see no key; the
 # backward's kv heads one group each
 COUNTER_CASES = [Case(300, 200, 64, "float16", True, batch=2, nheads=60, nheads_k=10),
+                 Case(1100, 1100, 64, "bfloat16", True, batch=1, nheads=6, nheads_k=3),  # 192-row tiles
+                 Case(300, 200, 256, "bfloat16", True, batch=2, nheads=12, nheads_k=4),
                  Case.packed((0, 370, 45, 600), (9, 300, 0, 500), 128, "bfloat16", True, nheads=16, nheads_k=4,
                              window_size=(90, 0))]
 
@@ -60,7 +62,7 @@ def in_groups(group):
     run the LOCAL backward's kv heads in groups of one (_schedule.head_group)."""
     from cupyflash import _plan, _schedule
     _plan._plans.clear()
-    _schedule.tile_group = lambda pairs, kv_bytes_per_pair, l2_bytes, ctas, counter: min(group, pairs)
+    _schedule.tile_group = lambda pairs, kv_bytes_per_pair, l2_bytes, ctas, counter_share: min(group, pairs)
     _schedule.head_group = lambda heads, bytes_per_head, l2_bytes: 1
 
 

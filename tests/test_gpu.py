@@ -222,12 +222,11 @@ def test_local_kernels_in_either_grid_order(block_major, case, monkeypatch):
 def test_local_forward_in_groups_of_pairs(group, case, monkeypatch):
     """The persistent forward's block-major order in groups of (batch entry, head) pairs
     (_schedule.tile_group, fwd_tile in cuda_src/sm90/fwd.cuh): groups of one pair and of five (the last
-    of 12 pairs holds two), whose tiles the CTAs take from a counter (next_tile; hd256's and the
-    192-row tiles walk them in rounds, _wgmma_forward_plan), and of all, taken in rounds; the H200's
-    shapes reach groups only at 1k tokens and more."""
+    of 12 pairs holds two), whose tiles the CTAs take from a counter (next_tile), and of all, taken
+    in rounds; the H200's shapes reach groups only at 1k tokens and more."""
     from cupyflash import _plan, _schedule
     monkeypatch.setattr(_plan, "_plans", {})
-    monkeypatch.setattr(_schedule, "tile_group", lambda pairs, kv_bytes_per_pair, l2_bytes, ctas, counter: min(group, pairs))
+    monkeypatch.setattr(_schedule, "tile_group", lambda pairs, kv_bytes_per_pair, l2_bytes, ctas, counter_share: min(group, pairs))
     _assert_ok(_check.run_gpu_case(case, _seed(case) + group))
 
 

@@ -176,20 +176,28 @@ def test_the_backward_splits_its_last_partial_wave_where_that_saves_time(units, 
     assert _tail_split(units, steps, resident=132) == split
 
 
-@pytest.mark.parametrize("pairs, kv_bytes_per_pair, counter, group", [
-    (256, 2 * 1024 * 128 * 2, False, 90),   # hd128 at 1k, batch 16: 90 pairs' K and V fill 3/4 of the L2
-    (512, 2 * 1024 * 64 * 2, False, 180),   # hd64 at 1k
-    (128, 2 * 1024 * 256 * 2, False, 45),   # hd256 at 1k: a round of 132 tiles spans 3 levels
-    (64, 2 * 4096 * 128 * 2, False, 64),    # hd128 at 4k in rounds: 22 would fit, too few (6 levels a round)
-    (64, 2 * 4096 * 128 * 2, True, 22),     # ... taken from a counter: the 22 that fit
-    (16, 2 * 16384 * 128 * 2, False, 16),   # hd128 at 16k, batch 1
-    (16, 2 * 16384 * 128 * 2, True, 5),
-    (32, 2 * 128 * 128 * 2, True, 32),      # everything fits
-    (4, 2 * 131072 * 256 * 2, True, 1),     # one pair's K and V exceed the L2: one at a time
+@pytest.mark.parametrize("pairs, kv_bytes_per_pair, counter_share, group", [
+    (256, 2 * 1024 * 128 * 2, None, 90),    # hd128 at 1k, batch 16: 90 pairs' K and V fill 3/4 of the L2
+    (512, 2 * 1024 * 64 * 2, None, 180),    # hd64 at 1k
+    (128, 2 * 1024 * 256 * 2, None, 45),    # hd256 at 1k: a round of 132 tiles spans 3 levels
+    (64, 2 * 4096 * 128 * 2, None, 64),     # hd128 at 4k in rounds: 22 would fit, too few (6 levels a round)
+    (64, 2 * 4096 * 128 * 2, 0.375, 11),    # ... taken from a counter: the 11 that fit 3/8 of the L2
+    (16, 2 * 16384 * 128 * 2, None, 16),    # hd128 at 16k, batch 1
+    (16, 2 * 16384 * 128 * 2, 0.375, 2),
+    (32, 2 * 4096 * 256 * 2, 0.75, 11),     # hd256 at 4k: its counter's groups take 3/4
+    (32, 2 * 128 * 128 * 2, 0.375, 32),     # everything fits
+    (64, 2 * 1024 * 128 * 2, 0.375, 64),    # ... in 3/4 of the L2, though not in 3/8: all pairs still
+    (4, 2 * 131072 * 256 * 2, 0.75, 1),     # one pair's K and V exceed the L2: one at a time
 ])
-def test_the_persistent_forward_groups_pairs_whose_k_and_v_fit_the_l2(pairs, kv_bytes_per_pair, counter, group):
+def test_the_persistent_forward_groups_pairs_whose_k_and_v_fit_the_l2(pairs, kv_bytes_per_pair, counter_share, group):
     from cupyflash._schedule import tile_group
-    assert tile_group(pairs, kv_bytes_per_pair, l2_bytes=60 << 20, ctas=132, counter=counter) == group
+    assert tile_group(pairs, kv_bytes_per_pair, l2_bytes=60 << 20, ctas=132, counter_share=counter_share) == group
+
+
+def test_every_wgmma_forward_head_dim_has_a_counter_group_share():
+    from cupyflash._schedule import COUNTER_GROUP_L2_SHARE
+    for table in ("fwd", "fwd_short", "fwd_local"):
+        assert set(_config.TILES[_config.WGMMA]["sm90"][table]) <= set(COUNTER_GROUP_L2_SHARE)
 
 
 @pytest.mark.parametrize("heads, bytes_per_head, group", [
@@ -206,12 +214,12 @@ def test_the_local_wgmma_backward_groups_heads_whose_rows_fit_the_l2(heads, byte
     assert head_group(heads, bytes_per_head, l2_bytes=60 << 20) == group
 
 
-def test_the_local_wgmma_forwards_below_hd256_can_take_tiles_from_a_counter():
+def test_the_local_wgmma_forwards_can_take_tiles_from_a_counter():
     tables = _config.TILES[_config.WGMMA]["sm90"]
     for table in ("fwd", "fwd_short", "fwd_local"):
         for hd, entry in tables[table].items():
             tile = _config.Tile(hd, *entry, _config.WGMMA)
-            assert tile.takes_tiles_from_counter(True) == (hd < 256) and not tile.takes_tiles_from_counter(False)
+            assert tile.takes_tiles_from_counter(True) and not tile.takes_tiles_from_counter(False)
     assert not _config.Tile(128, *_config.TILES[_config.MMA_SYNC]["sm90"]["fwd"][128]).takes_tiles_from_counter(True)
 
 

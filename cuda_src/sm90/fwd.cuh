@@ -35,16 +35,16 @@ struct Sm90FwdTile {
     static constexpr int kBlockM = 64 * CONSUMERS;          // a consumer warpgroup's 64 rows each
     static constexpr int kThreads = 128 * (1 + CONSUMERS);
     // The LOCAL kernels hand every tile to the consumers through its Q buffer's slot, so that a
-    // call may take them from a counter (next_tile); the producer spills at 24 registers with that
-    // code, and hd256's consumers, which hold 240, have none to give it.
-    static constexpr bool kTileSlots = LOCAL && HEADDIM < 256;
-    // Registers per thread: the producer gives all but 24 (32 with tile slots) to the consumers. A
-    // CTA starts with kLaunchRegisters per thread (65536 / kThreads, as ptxas rounds it) and
-    // setmaxnreg only moves them between warpgroups: a consumer that asks for more than the
-    // producer gave up waits for ever.
+    // call may take them from a counter (next_tile).
+    static constexpr bool kTileSlots = LOCAL;
+    // Registers per thread: the producer gives all but 24 to the consumers; with tile slots below
+    // hd256 it spills at 24 and keeps 32 (hd256's consumers, at 240, have none to give). A CTA
+    // starts with kLaunchRegisters per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg
+    // only moves them between warpgroups: a consumer that asks for more than the producer gave up
+    // waits for ever.
     static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-    static constexpr int kProducerRegisters = kTileSlots ? 32 : 24;
-    static constexpr int kConsumerRegisters = CONSUMERS == 3 ? 160 : kTileSlots ? 232 : 240;
+    static constexpr int kProducerRegisters = kTileSlots && HEADDIM < 256 ? 32 : 24;
+    static constexpr int kConsumerRegisters = CONSUMERS == 3 ? 160 : kProducerRegisters == 32 ? 232 : 240;
     static_assert(kProducerRegisters + CONSUMERS * kConsumerRegisters <= (1 + CONSUMERS) * kLaunchRegisters,
                   "the consumers' registers are the producer's");
     static constexpr int kQBytes = kBlockM * HEADDIM * 2;
@@ -98,7 +98,14 @@ __device__ __forceinline__ int round_tile(int round) {
 // tile slots read it from the tile's Q buffer slot.
 template <bool TILE_SLOTS>
 __device__ __forceinline__ int next_tile(const FlashParams& p, int round) {
-    return TILE_SLOTS && p.tile_counter != nullptr ? atomicAdd(p.tile_counter, 1) : round_tile(round);
+    if (!TILE_SLOTS) return round_tile(round);
+    if (p.tile_counter != nullptr) return atomicAdd(p.tile_counter, 1);
+    // round_tile's, with the grid read here (volatile), not held in registers across the loop:
+    // hd256's producer has 24
+    unsigned ctas, cta;
+    asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(ctas));
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cta));
+    return round * int(ctas) + int(round & 1 ? ctas - 1 - cta : cta);
 }
 
 template <bool LOCAL>

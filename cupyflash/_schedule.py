@@ -48,8 +48,9 @@ def block_grid(blocks, heads, batch, local):
 GROUP_L2_SHARE = 0.75
 # The share a group taken from the tile counter may take once all pairs' K and V exceed
 # GROUP_L2_SHARE, by head dim. At 3/8 the next group's first levels find their K and V still in the
-# L2 (v38, causal: hd128 4k DRAM reads 344 -> 202 MB, cuDNN's 201; hd64 4k 415 -> 203 MB, 2% faster);
-# hd256 runs 3-8% faster at 4k with the larger groups of 3/4, though they read 22% more.
+# L2 (v38, causal: hd128 4k DRAM reads 344 -> 202 MB, cuDNN's 201; hd64 4k 415 -> 203 MB, 2% faster;
+# hd128 1k at batch 16, -3.4% and +0.4% in two runs); hd256 runs 3-8% faster at 4k with the larger
+# groups of 3/4, though they read 22% more.
 COUNTER_GROUP_L2_SHARE = {64: 0.375, 128: 0.375, 256: GROUP_L2_SHARE}
 
 

@@ -211,13 +211,17 @@ class Tile:
 
     def smem_bytes(self, pass_):
         if self.kernel_family == WGMMA and kernel_pass(pass_) == "fwd":
-            # alignment, Q x (2 with two consumers where they fit, else 1), (K, V) x stages, barriers,
-            # a tile index per Q buffer
+            # alignment, Q x (2 with two consumers where they fit, else 1), (K, V) x stages, O where
+            # it fits but in hd64's 128-row tile (Sm90FwdTile::kStagedO), barriers, a tile index per Q buffer
             def with_q_buffers(n):
                 return (1024 + 2 * self.headdim * (n * self.block_m + 2 * self.stages * self.block_n)
                         + 8 * (3 * n + 4 * self.stages))
             two = self.block_m == 128 and with_q_buffers(2) <= FAMILY_SMEM_LIMIT["sm90"]
-            return with_q_buffers(2 if two else 1)
+            bytes_ = with_q_buffers(2 if two else 1)
+            o_bytes = 2 * self.headdim * self.block_m
+            staged_o = (bytes_ + o_bytes <= FAMILY_SMEM_LIMIT["sm90"]
+                        and not (self.headdim == 64 and self.block_m == 128))
+            return bytes_ + (o_bytes if staged_o else 0)
         if self.kernel_family == WGMMA:
             # alignment, K, V, (Q, dO) x stages, what the consumers trade, (lse, D) x stages, barriers
             if self.headdim <= 128:  # dS^T x 2, dQ (in one or two pieces), a dropout word per consumer thread

@@ -10,15 +10,26 @@ __device__ __forceinline__ uint32 smem_address(const void* ptr) {
     return static_cast<uint32>(__cvta_generic_to_shared(ptr));
 }
 
-// A 32-bit word of shared memory by its shared address (volatile: a value another thread wrote
-// before a barrier that this one has since waited on).
+// A 32-bit word of shared memory by its shared address (plus OFFSET, an immediate of the store;
+// volatile: a value another thread wrote before a barrier that this one has since waited on).
+template <int OFFSET = 0>
 __device__ __forceinline__ void st_shared_u32(uint32 address, uint32 value) {
-    asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(address), "r"(value) : "memory");
+    asm volatile("st.shared.u32 [%0+%2], %1;\n" :: "r"(address), "r"(value), "n"(OFFSET) : "memory");
 }
 __device__ __forceinline__ uint32 ld_shared_u32(uint32 address) {
     uint32 value;
     asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(value) : "r"(address) : "memory");
     return value;
+}
+__device__ __forceinline__ uint4 ld_shared_u128(uint32 address) {
+    uint4 value;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w) : "r"(address) : "memory");
+    return value;
+}
+__device__ __forceinline__ void st_global_u128(void* address, uint4 value) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                 :: "l"(address), "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w) : "memory");
 }
 
 // 16-byte asynchronous global -> shared copy. When `valid` is false nothing is read and the

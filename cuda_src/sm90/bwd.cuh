@@ -186,57 +186,27 @@ __device__ __forceinline__ void gradients_transposed(float (&s)[4], float (&dp)[
 }
 
 // dK (times the softmax scale) and dV of a consumer warpgroup's 64 keys from key0 and TILES column
-// tiles from col0, through shared memory (stage_dk, stage_dv: 64 rows of TILES 16-byte chunks each,
-// a row's chunks swizzled by the row, so that both the stmatrix stores and the row reads below are
-// free of bank conflicts) to 16-byte global stores, a warp writing whole rows: stores straight from
-// the fragments write 4 bytes a thread into 8 rows an instruction. Each warp reads back only the
-// 16 rows it stored. dk and dv are the plan's own arrays: rows 16-byte aligned.
+// tiles from col0, through shared memory (stage_rows; stage_dk, stage_dv) to 16-byte global stores.
+// dk and dv are the plan's own arrays: rows 16-byte aligned.
 template <bool BF16, int TILES>
 __device__ __forceinline__ void store_dk_dv(const FlashParams& p, const Sequence& seq, int batch, int head_k, int key0,
                                             int col0, const float (&acc_dk)[1][TILES][4],
                                             const float (&acc_dv)[1][TILES][4], uint32 stage_dk, uint32 stage_dv) {
-    static_assert(TILES % 2 == 0 && TILES >= 8, "pairs of column tiles; at least 8 chunks a row for the swizzle");
-    constexpr int kRowBytes = 16 * TILES;
-    const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-    {
-        // stmatrix's matrix m = lane / 8 is column tile dt + m / 2, rows 8 (m % 2) to 8 (m % 2) + 7 of the warp's 16
-        const int row = 16 * warp + 8 * (lane / 8 % 2) + lane % 8;
-#pragma unroll
-        for (int dt = 0; dt < TILES; dt += 2) {
-            const uint32 offset = row * kRowBytes + (((dt + lane / 16) ^ (row % 8)) * 16);
-            const float scale = p.softmax_scale;
-            stmatrix_x4(stage_dk + offset, pack_pair<BF16>(acc_dk[0][dt][0] * scale, acc_dk[0][dt][1] * scale),
-                        pack_pair<BF16>(acc_dk[0][dt][2] * scale, acc_dk[0][dt][3] * scale),
-                        pack_pair<BF16>(acc_dk[0][dt + 1][0] * scale, acc_dk[0][dt + 1][1] * scale),
-                        pack_pair<BF16>(acc_dk[0][dt + 1][2] * scale, acc_dk[0][dt + 1][3] * scale));
-            stmatrix_x4(stage_dv + offset, pack_pair<BF16>(acc_dv[0][dt][0], acc_dv[0][dt][1]),
-                        pack_pair<BF16>(acc_dv[0][dt][2], acc_dv[0][dt][3]),
-                        pack_pair<BF16>(acc_dv[0][dt + 1][0], acc_dv[0][dt + 1][1]),
-                        pack_pair<BF16>(acc_dv[0][dt + 1][2], acc_dv[0][dt + 1][3]));
-        }
-    }
+    stage_rows<BF16>(stage_dk, acc_dk, p.softmax_scale);
+    stage_rows<BF16>(stage_dv, acc_dv, 1.f);
     __syncwarp();
     uint16* dk = static_cast<uint16*>(p.dk) + batch * p.dk_batch_stride + head_k * p.dk_head_stride
                  + seq.first_row_k * p.dk_row_stride;
     uint16* dv = static_cast<uint16*>(p.dv) + batch * p.dv_batch_stride + head_k * p.dv_head_stride
                  + seq.first_row_k * p.dv_row_stride;
-#pragma unroll
-    for (int i = 0; i < TILES / 2; ++i) {  // 16 rows x TILES chunks, 32 a step
-        const int chunk_index = 32 * i + lane, row = 16 * warp + chunk_index / TILES, chunk = chunk_index % TILES;
-        const uint32 offset = row * kRowBytes + ((chunk ^ (row % 8)) * 16);
+    for_each_staged_chunk<TILES>([&](int row, int chunk, uint32 offset) {
         const int key = key0 + row, col = col0 + 8 * chunk;
-        uint4 dk_chunk, dv_chunk;
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(dk_chunk.x), "=r"(dk_chunk.y), "=r"(dk_chunk.z), "=r"(dk_chunk.w) : "r"(stage_dk + offset));
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(dv_chunk.x), "=r"(dv_chunk.y), "=r"(dv_chunk.z), "=r"(dv_chunk.w) : "r"(stage_dv + offset));
+        const uint4 dk_chunk = ld_shared_u128(stage_dk + offset), dv_chunk = ld_shared_u128(stage_dv + offset);
         if (key < seq.seqlen_k && col < p.headdim) {
-            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "l"(dk + key * p.dk_row_stride + col),
-                         "r"(dk_chunk.x), "r"(dk_chunk.y), "r"(dk_chunk.z), "r"(dk_chunk.w) : "memory");
-            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" :: "l"(dv + key * p.dv_row_stride + col),
-                         "r"(dv_chunk.x), "r"(dv_chunk.y), "r"(dv_chunk.z), "r"(dv_chunk.w) : "memory");
+            st_global_u128(dk + key * p.dk_row_stride + col, dk_chunk);
+            st_global_u128(dv + key * p.dv_row_stride + col, dv_chunk);
         }
-    }
+    });
 }
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, int FEATURES, bool DETERMINISTIC>
@@ -633,15 +603,18 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                                       ds_frag[kk][2], ds_frag[kk][3]);
                 }
             } else {
+                // swizzled_offset(row + 8 half, fragment_col(nt, 0), BLOCK_N) as one XOR of the thread's
+                // first address, whose bits 4-6 hold the swizzle's row % 8 (the tile is 1024-byte
+                // aligned), and a constant: the 64-column block and the half.
                 const int row = wg_key0 + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
-#pragma unroll
-                for (int nt = 0; nt < MT; ++nt) {
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const uint32 address = s_ds(buffer) + swizzled_offset(row + 8 * half, fragment_col(nt, 0), BLOCK_N);
-                        st_shared_u32(address, ds_frag[nt / 2][2 * (nt % 2) + half]);
-                    }
-                }
+                const uint32 first = s_ds(buffer) + row * kSwizzleRowBytes + 16 * (row % 8) + 4 * (threadIdx.x % 4);
+                static_for<MT>([&](auto nt_) {
+                    static_for<2>([&](auto half_) {
+                        constexpr int nt = decltype(nt_)::value, half = decltype(half_)::value;
+                        st_shared_u32<(nt / 8) * BLOCK_N * kSwizzleRowBytes + 8 * half * kSwizzleRowBytes>(
+                            first ^ (16 * (nt % 8)), ds_frag[nt / 2][2 * (nt % 2) + half]);
+                    });
+                });
             }
             fence_proxy_async();  // dS^T's stores, then wgmma reads them
 
@@ -700,6 +673,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             // dQ into shared memory in dq_accum's layout (dq_accum_index: each warp's pair stores fill
             // 256 contiguous bytes), once the adder has read the last step's.
             if (step > 0) mbarrier_wait(dq_empty, (step - 1) & 1);
+            // Each address is the thread's first plus a constant (dq_accum_index(r + 8 i, c + 8 j, W) is
+            // dq_accum_index(r, c, W) + 8 i W + 64 j), written into the instruction: built by the
+            // compiler, the addresses took ~90 instructions a step at hd128. (Not in the transposed
+            // stores: 112 fewer instructions there measured 1-2% slower on the H200.)
             if constexpr (T::kDQTransposed) {  // a thread's pairs are two query rows of one column
                 const int col = consumer * 64 + fragment_row(threadIdx.x / 32 % 4, 0);
 #pragma unroll
@@ -712,14 +689,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 const int q_row = (T::kSplitDQRows ? 64 * consumer : 0) + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
                 const int col0 = (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0);
                 const uint32 piece = s_dq + (T::kDQPieces == 1 ? 0 : consumer * T::kDQBytes);
-#pragma unroll
-                for (int half = 0; half < 2; ++half)
-#pragma unroll
-                    for (int nt = 0; nt < kDQWidth / 8; ++nt) {
-                        const uint32 address = piece + 4 * uint32(dq_accum_index(q_row + 8 * half, col0 + 8 * nt, HEADDIM));
-                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(address), "f"(dq[0][nt][2 * half]),
-                                     "f"(dq[0][nt][2 * half + 1]) : "memory");
-                    }
+                const uint32 first = piece + 4 * uint32(dq_accum_index(q_row, col0, HEADDIM));
+                static_for<2>([&](auto half_) {
+                    static_for<kDQWidth / 8>([&](auto nt_) {
+                        constexpr int half = decltype(half_)::value, nt = decltype(nt_)::value;
+                        asm volatile("st.shared.v2.f32 [%0+%3], {%1, %2};\n" :: "r"(first), "f"(dq[0][nt][2 * half]),
+                                     "f"(dq[0][nt][2 * half + 1]), "n"(4 * (8 * half * HEADDIM + 64 * nt)) : "memory");
+                    });
+                });
             }
             fence_proxy_async();  // the stores, then the copy engine reads them
             __syncwarp();

@@ -180,3 +180,41 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
+
+// Accumulator rows leave through shared memory as whole 16-byte rows, a warp writing whole rows:
+// stores straight from the fragments write 4 bytes a thread into 8 rows an instruction. A stage
+// holds a warpgroup's 64 rows of TILES 16-byte chunks (TILES 8-column tiles of 16-bit values), a
+// row's chunks swizzled by the row, so that both the stmatrix stores and the row reads are free of
+// bank conflicts; each warp reads back only the 16 rows (from 16 (warp % 4)) that it stored.
+template <int TILES>
+__device__ __forceinline__ uint32 staged_offset(int row, int chunk) {
+    static_assert(TILES % 2 == 0 && TILES >= 8, "pairs of column tiles; at least 8 chunks a row for the swizzle");
+    return uint32(row * 16 * TILES + ((chunk ^ (row % 8)) * 16));
+}
+
+// This warp's 16 rows of `acc` times `scale`, as 16-bit values, into `stage`.
+template <bool BF16, int TILES>
+__device__ __forceinline__ void stage_rows(uint32 stage, const float (&acc)[1][TILES][4], float scale) {
+    // stmatrix's matrix m = lane / 8 is column tile dt + m / 2, rows 8 (m % 2) to 8 (m % 2) + 7 of the warp's 16
+    const int lane = threadIdx.x % 32, row = 16 * (threadIdx.x / 32 % 4) + 8 * (lane / 8 % 2) + lane % 8;
+#pragma unroll
+    for (int dt = 0; dt < TILES; dt += 2)
+        stmatrix_x4(stage + staged_offset<TILES>(row, dt + lane / 16),
+                    pack_pair<BF16>(acc[0][dt][0] * scale, acc[0][dt][1] * scale),
+                    pack_pair<BF16>(acc[0][dt][2] * scale, acc[0][dt][3] * scale),
+                    pack_pair<BF16>(acc[0][dt + 1][0] * scale, acc[0][dt + 1][1] * scale),
+                    pack_pair<BF16>(acc[0][dt + 1][2] * scale, acc[0][dt + 1][3] * scale));
+}
+
+// After a __syncwarp that follows stage_rows: visit(row, chunk, offset) for each 16-byte chunk this
+// lane reads back (the warp's 16 rows, 32 chunks a step).
+template <int TILES, typename Visit>
+__device__ __forceinline__ void for_each_staged_chunk(Visit&& visit) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < TILES / 2; ++i) {
+        const int chunk_index = 32 * i + lane, row = 16 * (threadIdx.x / 32 % 4) + chunk_index / TILES;
+        const int chunk = chunk_index % TILES;
+        visit(row, chunk, staged_offset<TILES>(row, chunk));
+    }
+}

@@ -75,7 +75,7 @@ def _tile_text(tile, table):
 
 
 _TILE_HEADERS = ["head dim", "fwd tile", "bwd tile", "bwd tile with options", "deterministic bwd tile", "decode tile",
-                 f"paged decode tile (pages under {_config.DENSE_TILE_PAGE} rows)"]
+                 f"decode tile of pages under {_config.DENSE_TILE_PAGE} rows, caches of {_config.SHORT_CACHE} or fewer"]
 
 
 def _table_tile(table, headdim):

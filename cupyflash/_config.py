@@ -61,14 +61,15 @@ _SM90 = {
         256: (128, 32, 8, 1),   # 14-18% faster than 64x32 (v28); 64x64 spills with the options
     },
     # The KV cache's decode kernel (cuda_src/sm80/decode.cuh): 16 packed query rows, block_n keys per
-    # warp step, `stages` K/V buffers per warp; 'decode' reads dense caches and large pages,
-    # 'decode_paged' smaller pages (decode_table). hd128 timed (bench/notes/v20): 8 warps and 3
-    # stages read dense caches 1-36% faster; 16-row pages want more warps per SM (likely: each waits
-    # for its rows' table entries): 6 warps x 2 stages, two CTAs per SM, read them 1-7% faster than 4 x 2.
+    # warp step, `stages` K/V buffers per warp; 'decode' reads long dense caches and large pages,
+    # 'decode_small' smaller pages and short caches (decode_table). hd128 timed (bench/notes/v20): 8
+    # warps and 3 stages read long dense caches 1-36% faster; 16-row pages want more warps per SM
+    # (likely: each waits for its rows' table entries): 6 warps x 2 stages, two CTAs per SM, read them
+    # 1-7% faster than 4 x 2, and short dense caches 2-9% faster than 8 x 3 (v40).
     # hd64 (v30): 16 keys per step, 8 x 3 dense and 4 x 2 paged, read 0-7% faster than 32 on 4 x 2.
     # No hd224 tile: its padded rows spill on sm_90; hd256's serves it.
     "decode": _DECODE | {64: (16, 16, 8, 3), 128: (16, 16, 8, 3)},
-    "decode_paged": _DECODE | {64: (16, 16, 4, 2), 128: (16, 16, 6, 2)},
+    "decode_small": _DECODE | {64: (16, 16, 4, 2), 128: (16, 16, 6, 2)},
 }
 # sm86's decode tiles: the 4-warp ones up to hd160, 2 warps above (99 KiB).
 _SM86_DECODE = {hd: tile if hd <= 160 else (16, 16, 2, 2) for hd, tile in _DECODE.items()}
@@ -84,7 +85,7 @@ TILES = {
             "bwd_options": {32: (64, 64, 4, 2), 64: (64, 32, 4, 2), 96: (64, 32, 4, 2), 128: (64, 32, 4, 1),
                             160: (32, 32, 4, 1), 192: (64, 32, 8, 1), 224: (32, 32, 8, 1), 256: (32, 32, 8, 1)},
             "decode": _SM86_DECODE,
-            "decode_paged": _SM86_DECODE,
+            "decode_small": _SM86_DECODE,
         },
         # A100: sm90's tiles but where noted (not timed on an A100).
         "sm80": {
@@ -103,7 +104,7 @@ TILES = {
                             224: (64, 32, 8, 1),   # as the plain tile
                             256: (64, 32, 8, 1)},  # sm90's needs more than 163 KiB
             "decode": _DECODE,  # sm90's dense hd128 tile needs 200 KiB; its paged one is not timed here
-            "decode_paged": _DECODE,
+            "decode_small": _DECODE,
         },
     },
 }
@@ -173,21 +174,29 @@ def forward_table(headdim, seqlen_q, local):
 DENSE_TILE_PAGE = 256
 
 
-def decode_table(page_size):
-    """The decode tile table for a cache of `page_size`-row pages (0: a dense cache): 'decode_paged'
-    for pages under DENSE_TILE_PAGE rows, else 'decode'."""
-    return "decode_paged" if 0 < page_size < DENSE_TILE_PAGE else "decode"
+# Caches of at most this many rows per sequence run the small pages' decode tile, two or more CTAs
+# per SM: each CTA streams so few rows that its start and end, where its loads are not all in
+# flight, take a share of its time that a second CTA on the SM fills (bench/notes/v40: dense
+# 128 x 1k hd128 +6-9%, 64 x 4k +2%; at 16k the dense tile is 1-4% faster).
+SHORT_CACHE = 4096
+
+
+def decode_table(page_size, capacity):
+    """The decode tile table for a cache of `page_size`-row pages (0: a dense cache) and `capacity`
+    rows per sequence: 'decode_small' for pages under DENSE_TILE_PAGE rows or at most SHORT_CACHE
+    rows, else 'decode'."""
+    return "decode_small" if 0 < page_size < DENSE_TILE_PAGE or capacity <= SHORT_CACHE else "decode"
 
 
 FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
 # The tile tables of each GPU family (see kernel_pass).
-TABLES = ("fwd", "bwd", "bwd_options", "bwd_deterministic", "decode", "decode_paged")
+TABLES = ("fwd", "bwd", "bwd_options", "bwd_deterministic", "decode", "decode_small")
 
 
 def kernel_pass(table):
     """The kernel pass a tile table serves: 'bwd_options' and 'bwd_deterministic' hold backward tiles,
-    'decode_paged' decode ones."""
+    'decode_small' decode ones."""
     return table.split("_")[0]
 
 

@@ -111,7 +111,7 @@ def splits(ctas, key_blocks, warps, resident):
 def _new_plan(call, cache, arrays):
     shape, caller = call.shape, call.caller
     device_id = caller.device_id
-    tile = _schedule.tile(_config.decode_table(cache.page_size), shape.headdim, device_id)
+    tile = _schedule.tile(_config.decode_table(cache.page_size, cache.capacity), shape.headdim, device_id)
     kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features)
     group = shape.nheads // shape.nheads_k
     m_blocks = -(-shape.seqlen_q * group // tile.block_m)  # blocks of packed (query, head) rows

@@ -116,6 +116,14 @@ def test_short_and_local_forwards_take_their_tables_where_they_have_the_head_dim
     assert any(k.pass_ == "fwd" and k.tile == tile for _, k in _kernels.compile_jobs())  # compile-checked
 
 
+@pytest.mark.parametrize("page_size,capacity,table", [
+    (0, 1, "decode_small"), (0, _config.SHORT_CACHE, "decode_small"), (0, _config.SHORT_CACHE + 1, "decode"),
+    (16, 1 << 17, "decode_small"), (_config.DENSE_TILE_PAGE - 16, 1 << 17, "decode_small"),
+    (_config.DENSE_TILE_PAGE, 1 << 17, "decode"), (_config.DENSE_TILE_PAGE, _config.SHORT_CACHE, "decode_small")])
+def test_small_pages_and_short_caches_take_the_small_decode_tiles(page_size, capacity, table):
+    assert _config.decode_table(page_size, capacity) == table
+
+
 @pytest.mark.parametrize("headdim, padded", [(8, 64), (64, 64), (72, 128), (128, 128), (136, 256), (256, 256)])
 def test_wgmma_backward_tiles_cover_every_head_dim(headdim, padded, monkeypatch):
     monkeypatch.delenv("CUPYFLASH_FAMILY", raising=False)  # (a suite run that forces a family)

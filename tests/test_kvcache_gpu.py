@@ -144,13 +144,13 @@ def test_batch_index_leftpad_and_options():
 
 
 @pytest.mark.parametrize("headdim,nheads,nheads_k,seqlen_q,num_splits,capacity", [
-    (128, 32, 8, 1, 0, 4096),   # decode: GQA packed, the splits picked
+    (128, 32, 8, 1, 0, 5000),   # decode: GQA packed, the splits picked, a cache past SHORT_CACHE (the long-cache tile)
     (128, 32, 8, 4, 3, 1000),   # speculative rows, three splits asked for
     (256, 8, 1, 16, 0, 700),    # MQA: 128 packed rows, eight row blocks
     (40, 6, 6, 1, 0, 2048),     # MHA, a head dim padded to 64
     (64, 16, 2, 13, 1, 300),    # one split
     (96, 4, 2, 1, 200, 160),    # more splits asked for than key blocks
-    (128, 8, 1, 1, 100, 4096),  # many splits for few rows: the combine's thread groups take several each
+    (128, 8, 1, 1, 100, 4096),  # many splits for few rows: the combine's thread groups take several each; SHORT_CACHE's tile
 ])
 def test_splits_groups_and_head_dims(headdim, nheads, nheads_k, seqlen_q, num_splits, capacity):
     rng = np.random.default_rng(headdim + seqlen_q)

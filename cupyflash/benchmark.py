@@ -18,6 +18,10 @@ and FlashAttention-4 (flash-attn-4, CuTe-DSL) where it is installed (../shared/p
 carries it to the GPU machine). The speed table's ratio that matters is against the best peer of
 each cell; the FA2 ratio stays beside it.
 
+Decode (`bench --decode`): TB/s of the KV cache read per step, every implementation timed as
+replays of a CUDA graph of back-to-back steps (GraphTimer), as a serving loop runs them; see
+run_decode.
+
 Host time (`bench --host`): microseconds of host time per call of each way of calling cupyflash
 (the core on CuPy arrays and on torch tensors, cupyflash.torch eager, through its custom ops and
 compiled, cupyflash.jax under jit) beside SDPA flash and JAX cuDNN, at three small shapes; see
@@ -81,6 +85,42 @@ class BatchTimer:
         self.sync(result)
         return (time.perf_counter() - begin) * 1e3 / self.calls
 
+
+
+class GraphTimer:
+    """Times replays of a CUDA graph (torch's) of back-to-back calls of `fn`, sized to about
+    `target_ms` a replay: the GPU's time per call with no host work between the calls, as a serving
+    loop that replays its decode step sees it. Making one runs the warm-up call outside the capture
+    (compilation, plans); `fn` must launch on PyTorch's current stream and read nothing on the host."""
+
+    def __init__(self, fn, target_ms=25.0):
+        import torch
+        fn()  # warm-up
+        torch.cuda.synchronize()
+        self.calls, self.graph = 1, self._captured(fn, 1)
+        self.batch_ms()  # the first replay uploads the graph
+        self.calls = max(1, min(200, int(target_ms / max(self.batch_ms(), 1e-3))))
+        self.graph = self._captured(fn, self.calls)
+        self.batch_ms()
+
+    @staticmethod
+    def _captured(fn, calls):
+        import torch
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        return graph
+
+    def batch_ms(self):
+        """Per-call milliseconds of one replay."""
+        import torch
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / self.calls
 
 def median_ms(timers, reps=5, report=print):
     """{key: median per-call milliseconds} of `timers` ({key: BatchTimer}) over `reps` rounds. A
@@ -1102,8 +1142,10 @@ DECODE_IMPLEMENTATIONS = {
 
 
 def run_decode(shapes, impls=tuple(DECODE_IMPLEMENTATIONS), device="cuda", reps=5, report=print):
-    """[DecodeCell] of every shape and implementation, timed in turns (median_ms); `device` other
-    than "cuda" runs each call once, untimed (the tests' plumbing check on the CPU)."""
+    """[DecodeCell] of every shape and implementation, timed in turns (median_ms) as replays of a
+    CUDA graph of back-to-back steps (GraphTimer: a small cache's step takes a few microseconds of
+    GPU time, less than an eager call's host time, so eager timing would measure the host); `device`
+    other than "cuda" runs each call once, untimed (the tests' plumbing check on the CPU)."""
     import torch
     cells = []
     for shape in shapes:
@@ -1125,7 +1167,13 @@ def run_decode(shapes, impls=tuple(DECODE_IMPLEMENTATIONS), device="cuda", reps=
             except Exception as error:  # a missing or failing implementation gives a blank cell with its reason
                 notes[impl] = _error_note(error)
         if device == "cuda":
-            times = median_ms({impl: BatchTimer(step) for impl, step in steps.items()}, reps, report)
+            timers = {}
+            for impl, step in steps.items():
+                try:
+                    timers[impl] = GraphTimer(step)
+                except Exception as error:  # a step that cannot be captured gives a blank cell with its reason
+                    notes[impl] = _error_note(error)
+            times = median_ms(timers, reps, report)
         else:
             times = {impl: math.nan for impl in steps}
         for impl in impls:
@@ -1169,8 +1217,9 @@ def write_decode(cells, out_dir, environment):
     notes = {}
     lines = ["# Decode: TB/s of K and V read per step", "", environment, "",
              "bf16, not causal, the cache full (cache_seqlens = cache); peers read a dense copy of the same cache. "
-             "cupyflash.torch's calls run under no_host_sync (lengths and block table not read on the host, as "
-             f"in a serving loop). Copy bandwidth: {COPY_TBPS} TB/s.", "",
+             "Every implementation is timed as replays of a CUDA graph of back-to-back decode steps, as a serving "
+             "loop runs them (GraphTimer); cupyflash.torch's calls run under no_host_sync (lengths and block "
+             f"table not read on the host). Copy bandwidth: {COPY_TBPS} TB/s.", "",
              "| batch | cache | heads | hdim | seqlen_q | layout | " + " | ".join(impls)
              + " | cupyflash / best peer | cupyflash / copy |", "|" + "---|" * (8 + len(impls))]
     for shape, row in by_shape.items():

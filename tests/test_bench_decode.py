@@ -62,3 +62,28 @@ def test_bench_decode_without_a_gpu_says_so_in_one_line(tmp_path):
     code, out, err = run("bench", "--decode", "--decode-batches", "1", "--out", str(tmp_path / "results"))
     assert code == 1 and out.startswith("bench times the kernels on a GPU: ") and len(out.splitlines()) == 1
     assert "Traceback" not in err and not (tmp_path / "results").exists()
+
+
+@pytest.mark.gpu
+def test_decode_cells_are_timed_as_graph_replays_on_the_gpu():
+    """Every implementation's step captures in a CUDA graph and its replays give a time; a step that
+    cannot be captured gets a blank cell with its reason."""
+    torch = pytest.importorskip("torch")
+    shapes = [benchmark.DecodeShape(4, 1024, 8, 2, 128, 1, "dense"), benchmark.DecodeShape(2, 512, 4, 4, 64, 2, "paged16")]
+    messages = []
+    cells = benchmark.run_decode(shapes, impls=("cupyflash", "SDPA flash (FA2)"), reps=3, report=messages.append)
+    ours = [c for c in cells if c.impl == "cupyflash"]
+    assert len(ours) == 2 and all(not c.note and 0 < c.ms < 10 and c.tbps > 0 for c in ours), [(c.ms, c.note) for c in ours]
+
+    def uncapturable(shape, q, k, v, generator):
+        def step():
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("this step reads the device on the host")
+            return q * 2
+        return step
+    benchmark.DECODE_IMPLEMENTATIONS["uncapturable"] = uncapturable
+    try:
+        cells = benchmark.run_decode(shapes[:1], impls=("uncapturable",), reps=1, report=messages.append)
+    finally:
+        del benchmark.DECODE_IMPLEMENTATIONS["uncapturable"]
+    assert math.isnan(cells[0].ms) and "reads the device on the host" in cells[0].note, cells[0]

@@ -177,7 +177,7 @@ DENSE_TILE_PAGE = 256
 # Caches of at most this many rows per sequence run the small pages' decode tile, two or more CTAs
 # per SM: each CTA streams so few rows that its start and end, where its loads are not all in
 # flight, take a share of its time that a second CTA on the SM fills (bench/notes/v40: dense
-# 128 x 1k hd128 +6-9%, 64 x 4k +2%; at 16k the dense tile is 1-4% faster).
+# 128 x 1k hd128 +7.7%, 64 x 4k +1.6%; from 16k on the dense tile is 1-4% faster).
 SHORT_CACHE = 4096
 
 

@@ -86,7 +86,6 @@ class BatchTimer:
         return (time.perf_counter() - begin) * 1e3 / self.calls
 
 
-
 class GraphTimer:
     """Times replays of a CUDA graph (torch's) of back-to-back calls of `fn`, sized to about
     `target_ms` a replay: the GPU's time per call with no host work between the calls, as a serving
@@ -121,6 +120,7 @@ class GraphTimer:
         stop.record()
         stop.synchronize()
         return start.elapsed_time(stop) / self.calls
+
 
 def median_ms(timers, reps=5, report=print):
     """{key: median per-call milliseconds} of `timers` ({key: BatchTimer}) over `reps` rounds. A

@@ -72,6 +72,22 @@ def _bench_script(name):
     return module
 
 
+def test_device_trees_makes_a_tree_per_version_with_its_patches(tmp_path):
+    trees = _bench_script("device_trees")
+    if not (trees.REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    patch = tmp_path / "note.patch"
+    patch.write_text("--- a/setup.cfg\n+++ b/setup.cfg\n@@ -1 +1,2 @@\n+# patched\n "
+                     + (trees.REPO / "setup.cfg").read_text().splitlines()[0] + "\n")
+    plain = trees.make_tree(tmp_path, "plain=HEAD")
+    patched = trees.make_tree(tmp_path, f"patched=HEAD+{patch}")
+    assert (plain / "cupyflash" / "api.py").exists() and (plain / "cuda_src" / "sm90" / "fwd.cuh").exists()
+    assert (patched / "setup.cfg").read_text().startswith("# patched\n")
+    assert not (plain / "setup.cfg").read_text().startswith("# patched")
+    with pytest.raises(SystemExit, match="NAME=REV"):
+        trees.make_tree(tmp_path, "HEAD")
+
+
 def test_the_ab_script_reads_cells_and_picks_the_kernels_the_h200_runs():
     ab = _bench_script("ab")
     assert ab.parse_cell("128:4096:1") == (128, 4096, True) and len(ab.ALL_CELLS) == 18

@@ -3,6 +3,7 @@
     python bench/ab.py --compile TREE [TREE ...]   # beforehand, wherever NVRTC is: fill the kernel cache
     python bench/ab.py TREE [TREE ...]             # on the GPU machine, with the same CUPYFLASH_CACHE_DIR
     python bench/ab.py --options '{"dropout_p": 0.1, "seed": 1}' TREE ...   # calls with options
+    python bench/ab.py --pass decode TREE ...    # flash_attn_with_kvcache steps, TB/s of K and V read
 
 A TREE is a directory holding one version's cupyflash/ and cuda_src/ (for a commit:
 `mkdir DIR && git archive REV cupyflash cuda_src | tar -x -C DIR`), or `.` for this checkout. Each
@@ -11,7 +12,10 @@ versions take turns for --rounds rounds and a cell is the median of its rounds. 
 twice shows the run's noise: up to 5% in a cell on the H200, so smaller differences need more
 rounds or more runs. Cells are TFLOP/s (FLOPs as in ../shared/peers/README.md) at 16384 tokens and
 hidden 2048; each timing spans 10 calls back to back between CUDA events (the host's time per call
-stays hidden), median of 7.
+stays hidden), median of 7. Decode cells are batch:cache:nheads:nheads_k:hd:layout (layout dense or
+pagedN, N-row pages in a random order), the cache full, one query row, bf16; each timing is a
+replay of a CUDA graph of 20 steps (as a serving loop runs them: no host time between steps),
+median of 15, in TB/s of K and V read.
 """
 
 import argparse
@@ -24,6 +28,11 @@ import sys
 
 TOKENS, HIDDEN = 16384, 2048
 ALL_CELLS = [f"{hd}:{seqlen}:{causal}" for hd in (64, 128, 256) for seqlen in (1024, 4096, 16384) for causal in (0, 1)]
+# Decode cells of 256 MB or more of K and V (the smaller ones' steps last a few microseconds).
+DECODE_CELLS = ["128:1024:32:8:128:dense", "128:1024:32:32:128:dense", "64:4096:32:8:128:dense",
+                "16:16384:32:8:128:dense", "1:131072:32:8:128:dense", "8:131072:32:8:128:dense",
+                "128:16384:32:8:64:dense", "1:131072:32:8:64:dense", "128:1024:32:8:128:paged16",
+                "16:16384:32:8:128:paged16", "1:131072:32:8:64:paged16", "8:131072:32:8:128:paged256"]
 
 
 def parse_cell(text):
@@ -35,6 +44,24 @@ def parse_cell(text):
     return int(hd), int(seqlen), causal == "1"
 
 
+def parse_decode_cell(text):
+    """'batch:cache:nheads:nheads_k:hd:layout' -> (batch, cache, nheads, nheads_k, hd, page size or 0)."""
+    fields = text.split(":")
+    try:
+        batch, cache, nheads, nheads_k, hd = map(int, fields[:5])
+        layout = fields[5]
+        page = 0 if layout == "dense" else int(layout.removeprefix("paged")) if layout.startswith("paged") else -1
+        ok = len(fields) == 6 and min(batch, cache, nheads_k) > 0 and nheads % nheads_k == 0 and hd in (64, 128) and (
+            page == 0 or (page > 0 and page % 16 == 0 and cache % page == 0))
+    except (ValueError, IndexError):
+        ok = False
+    if not ok:
+        raise ValueError(f"a decode cell is batch:cache:nheads:nheads_k:hd:layout with hd 64 or 128, nheads a "
+                         f"multiple of nheads_k and layout dense or pagedN (N a multiple of 16 dividing the "
+                         f"cache), got {text!r}")
+    return batch, cache, nheads, nheads_k, hd, page
+
+
 def compile_jobs(pass_, dtype):
     """(arch, kernel) of this process's cupyflash that the H200 runs for `pass_` at `dtype`, plain and
     causal: the forward's wgmma kernels where the version has them, else its sm_90 mma.sync ones.
@@ -42,6 +69,8 @@ def compile_jobs(pass_, dtype):
     from cupyflash import _kernels
     jobs = [(arch, k) for arch, k in _kernels.compile_jobs()
             if arch.startswith("90") and k.dtype == dtype and not k.options]
+    if pass_ == "decode":
+        return [(arch, k) for arch, k in jobs if k.pass_ in _kernels.KVCACHE_PASSES and not k.local]
     if pass_ == "fwd":
         wgmma = [(arch, k) for arch, k in jobs if k.pass_ == "fwd" and getattr(k, "wgmma", False)]
         return wgmma or [(arch, k) for arch, k in jobs if k.pass_ == "fwd"]
@@ -86,6 +115,45 @@ def worker_time(pass_, dtype, cells, given):
     print(json.dumps(result))
 
 
+def worker_decode(cells):
+    import cupy
+    import numpy
+    from cupyflash import flash_attn_with_kvcache
+    from cupyflash._arrays import bfloat16_dtype
+    result = {}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for text in cells:
+            batch, cache, nheads, nheads_k, hd, page = parse_decode_cell(text)
+            draw = lambda *shape: cupy.random.standard_normal(shape, dtype=cupy.float32).astype(bfloat16_dtype())  # noqa: E731
+            q = draw(batch, 1, nheads, hd)
+            rows = (batch * cache // page, page) if page else (batch, cache)
+            k_cache, v_cache = draw(*rows, nheads_k, hd), draw(*rows, nheads_k, hd)
+            table = (cupy.asarray(numpy.random.default_rng(cache).permutation(batch * cache // page), cupy.int32)
+                     .reshape(batch, cache // page) if page else None)
+            lengths = cupy.full((batch,), cache, cupy.int32)
+            stream.synchronize()
+            step = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)  # noqa: E731
+            step()
+            stream.synchronize()
+            stream.begin_capture()
+            for _ in range(20):
+                step()
+            graph = stream.end_capture()
+            graph.launch(stream)
+            times = []
+            for _ in range(15):
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(stream)
+                graph.launch(stream)
+                end.record(stream)
+                end.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(start, end) / 20)
+            result[text] = 2 * batch * cache * nheads_k * hd * 2 / statistics.median(times) / 1e9
+            del q, k_cache, v_cache, table, graph
+    print(json.dumps(result))
+
+
 def run_tree(tree, mode, args):
     """Runs this script's worker `mode` with `tree`'s cupyflash; returns its JSON result or None."""
     env = dict(os.environ, PYTHONPATH=str(tree))
@@ -102,22 +170,26 @@ def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trees", nargs="*", type=pathlib.Path)
     parser.add_argument("--compile", action="store_true", help="only fill the kernel cache (no GPU needed)")
-    parser.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd")
+    parser.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "decode"), default="fwd")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    parser.add_argument("--cells", type=lambda s: s.split(","), default=ALL_CELLS,
-                        help="hd:seqlen:causal,... (default: hd 64/128/256, 1k/4k/16k, causal and not)")
+    parser.add_argument("--cells", type=lambda s: s.split(","), default=None,
+                        help="hd:seqlen:causal,... (default: hd 64/128/256, 1k/4k/16k, causal and not); "
+                             "for decode batch:cache:nheads:nheads_k:hd:layout,... (default: DECODE_CELLS)")
     parser.add_argument("--options", type=json.loads, default={},
                         help='keyword options of every call, as JSON (e.g. \'{"softcap": 30.0}\')')
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--worker-compile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-time", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    decode = args.pass_ == "decode"
+    if args.cells is None:
+        args.cells = DECODE_CELLS if decode else ALL_CELLS
     for cell in args.cells:
-        parse_cell(cell)
+        (parse_decode_cell if decode else parse_cell)(cell)
     if args.worker_compile:
         return worker_compile(args.pass_, args.dtype)
     if args.worker_time:
-        return worker_time(args.pass_, args.dtype, args.cells, args.options)
+        return worker_decode(args.cells) if decode else worker_time(args.pass_, args.dtype, args.cells, args.options)
     trees = [tree.resolve() for tree in args.trees]
     for tree in trees:
         if not (tree / "cupyflash").is_dir() or not (tree / "cuda_src").is_dir():
@@ -132,11 +204,17 @@ def main(argv):
         for column, tree in zip(columns, trees):
             for cell, value in (run_tree(tree, "--worker-time", args) or {}).items():
                 results.setdefault((cell, column), []).append(value)
-    print(f"{args.pass_} {args.dtype} {json.dumps(args.options)} TFLOP/s, median of {args.rounds} rounds")
-    print(f"{'cell (hd:seqlen:causal)':24}" + "".join(f"{column:>16}" for column in columns))
+    if decode:
+        print(f"decode bfloat16 TB/s of K and V, median of {args.rounds} rounds")
+    else:
+        print(f"{args.pass_} {args.dtype} {json.dumps(args.options)} TFLOP/s, median of {args.rounds} rounds")
+    width = 30 if decode else 24
+    print(f"{'cell (b:cache:h:hk:hd:layout)' if decode else 'cell (hd:seqlen:causal)':{width}}"
+          + "".join(f"{column:>16}" for column in columns))
     for cell in args.cells:
         values = [results.get((cell, column)) for column in columns]
-        print(f"{cell:24}" + "".join(f"{statistics.median(v):16.1f}" if v else f"{'-':>16}" for v in values))
+        print(f"{cell:{width}}" + "".join(f"{statistics.median(v):16.{3 if decode else 1}f}" if v else f"{'-':>16}"
+                                          for v in values))
 
 
 if __name__ == "__main__":

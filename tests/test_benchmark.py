@@ -88,6 +88,19 @@ def test_device_trees_makes_a_tree_per_version_with_its_patches(tmp_path):
         trees.make_tree(tmp_path, "HEAD")
 
 
+def test_the_ab_script_reads_decode_cells_and_compiles_the_kvcache_kernels():
+    ab = _bench_script("ab")
+    assert ab.parse_decode_cell("128:1024:32:8:128:dense") == (128, 1024, 32, 8, 128, 0)
+    assert ab.parse_decode_cell("1:4096:8:1:64:paged16") == (1, 4096, 8, 1, 64, 16)
+    assert all(ab.parse_decode_cell(cell) for cell in ab.DECODE_CELLS)
+    for bad in ("128:1024:32:8:128", "128:1024:30:8:128:dense", "1:1000:8:1:64:paged16", "1:1024:8:1:64:paged24",
+                "1:1024:8:1:96:dense", "1:1024:8:1:64:tiled", "0:1024:8:1:64:dense"):
+        with pytest.raises(ValueError, match="a decode cell is"):
+            ab.parse_decode_cell(bad)
+    passes = {k.pass_ for _, k in ab.compile_jobs("decode", "bfloat16")}
+    assert passes == {"decode", "decode_combine", "kvcache_append"}
+
+
 def test_the_ab_script_reads_cells_and_picks_the_kernels_the_h200_runs():
     ab = _bench_script("ab")
     assert ab.parse_cell("128:4096:1") == (128, 4096, True) and len(ab.ALL_CELLS) == 18

@@ -64,8 +64,9 @@ def parse_decode_cell(text):
 
 def compile_jobs(pass_, dtype):
     """(arch, kernel) of this process's cupyflash that the H200 runs for `pass_` at `dtype`, plain and
-    causal: the forward's wgmma kernels where the version has them, else its sm_90 mma.sync ones.
-    (With --options, the options' kernels compile on the GPU machine, in the untimed first calls.)"""
+    causal: the forward's wgmma kernels where the version has them, else its sm_90 mma.sync ones;
+    for decode the KV cache's kernels (not causal). (With --options, the options' kernels compile on
+    the GPU machine, in the untimed first calls.)"""
     from cupyflash import _kernels
     jobs = [(arch, k) for arch, k in _kernels.compile_jobs()
             if arch.startswith("90") and k.dtype == dtype and not k.options]
@@ -74,7 +75,7 @@ def compile_jobs(pass_, dtype):
     if pass_ == "fwd":
         wgmma = [(arch, k) for arch, k in jobs if k.pass_ == "fwd" and getattr(k, "wgmma", False)]
         return wgmma or [(arch, k) for arch, k in jobs if k.pass_ == "fwd"]
-    return [(arch, k) for arch, k in jobs if k.pass_ != "fwd"]
+    return [(arch, k) for arch, k in jobs if k.pass_ != "fwd" and k.pass_ not in _kernels.KVCACHE_PASSES]
 
 
 def worker_compile(pass_, dtype):

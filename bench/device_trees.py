@@ -7,7 +7,7 @@ A version is NAME=REV[+PATCH...]: `git archive REV` of cupyflash/, cuda_src/, te
 setup.cfg into DIR/NAME, then each patch applied with `patch -p1`. The kernels compile here with
 NVRTC (no GPU), each version with its own code, into DIR/cache (kept between runs: an unchanged
 kernel compiles once for every version), which DIR/cache.tar.xz then holds: `ab` (default) the
-kernels bench/ab.py times (bf16, plain and causal, fwd and bwd), `all` every sm_90 variant of the
+kernels bench/ab.py times (bf16, plain and causal fwd and bwd, and decode), `all` every sm_90 variant of the
 compile checks (about 4 minutes a version on two cores).
 """
 
@@ -54,7 +54,7 @@ def compile_kernels(tree, cache, which):
         commands = [[sys.executable, "-c", COMPILE_ALL]]
     else:
         commands = [[sys.executable, str(REPO / "bench" / "ab.py"), "--compile", "--pass", pass_, str(tree)]
-                    for pass_ in ("fwd", "bwd")]
+                    for pass_ in ("fwd", "bwd", "decode")]
     for command in commands:
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode:

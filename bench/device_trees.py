@@ -7,8 +7,8 @@ A version is NAME=REV[+PATCH...]: `git archive REV` of cupyflash/, cuda_src/, te
 setup.cfg into DIR/NAME, then each patch applied with `patch -p1`. The kernels compile here with
 NVRTC (no GPU), each version with its own code, into DIR/cache (kept between runs: an unchanged
 kernel compiles once for every version), which DIR/cache.tar.xz then holds: `ab` (default) the
-kernels bench/ab.py times (bf16, plain and causal fwd and bwd, and decode), `all` every sm_90 variant of the
-compile checks (about 4 minutes a version on two cores).
+kernels bench/ab.py times (bf16: the plain and causal fwd and bwd, and decode), `all` every sm_90
+variant of the compile checks (about 4 minutes a version on two cores).
 """
 
 import argparse

@@ -94,7 +94,10 @@ class GraphTimer:
 
     def __init__(self, fn, target_ms=25.0):
         import torch
-        fn()  # warm-up
+        side = torch.cuda.Stream()  # warmed up on a side stream, as torch's capture asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
         torch.cuda.synchronize()
         self.calls, self.graph = 1, self._captured(fn, 1)
         self.batch_ms()  # the first replay uploads the graph

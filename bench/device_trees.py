@@ -5,8 +5,9 @@ for all of them, packed to travel as `carry` (bench/DEVICE.md says how a call us
 
 A version is NAME=REV[+PATCH...]: `git archive REV` of cupyflash/, cuda_src/, tests/ and
 setup.cfg into DIR/NAME, then each patch applied with `patch -p1`. The kernels compile here with
-NVRTC (no GPU), each version with its own code, into DIR/cache (kept between runs: an unchanged
-kernel compiles once for every version), which DIR/cache.tar.xz then holds: `ab` (default) the
+NVRTC (no GPU), each version with its own code, into .device_cache/ (git-ignored, kept between
+runs: an unchanged kernel compiles once for every version), which DIR/cache.tar.xz then holds, so
+that DIR alone travels (well under the 64 MiB a call carries): `ab` (default) the
 kernels bench/ab.py times (bf16: the plain and causal fwd and bwd, and decode), `all` every sm_90
 variant of the compile checks (about 4 minutes a version on two cores).
 """
@@ -69,7 +70,7 @@ def main(argv):
     parser.add_argument("--kernels", choices=("ab", "all"), default="ab")
     args = parser.parse_args(argv)
     directory = args.directory.resolve()
-    cache = directory / "cache"
+    cache = REPO / ".device_cache"
     cache.mkdir(parents=True, exist_ok=True)
     for spec in args.versions:
         compile_kernels(make_tree(directory, spec), cache, args.kernels)

@@ -123,10 +123,10 @@ def worker_decode(cells):
     from cupyflash._arrays import bfloat16_dtype
     result = {}
     stream = cupy.cuda.Stream(non_blocking=True)
+    draw = lambda *shape: cupy.random.standard_normal(shape, dtype=cupy.float32).astype(bfloat16_dtype())  # noqa: E731
     with stream:
         for text in cells:
             batch, cache, nheads, nheads_k, hd, page = parse_decode_cell(text)
-            draw = lambda *shape: cupy.random.standard_normal(shape, dtype=cupy.float32).astype(bfloat16_dtype())  # noqa: E731
             q = draw(batch, 1, nheads, hd)
             rows = (batch * cache // page, page) if page else (batch, cache)
             k_cache, v_cache = draw(*rows, nheads_k, hd), draw(*rows, nheads_k, hd)

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -38,8 +39,7 @@ def make_tree(directory, spec):
         raise SystemExit(f"a version is NAME=REV[+PATCH...], got {spec!r}")
     revision, *patches = version.split("+")
     tree = directory / name
-    if tree.exists():
-        subprocess.run(["rm", "-rf", str(tree)], check=True)
+    shutil.rmtree(tree, ignore_errors=True)
     tree.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(REPO), "archive", revision, *PATHS], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)

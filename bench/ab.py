@@ -3,6 +3,7 @@
     python bench/ab.py --compile TREE [TREE ...]   # beforehand, wherever NVRTC is: fill the kernel cache
     python bench/ab.py TREE [TREE ...]             # on the GPU machine, with the same CUPYFLASH_CACHE_DIR
     python bench/ab.py --options '{"dropout_p": 0.1, "seed": 1}' TREE ...   # calls with options
+    python bench/ab.py --options '{"alibi_slopes": "random"}' TREE ...       # slopes drawn per cell
     python bench/ab.py --pass decode TREE ...    # flash_attn_with_kvcache steps, TB/s of K and V read
 
 A TREE is a directory holding one version's cupyflash/ and cuda_src/ (for a commit:
@@ -98,9 +99,12 @@ def worker_time(pass_, dtype, cells, given):
         batch, nheads = TOKENS // seqlen, HIDDEN // hd
         q, k, v, dout = (cupy.random.standard_normal((batch, seqlen, nheads, hd), dtype=cupy.float32).astype(element)
                          for _ in range(4))
-        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, **given)
-        call = ((lambda: flash_attn_func(q, k, v, causal=causal, **given)) if pass_ == "fwd"
-                else (lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **given)))
+        options = dict(given)
+        if options.get("alibi_slopes") == "random":  # (one slope per head, as the options table draws them)
+            options["alibi_slopes"] = cupy.random.random_sample(nheads, dtype=cupy.float32) * 0.1
+        out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, **options)
+        call = ((lambda: flash_attn_func(q, k, v, causal=causal, **options)) if pass_ == "fwd"
+                else (lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **options)))
         for _ in range(3):
             call()
         start, end, times = cupy.cuda.Event(), cupy.cuda.Event(), []

@@ -46,7 +46,15 @@ template <bool BF16, bool LOCAL, int FEATURES, int MT, int NT>
 __device__ __forceinline__ void options_probabilities(float (&s)[MT][NT][4], float (&dp)[MT][NT][4], const FlashParams& p,
                                                      const Sequence& seq, int batch, int head, int row0, int col0,
                                                      bool masked, const float* lse, const float* dot) {
-    const ScoreMods<BF16, FEATURES> mods(p, seq, batch, head);
+    // ALiBi without softcap (which applies before it) adds by rows, an add and an FMA an element
+    // (common/score.cuh), ahead of the per-element pass, which would convert each element's distance.
+    // (Not beside a bias: ptxas then unswitches the per-element pass into longer code.)
+    constexpr bool kAlibiByRows = (FEATURES & (feature::softcap | feature::alibi | feature::bias)) == feature::alibi;
+    if constexpr (kAlibiByRows) {
+        const Alibi alibi(p, seq, batch, head);
+        if (alibi.on()) added_by_rows(s, alibi, row0, col0);
+    }
+    const ScoreMods<BF16, kAlibiByRows ? FEATURES & ~feature::alibi : FEATURES> mods(p, seq, batch, head);
     const BiasGradient<BF16> dbias(p, batch, head);
     const bool dropout = (FEATURES & feature::dropout) != 0 && p.dropout_scale != 0.f;
     for_each_dropout_decision<MT, NT>(p, dropout, batch, head, row0, col0, [&](int mt, int nt, int e, bool kept) {

@@ -14,6 +14,7 @@ import math
 from . import _arrays, _config, _kernels, _plan, _schedule
 
 MAX_SPLITS = 128
+STREAMING_WARPS = 8  # warps per SM that keep a decode's cache reads at the copy bandwidth (splits)
 # The plan's inputs by FlashParams field, in flash_attn_with_kvcache's order of array arguments: the
 # caches are `k` and `v`, the new keys and values `k_new` and `v_new`.
 FIELDS = ("q", "k", "v", "k_new", "v_new", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
@@ -91,21 +92,21 @@ def _launchable(caller, arrays):
     return _plan._launchable(caller, arrays)
 
 
-def splits(ctas, key_blocks, warps, resident):
-    """How many key ranges each of `ctas` CTAs' keys are split into, `resident` CTAs running at once.
-    One where the CTAs' waves already keep 80% of the slots busy: a split adds the merge's partials
-    and launch and shortens each CTA's stream past its fixed costs (v30: 128 x 1k, three splits read
-    15-26% slower than one). Else the fewest whose waves are within 95% of the best quantisation (a
-    decode's CTAs all read about as many keys, so a part-filled last wave idles the rest of the
-    GPU), each split keeping at least one key block per warp."""
-    def efficiency(count):  # the busy share of the slots over the waves of `count` splits
-        waves = ctas * count / resident
-        return waves / math.ceil(waves)
-    if efficiency(1) >= 0.8:
+def splits(ctas, key_blocks, warps, sms):
+    """How many key ranges each of `ctas` CTAs' keys are split into on a GPU of `sms` SMs. A decode
+    reads its cache at the copy bandwidth once about STREAMING_WARPS warps per SM stream it (one CTA
+    of the 6- and 8-warp tiles, two of the 4-warp one: bench/notes/v41's sweep): so the CTAs are
+    split until they fill those slots, and not at all where they fill 80% of them (each split adds
+    its partials to the combine's reads and shortens each CTA's stream past its fixed costs). A
+    split keeps whole key blocks for each warp, and the count is that of the splits that get keys,
+    so that none is launched empty."""
+    slots = sms * max(1, round(STREAMING_WARPS / warps))
+    if ctas >= 0.8 * slots:
         return 1
-    most = max(1, min(MAX_SPLITS, -(-key_blocks // warps)))
-    best = max(map(efficiency, range(1, most + 1)))
-    return next(count for count in range(1, most + 1) if efficiency(count) >= 0.95 * best)
+    count = min(MAX_SPLITS, -(-key_blocks // warps), -(-slots // ctas))
+    blocks_per_split = -(-key_blocks // count)
+    per_split = -(-blocks_per_split // warps) * warps  # as flash_decode rounds it
+    return -(-key_blocks // per_split)
 
 
 def _new_plan(call, cache, arrays):
@@ -117,7 +118,8 @@ def _new_plan(call, cache, arrays):
     m_blocks = -(-shape.seqlen_q * group // tile.block_m)  # blocks of packed (query, head) rows
     ctas = m_blocks * shape.nheads_k * shape.batch
     key_blocks = -(-cache.capacity // tile.block_n)
-    count = cache.num_splits or splits(ctas, key_blocks, tile.warps, _schedule.resident_ctas(kernel, caller.device()))
+    sms = _schedule.device_attributes(device_id)["MultiProcessorCount"]
+    count = cache.num_splits or splits(ctas, key_blocks, tile.warps, sms)
     count = max(1, min(count, MAX_SPLITS, key_blocks))
 
     params = params_of(call, cache, arrays, tile, count)

@@ -346,27 +346,32 @@ def test_bad_paged_varlen_input_names_the_argument():
 # --------------------------------------------------------------------------------------------
 # The GPU path's host arithmetic (cupyflash/_kvcache.py): the key splits of a decode launch.
 
-def test_decode_splits_only_where_the_waves_leave_slots_idle():
-    from cupyflash._kvcache import MAX_SPLITS, splits
-    assert splits(ctas=4 * 396, key_blocks=4096, warps=4, resident=396) == 1  # four whole waves
-    assert splits(ctas=1024, key_blocks=64, warps=4, resident=396) == 1    # 2.59 waves: 86% of the slots busy
-    assert splits(ctas=128, key_blocks=1024, warps=8, resident=132) == 1   # one wave, 97% full
-    assert splits(ctas=128, key_blocks=1024, warps=6, resident=264) == 2   # 48% -> 97% of the slots
-    assert splits(ctas=400, key_blocks=4096, warps=4, resident=396) == 16  # 1.01 waves (51%); 16 of 17 waves: 95%
-    # 8 x 49 = 392 CTAs fill 99% of a wave; 8 x 47 = 376 (94.9%) is the fewest within 95% of that
-    assert splits(ctas=8, key_blocks=256, warps=4, resident=396) == 47
-    assert splits(ctas=8, key_blocks=8, warps=4, resident=396) == 2      # at most one block per warp and split
-    assert splits(ctas=1, key_blocks=10 ** 6, warps=4, resident=396) == 122  # 122 >= 0.95 * MAX_SPLITS
-    assert splits(ctas=1, key_blocks=10 ** 6, warps=4, resident=64) <= MAX_SPLITS
-    for ctas in (1, 3, 8, 64, 200, 300, 1000):
-        for key_blocks in (1, 5, 64, 4096):
-            count = splits(ctas, key_blocks, 4, 396)
-            most = max(1, min(MAX_SPLITS, -(-key_blocks // 4)))
-            assert 1 <= count <= most
-            fill = lambda c: ctas * c / 396 / -(-ctas * c // 396)  # noqa: E731
-            if count > 1:  # only where one split leaves a fifth of the slots idle, and within 95% of the best
-                assert fill(1) < 0.8
-                assert fill(count) >= 0.95 * max(fill(c) for c in range(1, most + 1))
+def test_decode_splits_fill_the_streaming_slots_with_no_empty_split():
+    from cupyflash._kvcache import MAX_SPLITS, STREAMING_WARPS, splits
+    # 132 SMs (the H200); the 6- and 8-warp tiles stream on one CTA per SM, the 4-warp one on two
+    assert splits(ctas=128, key_blocks=1024, warps=8, sms=132) == 1  # 97% of the slots: no split
+    assert splits(ctas=128, key_blocks=64, warps=6, sms=132) == 1    # (v41: one split 20.9 us, two 28.3)
+    assert splits(ctas=1024, key_blocks=64, warps=4, sms=132) == 1
+    assert splits(ctas=64, key_blocks=64, warps=4, sms=132) == 4     # 5 asked; 13 blocks -> 16 a split -> 4
+    assert splits(ctas=8, key_blocks=256, warps=4, sms=132) == 32    # 33 asked: 8 blocks each -> 32 splits
+    assert splits(ctas=4, key_blocks=256, warps=6, sms=132) == 22    # 33 asked: 8 -> 12 blocks each -> 22
+    assert splits(ctas=1, key_blocks=256, warps=6, sms=132) == 43    # one block per warp and split
+    assert splits(ctas=8, key_blocks=8, warps=4, sms=132) == 2
+    assert splits(ctas=1, key_blocks=10 ** 6, warps=8, sms=132) == MAX_SPLITS
+    for sms in (46, 108, 132):
+        for warps in (4, 6, 8):
+            slots = sms * max(1, round(STREAMING_WARPS / warps))
+            for ctas in (1, 3, 8, 64, 100, 200, 1000):
+                for key_blocks in (1, 5, 64, 255, 4096, 10 ** 6):
+                    count = splits(ctas, key_blocks, warps, sms)
+                    assert 1 <= count <= min(MAX_SPLITS, max(1, -(-key_blocks // warps)))
+                    blocks_per_split = -(-key_blocks // count)
+                    per_split = -(-blocks_per_split // warps) * warps  # flash_decode's share of a split
+                    assert (count - 1) * per_split < key_blocks <= count * per_split  # every split gets keys
+                    if ctas >= 0.8 * slots:
+                        assert count == 1
+                    else:  # no more splits than fill the slots
+                        assert ctas * (count - 1) < slots
 
 
 def test_the_plan_signature_tells_calls_apart():

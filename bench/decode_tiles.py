@@ -76,7 +76,7 @@ if __name__ == "__main__":
                 continue
             m_blocks = -(-h // hk // 16)
             ctas = m_blocks * hk * batch
-            default = _kvcache.splits(ctas, -(-cache // n), w, resident)
+            default = _kvcache.splits(ctas, -(-cache // n), w, _schedule.device_attributes(0)["MultiProcessorCount"])
             line = []
             for layout, (kk, vv, tab) in (("dense", (kc, vc, None)), ("paged", (kp, vp, table))):
                 for splits in sorted({default, max(1, default // 2), min(1024, default * 2), min(1024, default * 4)}):

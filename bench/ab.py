@@ -120,42 +120,55 @@ def worker_time(pass_, dtype, cells, given):
     print(json.dumps(result))
 
 
-def worker_decode(cells):
+def decode_inputs(batch, cache, nheads, nheads_k, hd, page, seqlen_q=1):
+    """(q, k_cache, v_cache, block_table or None, cache_seqlens) of a full bf16 cache, drawn on the
+    current stream; pages (page > 0) in a random order."""
     import cupy
     import numpy
-    from cupyflash import flash_attn_with_kvcache
     from cupyflash._arrays import bfloat16_dtype
+    draw = lambda *shape: cupy.random.standard_normal(shape, dtype=cupy.float32).astype(bfloat16_dtype())  # noqa: E731
+    rows = (batch * cache // page, page) if page else (batch, cache)
+    table = (cupy.asarray(numpy.random.default_rng(cache).permutation(batch * cache // page), cupy.int32)
+             .reshape(batch, cache // page) if page else None)
+    return (draw(batch, seqlen_q, nheads, hd), draw(*rows, nheads_k, hd), draw(*rows, nheads_k, hd), table,
+            cupy.full((batch,), cache, cupy.int32))
+
+
+def graph_step_ms(step, stream, steps=20, replays=15):
+    """Median ms per step of `step` captured `steps` times in a CUDA graph on `stream` (no host time
+    between steps, as a serving loop runs them), over `replays` replays."""
+    import cupy
+    step()
+    stream.synchronize()
+    stream.begin_capture()
+    for _ in range(steps):
+        step()
+    graph = stream.end_capture()
+    graph.launch(stream)
+    times = []
+    for _ in range(replays):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / steps)
+    return statistics.median(times)
+
+
+def worker_decode(cells):
+    import cupy
+    from cupyflash import flash_attn_with_kvcache
     result = {}
     stream = cupy.cuda.Stream(non_blocking=True)
-    draw = lambda *shape: cupy.random.standard_normal(shape, dtype=cupy.float32).astype(bfloat16_dtype())  # noqa: E731
     with stream:
         for text in cells:
             batch, cache, nheads, nheads_k, hd, page = parse_decode_cell(text)
-            q = draw(batch, 1, nheads, hd)
-            rows = (batch * cache // page, page) if page else (batch, cache)
-            k_cache, v_cache = draw(*rows, nheads_k, hd), draw(*rows, nheads_k, hd)
-            table = (cupy.asarray(numpy.random.default_rng(cache).permutation(batch * cache // page), cupy.int32)
-                     .reshape(batch, cache // page) if page else None)
-            lengths = cupy.full((batch,), cache, cupy.int32)
+            q, k_cache, v_cache, table, lengths = decode_inputs(batch, cache, nheads, nheads_k, hd, page)
             stream.synchronize()
             step = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)  # noqa: E731
-            step()
-            stream.synchronize()
-            stream.begin_capture()
-            for _ in range(20):
-                step()
-            graph = stream.end_capture()
-            graph.launch(stream)
-            times = []
-            for _ in range(15):
-                start, end = cupy.cuda.Event(), cupy.cuda.Event()
-                start.record(stream)
-                graph.launch(stream)
-                end.record(stream)
-                end.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(start, end) / 20)
-            result[text] = 2 * batch * cache * nheads_k * hd * 2 / statistics.median(times) / 1e9
-            del q, k_cache, v_cache, table, graph
+            result[text] = 2 * batch * cache * nheads_k * hd * 2 / graph_step_ms(step, stream) / 1e9
+            del q, k_cache, v_cache, table
     print(json.dumps(result))
 
 

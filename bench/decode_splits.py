@@ -3,10 +3,10 @@
 (no host time between steps, as a serving loop runs them), median of 15 replays, us per step.
 Prints a JSON line per cell: the picked count, its time, the best count and every count's time.
 
-Usage (GPU): PYTHONPATH=. python bench/decode_splits.py      (bf16, the cache full)
+Usage (GPU): PYTHONPATH=. python bench/decode_splits.py      (bf16, the cache full; timed as bench/ab.py
+times decode cells)
 """
 import json
-import statistics
 
 COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 CELLS = [  # batch, cache, nheads, nheads_k, headdim, seqlen_q, page size (0: dense)
@@ -21,32 +21,10 @@ CELLS = [  # batch, cache, nheads, nheads_k, headdim, seqlen_q, page size (0: de
 ]
 
 
-def step_us(step, stream):
-    """us per step of `step`, replayed from a CUDA graph of 20 steps captured on `stream`."""
-    import cupy
-    step()
-    stream.synchronize()
-    stream.begin_capture()
-    for _ in range(20):
-        step()
-    graph = stream.end_capture()
-    graph.launch(stream)
-    times = []
-    for _ in range(15):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record(stream)
-        graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) / 20 * 1000)
-    return statistics.median(times)
-
-
 def main():
     import cupy
-    import numpy
+    from ab import decode_inputs, graph_step_ms
     from cupyflash import _kvcache, flash_attn_with_kvcache
-    from cupyflash._arrays import bfloat16_dtype
     picked, rule = [], _kvcache.splits
 
     def recorded(*args):  # the rule, its count kept for the report
@@ -54,20 +32,14 @@ def main():
         return picked[-1]
     _kvcache.splits = recorded
     stream = cupy.cuda.Stream(non_blocking=True)
-    draw = lambda *shape: cupy.random.standard_normal(shape, dtype=cupy.float32).astype(bfloat16_dtype())  # noqa: E731
     with stream:
         for batch, cache, nheads, nheads_k, headdim, seqlen_q, page in CELLS:
-            q = draw(batch, seqlen_q, nheads, headdim)
-            rows = (batch * cache // page, page) if page else (batch, cache)
-            k_cache, v_cache = draw(*rows, nheads_k, headdim), draw(*rows, nheads_k, headdim)
-            table = (cupy.asarray(numpy.random.default_rng(cache).permutation(batch * cache // page), cupy.int32)
-                     .reshape(batch, cache // page) if page else None)
-            lengths = cupy.full((batch,), cache, cupy.int32)
+            q, k_cache, v_cache, table, lengths = decode_inputs(batch, cache, nheads, nheads_k, headdim, page, seqlen_q)
             stream.synchronize()
 
             def timed(count):
-                return step_us(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
-                                                               block_table=table, num_splits=count), stream)
+                return 1000 * graph_step_ms(lambda: flash_attn_with_kvcache(
+                    q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, num_splits=count), stream)
             picked.clear()
             auto = timed(0)
             times = {count: timed(count) for count in COUNTS if count * 16 <= cache}

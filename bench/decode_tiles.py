@@ -1,7 +1,7 @@
 """Times decode tiles x split counts (bench/notes/v30): for each cell, cuDNN's figure, then each
 candidate tile forced on both decode tables, on the dense cache and on random 16-row pages, at the
 split count `_kvcache.splits` picks (marked *) and at half, twice and four times it. TB/s of K and V
-read (bf16, seqlen_q 1), CUDA events, median of 5 batches of 10 calls: small cells are host-bound.
+read (bf16, seqlen_q 1), each step replayed from a CUDA graph (benchmark.GraphTimer), median of 5.
 
 Usage (GPU): python bench/decode_tiles.py          (compile first with --compile: NVRTC, no GPU needed)
 """
@@ -12,7 +12,9 @@ TILES = {128: [(16, 4, 2), (16, 6, 2), (16, 8, 2), (16, 8, 3), (16, 4, 3), (16, 
          64: [(32, 4, 2), (16, 4, 2), (16, 6, 2), (16, 8, 2), (16, 8, 3), (32, 6, 2), (32, 8, 2), (32, 8, 3), (32, 4, 3)]}
 CELLS = [(1, 131072, 32, 8, 128), (1, 131072, 32, 8, 64), (1, 131072, 8, 1, 128), (16, 16384, 32, 8, 128),
          (128, 1024, 32, 8, 128), (128, 1024, 32, 8, 64), (16, 1024, 32, 8, 128), (8, 131072, 32, 8, 128),
-         (16, 131072, 8, 1, 64), (1, 16384, 32, 32, 128), (16, 1024, 32, 32, 64)]
+         (16, 131072, 8, 1, 64), (1, 16384, 32, 32, 128), (16, 1024, 32, 32, 64),
+         # few CTAs of half-empty 16-row tiles (MQA, v41's grid: 0.59-0.73 of cuDNN)
+         (128, 1024, 8, 1, 64), (128, 1024, 8, 1, 128), (4, 4096, 8, 1, 128), (16, 1024, 8, 1, 128)]
 
 
 def force(hd, tile):
@@ -34,18 +36,12 @@ if __name__ == "__main__":
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from cupyflash.torch import flash_attn_with_kvcache
+    from cupyflash.benchmark import GraphTimer, median_ms
     from cupyflash.validate import no_host_sync
     dev = torch.device("cuda")
     _kvcache.MAX_SPLITS = 1024  # counts past the table's cap, to see whether the cap costs
-    def timed(step, reps=5, calls=10):
-        for _ in range(2): step()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ts = []
-        for _ in range(reps):
-            e0.record()
-            for _ in range(calls): step()
-            e1.record(); e1.synchronize(); ts.append(e0.elapsed_time(e1) / calls)
-        ts.sort(); return ts[reps // 2]
+    def timed(step):  # ms per step, replayed from a CUDA graph as `bench --decode` times
+        return median_ms({0: GraphTimer(step)})[0]
     for batch, cache, h, hk, hd in CELLS:
         g = torch.Generator(device=dev).manual_seed(batch + cache + hd)
         q = torch.randn(batch, 1, h, hd, device=dev, dtype=torch.bfloat16, generator=g)

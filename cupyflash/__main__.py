@@ -267,9 +267,13 @@ def bench(args):
         return status
     if args.decode:
         grid = dict(benchmark.DECODE_GRID, batches=args.decode_batches, caches=args.decode_caches)
-        cells = benchmark.run_decode(benchmark.decode_shapes(grid))
-        print(benchmark.write_decode(cells, args.out, benchmark.host_environment()))
-        return status
+        shapes = benchmark.decode_shapes(grid)
+        cells = benchmark.run_decode(shapes)
+        done = len({c.shape for c in cells})
+        environment = benchmark.host_environment() + (
+            "" if done == len(shapes) else f"; interrupted after {done} of {len(shapes)} cells")
+        print(benchmark.write_decode(cells, args.out, environment))
+        return status if done == len(shapes) else 130
     if args.options_only:
         print(benchmark.write_options(benchmark.run_options(words=args.option_rows), args.out))
         return status

@@ -1148,43 +1148,54 @@ def run_decode(shapes, impls=tuple(DECODE_IMPLEMENTATIONS), device="cuda", reps=
     """[DecodeCell] of every shape and implementation, timed in turns (median_ms) as replays of a
     CUDA graph of back-to-back steps (GraphTimer: a small cache's step takes a few microseconds of
     GPU time, less than an eager call's host time, so eager timing would measure the host); `device`
-    other than "cuda" runs each call once, untimed (the tests' plumbing check on the CPU)."""
+    other than "cuda" runs each call once, untimed (the tests' plumbing check on the CPU). Ctrl-C
+    (or SIGINT from a time limit) ends the run early with the shapes done so far: a whole grid takes
+    minutes, and what was measured is worth writing."""
+    cells = []
+    try:
+        for shape in shapes:
+            cells += _decode_shape(shape, impls, device, reps, report)
+    except KeyboardInterrupt:
+        report(f"decode: interrupted after {len(cells) // max(1, len(impls))} of {len(shapes)} shapes")
+    return cells
+
+
+def _decode_shape(shape, impls, device, reps, report):
+    """run_decode's cells of one shape."""
     import torch
     cells = []
-    for shape in shapes:
-        # drawn where they are used: a 128k cache drawn on the host took seconds per cell
-        generator = torch.Generator(device=device).manual_seed(shape.batch * 7 + shape.cache)
-        draw = lambda *size: torch.randn(*size, generator=generator, device=device, dtype=torch.bfloat16)  # noqa: E731
-        q = draw(shape.batch, shape.seqlen_q, shape.nheads, shape.headdim)
-        k, v = (draw(shape.batch, shape.nheads_k, shape.cache, shape.headdim) for _ in range(2))  # SDPA's layout
-        steps, notes, expected = {}, {}, None
-        for impl in impls:
+    # drawn where they are used: a 128k cache drawn on the host took seconds per cell
+    generator = torch.Generator(device=device).manual_seed(shape.batch * 7 + shape.cache)
+    draw = lambda *size: torch.randn(*size, generator=generator, device=device, dtype=torch.bfloat16)  # noqa: E731
+    q = draw(shape.batch, shape.seqlen_q, shape.nheads, shape.headdim)
+    k, v = (draw(shape.batch, shape.nheads_k, shape.cache, shape.headdim) for _ in range(2))  # SDPA's layout
+    steps, notes, expected = {}, {}, None
+    for impl in impls:
+        try:
+            step = DECODE_IMPLEMENTATIONS[impl](shape, q, k, v, generator)
+            out = step()
+            if impl == "cupyflash":
+                expected = out
+            elif expected is not None and not _agrees(out, expected):
+                raise ValueError("its output disagrees with cupyflash's")
+            steps[impl] = step
+        except Exception as error:  # a missing or failing implementation gives a blank cell with its reason
+            notes[impl] = _error_note(error)
+    if device == "cuda":
+        timers = {}
+        for impl, step in steps.items():
             try:
-                step = DECODE_IMPLEMENTATIONS[impl](shape, q, k, v, generator)
-                out = step()
-                if impl == "cupyflash":
-                    expected = out
-                elif expected is not None and not _agrees(out, expected):
-                    raise ValueError("its output disagrees with cupyflash's")
-                steps[impl] = step
-            except Exception as error:  # a missing or failing implementation gives a blank cell with its reason
+                timers[impl] = GraphTimer(step)
+            except Exception as error:  # a step that cannot be captured gives a blank cell with its reason
                 notes[impl] = _error_note(error)
-        if device == "cuda":
-            timers = {}
-            for impl, step in steps.items():
-                try:
-                    timers[impl] = GraphTimer(step)
-                except Exception as error:  # a step that cannot be captured gives a blank cell with its reason
-                    notes[impl] = _error_note(error)
-            times = median_ms(timers, reps, report)
-        else:
-            times = {impl: math.nan for impl in steps}
-        for impl in impls:
-            cell = DecodeCell(shape, impl, times.get(impl, math.nan), notes.get(impl, ""))
-            cells.append(cell)
-            report(f"decode {_decode_label(shape)} {impl}: "
-                   + (f"{cell.tbps:.2f} TB/s" if not math.isnan(cell.ms) else f"- ({cell.note})" if cell.note else "-"))
-        del q, k, v, steps, expected
+        times = median_ms(timers, reps, report)
+    else:
+        times = {impl: math.nan for impl in steps}
+    for impl in impls:
+        cell = DecodeCell(shape, impl, times.get(impl, math.nan), notes.get(impl, ""))
+        cells.append(cell)
+        report(f"decode {_decode_label(shape)} {impl}: "
+               + (f"{cell.tbps:.2f} TB/s" if not math.isnan(cell.ms) else f"- ({cell.note})" if cell.note else "-"))
     return cells
 
 

@@ -40,6 +40,24 @@ def test_each_implementation_runs_and_is_checked_against_cupyflash_on_cpu(monkey
     assert cells[1].note == "ValueError: its output disagrees with cupyflash's" and math.isnan(cells[1].ms)
 
 
+def test_an_interrupted_run_keeps_the_shapes_it_finished(monkeypatch):
+    """Ctrl-C (or a time limit's SIGINT) in the third shape: the first two shapes' cells come back."""
+    pytest.importorskip("torch")
+    shapes = [benchmark.DecodeShape(2, 64, 4, 2, 32, 1, "dense"), benchmark.DecodeShape(2, 32, 4, 4, 16, 1, "dense"),
+              benchmark.DecodeShape(1, 48, 2, 1, 32, 2, "dense")]
+    plain = benchmark.DECODE_IMPLEMENTATIONS["SDPA flash (FA2)"]
+
+    def interrupted_at_the_third(shape, q, k, v, generator):
+        if shape == shapes[2]:
+            raise KeyboardInterrupt
+        return plain(shape, q, k, v, generator)
+    monkeypatch.setitem(benchmark.DECODE_IMPLEMENTATIONS, "interrupted", interrupted_at_the_third)
+    messages = []
+    cells = benchmark.run_decode(shapes, impls=("cupyflash", "interrupted"), device="cpu", report=messages.append)
+    assert [(c.shape, c.impl) for c in cells] == [(s, i) for s in shapes[:2] for i in ("cupyflash", "interrupted")]
+    assert messages[-1] == "decode: interrupted after 2 of 3 shapes"
+
+
 def test_the_table_has_ratios_fractions_and_footnotes(tmp_path):
     shape, other = benchmark.DecodeShape(16, 8192, 32, 8, 128, 1, "dense"), benchmark.DecodeShape(
         16, 8192, 32, 8, 128, 1, "paged16")

@@ -280,6 +280,10 @@ def bench(args):
     if not args.memory_only:
         rows = benchmark.run_speed(args.headdims, args.seqlens, args.dtypes, impls=impls, passes=args.passes)
         print(benchmark.write_speed(rows, args.out, impls))
+        cells = benchmark.speed_cells(args.headdims, args.seqlens, args.dtypes)
+        if len({(r.dtype, r.headdim, r.seqlen, r.causal) for r in rows}) < len(cells):  # interrupted: no more tables
+            print(f"results written to {args.out}")
+            return 130
         print(benchmark.write_options(benchmark.run_options(), args.out))
     if not args.no_memory:
         print(benchmark.write_memory(benchmark.run_memory(args.memory_seqlens), args.out))

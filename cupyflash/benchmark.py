@@ -286,51 +286,68 @@ class Row:
     tflops: float
 
 
+def speed_cells(headdims, seqlens, dtypes, causals=(False, True)):
+    """The (dtype, head dim, seqlen, causal) cells of a speed table, in the order they run."""
+    return [(d, hd, s, c) for d in dtypes for hd in headdims for s in seqlens for c in causals]
+
+
 def run_speed(headdims=(64, 128, 256), seqlens=(512, 1024, 2048, 4096, 8192, 16384), dtypes=("bfloat16", "float16"),
               causals=(False, True), impls=tuple(IMPLEMENTATIONS), passes=PASSES, report=print):
-    import torch
+    """[Row] of every cell, implementation and pass. Ctrl-C (or SIGINT from a time limit) ends the run
+    early with the cells done so far."""
     rows, missing = [], set()
-    cells = [(d, hd, s, c) for d in dtypes for hd in headdims for s in seqlens for c in causals]
-    for index, (dtype, hd, seqlen, causal) in enumerate(cells, 1):
-        batch, nheads = TOKENS // seqlen, HIDDEN // hd
-        torch_dtype = getattr(torch, dtype)
-        q, k, v, dout = (torch.randn(batch, seqlen, nheads, hd, device="cuda", dtype=torch_dtype) for _ in range(4))
-        timers, expected = {}, None
-        # cupyflash first: its results are what the peers' are checked against
-        for impl in sorted((i for i in impls if i not in missing), key=lambda i: i != "cupyflash"):
-            try:
-                calls = IMPLEMENTATIONS[impl](q, k, v, dout, causal)
-                if impl == "cupyflash":
-                    expected = calls.results()
-                wrong = _wrong_results(calls, expected) if expected is not None and impl != "cupyflash" else set()
-                if wrong:
-                    report(f"  {impl} gives wrong results at {dtype} hd{hd} s{seqlen} causal={causal} "
-                           f"({', '.join(sorted(wrong))}): those cells are left blank")
-                timers.update({(impl, pass_): BatchTimer(fn, sync)
-                               for pass_, (fn, sync) in calls.timed.items() if pass_ in passes and pass_ not in wrong})
-            except ImportError as error:  # a peer not installed here: blank cells, said once
-                missing.add(impl)
-                report(f"  {impl} is not available: {error}")
-            except Exception as error:  # a failing peer is a blank cell
-                report(f"  {impl} failed at {dtype} hd{hd} s{seqlen} causal={causal}: {type(error).__name__}: "
-                       f"{str(error).splitlines()[0][:120] if str(error) else ''}")
-        # The implementations' batches take turns (median_ms): a cell's ratios compare times
-        # taken in the same seconds, under the same power cap. With 7 rounds a cell's ratio moved
-        # by up to 5% between runs; 11 take about 2 minutes more.
-        times = median_ms(timers, reps=11, report=report)
-        for impl in impls:
-            _add_derived_bwd(times, timers, impl)
-        calls = timers = None  # the cell's tensors go before the next cell's
-        torch.cuda.empty_cache()
-        for impl in impls:
-            for pass_ in passes:
-                ms = times.get((impl, pass_), math.nan)
-                flops = attention_flops(batch, nheads, seqlen, hd, causal, pass_)
-                rows.append(Row(impl, dtype, hd, seqlen, causal, pass_, ms, flops / ms / 1e9))
-        ours = {p: times.get(("cupyflash", p), math.nan) for p in passes}
-        peer = {p: times.get((REFERENCE_PEER, p), math.nan) for p in passes}
-        report(f"[{index}/{len(cells)}] {dtype} hd{hd} s{seqlen}{' causal' if causal else ''}: "
-               + "  ".join(f"{p} {peer[p] / ours[p]:.2f}x FA2" for p in passes))
+    cells = speed_cells(headdims, seqlens, dtypes, causals)
+    try:
+        for index, cell in enumerate(cells, 1):
+            rows += _speed_cell(*cell, impls, passes, missing, f"{index}/{len(cells)}", report)
+    except KeyboardInterrupt:
+        report(f"speed: interrupted after {len(rows) // max(1, len(impls) * len(passes))} of {len(cells)} cells")
+    return rows
+
+
+def _speed_cell(dtype, hd, seqlen, causal, impls, passes, missing, progress, report):
+    """run_speed's rows of one cell; `missing` collects the peers found not installed."""
+    import torch
+    rows = []
+    batch, nheads = TOKENS // seqlen, HIDDEN // hd
+    torch_dtype = getattr(torch, dtype)
+    q, k, v, dout = (torch.randn(batch, seqlen, nheads, hd, device="cuda", dtype=torch_dtype) for _ in range(4))
+    timers, expected = {}, None
+    # cupyflash first: its results are what the peers' are checked against
+    for impl in sorted((i for i in impls if i not in missing), key=lambda i: i != "cupyflash"):
+        try:
+            calls = IMPLEMENTATIONS[impl](q, k, v, dout, causal)
+            if impl == "cupyflash":
+                expected = calls.results()
+            wrong = _wrong_results(calls, expected) if expected is not None and impl != "cupyflash" else set()
+            if wrong:
+                report(f"  {impl} gives wrong results at {dtype} hd{hd} s{seqlen} causal={causal} "
+                       f"({', '.join(sorted(wrong))}): those cells are left blank")
+            timers.update({(impl, pass_): BatchTimer(fn, sync)
+                           for pass_, (fn, sync) in calls.timed.items() if pass_ in passes and pass_ not in wrong})
+        except ImportError as error:  # a peer not installed here: blank cells, said once
+            missing.add(impl)
+            report(f"  {impl} is not available: {error}")
+        except Exception as error:  # a failing peer is a blank cell
+            report(f"  {impl} failed at {dtype} hd{hd} s{seqlen} causal={causal}: {type(error).__name__}: "
+                   f"{str(error).splitlines()[0][:120] if str(error) else ''}")
+    # The implementations' batches take turns (median_ms): a cell's ratios compare times
+    # taken in the same seconds, under the same power cap. With 7 rounds a cell's ratio moved
+    # by up to 5% between runs; 11 take about 2 minutes more.
+    times = median_ms(timers, reps=11, report=report)
+    for impl in impls:
+        _add_derived_bwd(times, timers, impl)
+    calls = timers = None  # the cell's tensors go before the next cell's
+    torch.cuda.empty_cache()
+    for impl in impls:
+        for pass_ in passes:
+            ms = times.get((impl, pass_), math.nan)
+            flops = attention_flops(batch, nheads, seqlen, hd, causal, pass_)
+            rows.append(Row(impl, dtype, hd, seqlen, causal, pass_, ms, flops / ms / 1e9))
+    ours = {p: times.get(("cupyflash", p), math.nan) for p in passes}
+    peer = {p: times.get((REFERENCE_PEER, p), math.nan) for p in passes}
+    report(f"[{progress}] {dtype} hd{hd} s{seqlen}{' causal' if causal else ''}: "
+           + "  ".join(f"{p} {peer[p] / ours[p]:.2f}x FA2" for p in passes))
     return rows
 
 

@@ -72,6 +72,25 @@ def _bench_script(name):
     return module
 
 
+def test_an_interrupted_speed_run_keeps_the_cells_it_finished(monkeypatch):
+    """Ctrl-C (or a time limit's SIGINT) in the third cell: the first two cells' rows come back."""
+    cells = benchmark.speed_cells((64,), (1024, 4096), ("bfloat16",))
+    assert cells == [("bfloat16", 64, 1024, False), ("bfloat16", 64, 1024, True),
+                     ("bfloat16", 64, 4096, False), ("bfloat16", 64, 4096, True)]
+
+    def cell(dtype, hd, seqlen, causal, impls, passes, missing, progress, report):
+        if (seqlen, causal) == (4096, False):
+            raise KeyboardInterrupt
+        return [benchmark.Row(i, dtype, hd, seqlen, causal, p, 1.0, 1.0) for i in impls for p in passes]
+    monkeypatch.setattr(benchmark, "_speed_cell", cell)
+    messages = []
+    rows = benchmark.run_speed((64,), (1024, 4096), ("bfloat16",), impls=("cupyflash", "SDPA cuDNN"),
+                               passes=("fwd",), report=messages.append)
+    assert [(r.seqlen, r.causal, r.impl) for r in rows] == [(1024, c, i) for c in (False, True)
+                                                             for i in ("cupyflash", "SDPA cuDNN")]
+    assert messages == ["speed: interrupted after 2 of 4 cells"]
+
+
 def test_device_trees_makes_a_tree_per_version_with_its_patches(tmp_path):
     trees = _bench_script("device_trees")
     if not (trees.REPO / ".git").exists():

@@ -1,0 +1,114 @@
+"""Where an eager forward's host time goes (issue 18): the whole calls (SDPA flash, cupyflash.torch
+with and without grad, the core on torch and CuPy arrays) beside their parts timed alone (the
+signature lookup, the plan's call, its allocations, stream read and launch, an autograd.Function
+that launches nothing, with and without its saves). us per call: 2000 back-to-back calls per
+timing, median of 7 timings, synchronised after each.
+
+Usage (GPU): PYTHONPATH=. python bench/host_parts.py [b s h d ...]   (default 1 128 8 64, bf16 causal)
+"""
+import statistics
+import sys
+import time
+
+import cupy
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import cupyflash
+import cupyflash.torch as cft
+from cupyflash import _plan
+
+CALLS, TIMINGS = 2000, 7
+
+
+def per_call_us(function):
+    for _ in range(200):
+        function()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(TIMINGS):
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            function()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / CALLS * 1e6)
+    return statistics.median(times)
+
+
+class Empty(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout, dout, dout
+
+
+class EmptySaved(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, resolved, seed, lse_out, alibi, q, k, v, bias):
+        out = torch.empty_like(q)
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        lse_out.append(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.resolved, ctx.seed = resolved, seed
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return None, None, None, None, dout, dout, dout, None
+
+
+def parts(b, s, h, d):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+    qc, kc, vc = (cupy.from_dlpack(t) for t in (q, k, v))
+    scalars = (None, True, 0.0, (-1, -1), 0.0, False)
+    resolved = cft._resolution(q, k, v, None, None, scalars)
+    plan = resolved.plan
+    inputs = [(q, k, v, None, None)[i] for i in resolved.forward_positions]
+    stream = plan.stream_of()
+    launches = plan.launches
+    launch = plan.launch_kernel
+    bare_empty, bare_saved = cft._bare_apply(Empty), cft._bare_apply(EmptySaved)
+    lse_shape = (b, h, s)
+
+    def launch_only():
+        for function, (gx, gy, gz), threads, smem, argv in launches:
+            launch(function, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        rows = {
+            "SDPA flash fwd (grad)": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+            "SDPA flash fwd (no grad)": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                               v.transpose(1, 2), is_causal=True),
+            "cupyflash.torch fwd (grad)": lambda: cft.flash_attn_func(qg, kg, vg, causal=True),
+            "cupyflash.torch fwd (no grad)": lambda: cft.flash_attn_func(q, k, v, causal=True),
+            "core fwd (torch)": lambda: cupyflash.flash_attn_func(q, k, v, causal=True),
+            "core fwd (CuPy)": lambda: cupyflash.flash_attn_func(qc, kc, vc, causal=True),
+            "  _resolution (signature lookup)": lambda: cft._resolution(q, k, v, None, None, scalars),
+            "  _needs_grad + _eager": lambda: (cft._needs_grad(qg, kg, vg, None), cft._eager(qg, kg, vg, None, None)),
+            "  plan.call (torch)": lambda: plan.call(inputs, None, keep=True),
+            "  torch.empty_like + new_empty": lambda: (torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)),
+            "  stream read": plan.stream_of,
+            "  data_ptr x5": lambda: (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.data_ptr(), k.data_ptr()),
+            "  launchKernel alone": launch_only,
+            "  Function.apply, empty forward": lambda: Empty.apply(qg, kg, vg),
+            "  bare apply, empty forward": lambda: bare_empty(qg, kg, vg),
+            "  bare apply, saves as ours": lambda: bare_saved(resolved, None, [], None, qg, kg, vg, None),
+            "  torch.is_grad_enabled": torch.is_grad_enabled,
+            "  core plan_key (CuPy)": lambda: _plan.plan_key("fwd", dict(q=qc, k=kc, v=vc), None, True, {}, None),
+        }
+        return {name: per_call_us(function) for name, function in rows.items()}
+
+
+if __name__ == "__main__":
+    numbers = [int(x) for x in sys.argv[1:]] or [1, 128, 8, 64]
+    for shape in zip(*[iter(numbers)] * 4):
+        print(f"shape {shape}, bf16 causal, us per call", flush=True)
+        for name, us in parts(*shape).items():
+            print(f"{name:40s} {us:7.2f}", flush=True)

@@ -15,7 +15,7 @@ import typing
 
 import numpy
 
-from . import _arrays, _config, _kernels, _params, _schedule, _tma, options
+from . import _arrays, _config, _kernels, _launch, _params, _schedule, _tma, options
 from ._compile import load
 from .validate import MAX_GRID_YZ
 
@@ -134,6 +134,7 @@ def _launchable(caller, arrays):
 class _Launch:
     kernel: _kernels.Kernel
     grid: tuple
+    dependent: bool = False  # a dependent launch where the device has them (_launch): the kernel waits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +237,9 @@ class Plan:
         argv_address = ctypes.addressof(self.argv)
         self.launches = [(function, l.grid, l.kernel.threads, l.kernel.smem_bytes, argv_address)
                          for function, l in zip(functions, launches)]
+        dependent = _launch.available(_schedule.device_info(self.device_id)[1])
+        self.dependent_launches = [_launch.DependentLaunch(*launch) if dependent and l.dependent else None
+                                   for launch, l in zip(self.launches, launches)]
         self.lock = threading.Lock()
         self.captured_scratch = []  # of CuPy graph captures, which replays still write
         self.sinks = {}  # result name -> the array of the calls that drop it
@@ -290,8 +294,12 @@ class Plan:
                 words[self.seed_slot] = int(seed)
             if self.maps is not None:
                 self.maps.point([pointers[i] for i in self.map_inputs])
-            for function, (gx, gy, gz), threads, smem_bytes, argv in self.launches:
-                self.launch_kernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream, argv, 0)
+            for (function, (gx, gy, gz), threads, smem_bytes, argv), dependent in zip(self.launches,
+                                                                                     self.dependent_launches):
+                if dependent is None:
+                    self.launch_kernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream, argv, 0)
+                else:
+                    dependent(stream)
         results = self.finish(dict(zip(self.result_names, results)))
         if self.hands_back:
             return tuple(None if a is None else self.caller.give_back(a) for a in results)

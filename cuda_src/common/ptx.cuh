@@ -10,6 +10,23 @@ __device__ __forceinline__ uint32 smem_address(const void* ptr) {
     return static_cast<uint32>(__cvta_generic_to_shared(ptr));
 }
 
+// Programmatic dependent launch (sm_90 and newer; no-ops below). A kernel launched with it
+// (_plan._Launch.dependent) may start while the kernel before it in the stream still runs, once
+// every block of that one has called allow_dependent_grid (or exited): it waits in
+// wait_for_prior_grid, before its first global read, until that kernel has finished and its writes
+// are visible (at once when it was launched without). Its launch and block placement then overlap
+// the tail of the kernel before.
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependent_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // A 32-bit word of shared memory by its shared address (plus OFFSET, an immediate of the store;
 // volatile: a value another thread wrote before a barrier that this one has since waited on).
 template <int OFFSET = 0>

@@ -11,7 +11,8 @@
 //     block table, from cache_leftpad on. At the end the warps merge by their row maxima; with one
 //     split the CTA writes out and lse, else its split's normalised O and lse.
 //   flash_decode_combine: with several splits, out and lse from the splits' partials, weighted by
-//     exp(lse_split - lse), a CTA per row.
+//     exp(lse_split - lse), a CTA per row. On sm_90 it is a dependent launch: its CTAs are placed
+//     while the decode's last ones run, and wait for them (common/ptx.cuh).
 // The split count is the host's (from shapes alone); lengths stay on the device, so a decode step
 // captures in a CUDA graph and replays as they change.
 #pragma once
@@ -131,6 +132,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     uint16* s_buffers = smem + T::kRows * L::kStride + warp * T::kWarpElements;
 
+    allow_dependent_grid();  // the combine may be placed now: it waits for this grid to finish
     const int split = blockIdx.x % p.num_splits, m_block = blockIdx.x / p.num_splits;
     const int head_k = blockIdx.y, batch = blockIdx.z;
     const int group = p.nheads / p.nheads_k, rows = p.seqlen_q * group, row0 = m_block * T::kRows;
@@ -336,6 +338,7 @@ template <bool BF16>
 __device__ __forceinline__ void flash_decode_combine(const FlashParams& p) {
     __shared__ float4 s_sums[1024];  // a thread's sum each (up to the most threads a CTA has)
     __shared__ float s_warps[32];
+    wait_for_prior_grid();  // the decode's partials
     const long long rows_total = static_cast<long long>(p.batch) * p.nheads * p.seqlen_q;
     const long long row = blockIdx.x;
     const float* lse_partial = p.lse_partial + row;  // split s's at s * rows_total

@@ -72,7 +72,8 @@ if __name__ == "__main__":
                 continue
             m_blocks = -(-h // hk // 16)
             ctas = m_blocks * hk * batch
-            default = _kvcache.splits(ctas, -(-cache // n), w, _schedule.device_attributes(0)["MultiProcessorCount"])
+            sms = _schedule.device_attributes(0)["MultiProcessorCount"]
+            default = _kvcache.splits(ctas, -(-cache // n), w, _kvcache.streaming_slots(w, sms, resident, cache))
             line = []
             for layout, (kk, vv, tab) in (("dense", (kc, vc, None)), ("paged", (kp, vp, table))):
                 for splits in sorted({default, max(1, default // 2), min(1024, default * 2), min(1024, default * 4)}):

@@ -14,7 +14,7 @@ import math
 from . import _arrays, _config, _kernels, _plan, _schedule
 
 MAX_SPLITS = 128
-STREAMING_WARPS = 8  # warps per SM that keep a decode's cache reads at the copy bandwidth (splits)
+STREAMING_WARPS = 8  # warps per SM that keep a short cache's reads at the copy bandwidth (streaming_slots)
 # The plan's inputs by FlashParams field, in flash_attn_with_kvcache's order of array arguments: the
 # caches are `k` and `v`, the new keys and values `k_new` and `v_new`.
 FIELDS = ("q", "k", "v", "k_new", "v_new", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
@@ -92,18 +92,28 @@ def _launchable(caller, arrays):
     return _plan._launchable(caller, arrays)
 
 
-def splits(ctas, key_blocks, warps, sms):
-    """How many key ranges each of `ctas` CTAs' keys are split into on a GPU of `sms` SMs. A decode
-    reads its cache at the copy bandwidth once about STREAMING_WARPS warps per SM stream it (one CTA
-    of the 6- and 8-warp tiles, two of the 4-warp one: bench/notes/v41's sweep): so the CTAs are
-    split until they fill those slots, and not at all where they fill 80% of them (each split adds
-    its partials to the combine's reads and shortens each CTA's stream past its fixed costs). A
-    split keeps whole key blocks for each warp, and the count is that of the splits that get keys,
-    so that none is launched empty."""
-    slots = sms * max(1, round(STREAMING_WARPS / warps))
+def streaming_slots(warps, sms, resident, capacity):
+    """How many decode CTAs of `warps` warps read a cache of `capacity` rows per sequence at the
+    copy bandwidth together, on a GPU of `sms` SMs that holds `resident` of them at once. Short
+    caches (at most SHORT_CACHE rows): about STREAMING_WARPS warps per SM (one CTA of the 6- and
+    8-warp tiles, two of the 4-warp one: bench/notes/v41's sweep), since a longer wave adds its
+    fixed costs to streams of a few key blocks. Longer caches: every resident CTA (v42's grid: 128
+    CTAs of long paged caches, one per SM, read at 0.6-0.85x the speed of 256, two per SM)."""
+    if capacity <= _config.SHORT_CACHE:
+        return min(resident, sms * max(1, round(STREAMING_WARPS / warps)))
+    return resident
+
+
+def splits(ctas, key_blocks, warps, slots):
+    """How many key ranges each of `ctas` CTAs' keys are split into, `slots` CTAs streaming at once
+    (streaming_slots): as many as fit the slots in one wave (a CTA past them doubles its SM's
+    stream: v42's grid), none where the CTAs fill 80% of them (each split adds its partials to the
+    combine's reads and shortens each CTA's stream past its fixed costs). A split keeps whole key
+    blocks for each warp, and the count is that of the splits that get keys, so that none is
+    launched empty."""
     if ctas >= 0.8 * slots:
         return 1
-    count = min(MAX_SPLITS, -(-key_blocks // warps), -(-slots // ctas))
+    count = min(MAX_SPLITS, -(-key_blocks // warps), slots // ctas)
     blocks_per_split = -(-key_blocks // count)
     per_split = -(-blocks_per_split // warps) * warps  # as flash_decode rounds it
     return -(-key_blocks // per_split)
@@ -118,8 +128,11 @@ def _new_plan(call, cache, arrays):
     m_blocks = -(-shape.seqlen_q * group // tile.block_m)  # blocks of packed (query, head) rows
     ctas = m_blocks * shape.nheads_k * shape.batch
     key_blocks = -(-cache.capacity // tile.block_n)
-    sms = _schedule.device_attributes(device_id)["MultiProcessorCount"]
-    count = cache.num_splits or splits(ctas, key_blocks, tile.warps, sms)
+    count = cache.num_splits
+    if not count:
+        sms = _schedule.device_attributes(device_id)["MultiProcessorCount"]
+        slots = streaming_slots(tile.warps, sms, _schedule.resident_ctas(kernel, caller.device()), cache.capacity)
+        count = splits(ctas, key_blocks, tile.warps, slots)
     count = max(1, min(count, MAX_SPLITS, key_blocks))
 
     params = params_of(call, cache, arrays, tile, count)

@@ -346,32 +346,46 @@ def test_bad_paged_varlen_input_names_the_argument():
 # --------------------------------------------------------------------------------------------
 # The GPU path's host arithmetic (cupyflash/_kvcache.py): the key splits of a decode launch.
 
-def test_decode_splits_fill_the_streaming_slots_with_no_empty_split():
-    from cupyflash._kvcache import MAX_SPLITS, STREAMING_WARPS, splits
-    # 132 SMs (the H200); the 6- and 8-warp tiles stream on one CTA per SM, the 4-warp one on two
-    assert splits(ctas=128, key_blocks=1024, warps=8, sms=132) == 1  # 97% of the slots: no split
-    assert splits(ctas=128, key_blocks=64, warps=6, sms=132) == 1    # (v41: one split 20.9 us, two 28.3)
-    assert splits(ctas=1024, key_blocks=64, warps=4, sms=132) == 1
-    assert splits(ctas=64, key_blocks=64, warps=4, sms=132) == 4     # 5 asked; 13 blocks -> 16 a split -> 4
-    assert splits(ctas=8, key_blocks=256, warps=4, sms=132) == 32    # 33 asked: 8 blocks each -> 32 splits
-    assert splits(ctas=4, key_blocks=256, warps=6, sms=132) == 22    # 33 asked: 8 -> 12 blocks each -> 22
-    assert splits(ctas=1, key_blocks=256, warps=6, sms=132) == 43    # one block per warp and split
-    assert splits(ctas=8, key_blocks=8, warps=4, sms=132) == 2
-    assert splits(ctas=1, key_blocks=10 ** 6, warps=8, sms=132) == MAX_SPLITS
-    for sms in (46, 108, 132):
+def test_decode_streaming_slots_by_cache_length():
+    from cupyflash._config import SHORT_CACHE
+    from cupyflash._kvcache import streaming_slots
+    # 132 SMs (the H200): short caches stream on one CTA per SM of the 6- and 8-warp tiles, two of
+    # the 4-warp one (fewer where fewer are resident); longer ones on every resident CTA
+    assert streaming_slots(warps=8, sms=132, resident=264, capacity=SHORT_CACHE) == 132
+    assert streaming_slots(warps=6, sms=132, resident=396, capacity=1024) == 132
+    assert streaming_slots(warps=4, sms=132, resident=528, capacity=1024) == 264
+    assert streaming_slots(warps=4, sms=132, resident=132, capacity=1024) == 132
+    assert streaming_slots(warps=6, sms=132, resident=396, capacity=SHORT_CACHE + 16) == 396
+    assert streaming_slots(warps=8, sms=132, resident=132, capacity=131072) == 132
+
+
+def test_decode_splits_fill_the_slots_in_one_wave_with_no_empty_split():
+    from cupyflash._kvcache import MAX_SPLITS, splits
+    assert splits(ctas=128, key_blocks=1024, warps=8, slots=132) == 1  # 97% of the slots: no split
+    assert splits(ctas=128, key_blocks=64, warps=6, slots=132) == 1    # (v41: one split 20.9 us, two 28.3)
+    assert splits(ctas=128, key_blocks=4096, warps=6, slots=396) == 3  # a long paged cache
+    assert splits(ctas=1024, key_blocks=64, warps=4, slots=264) == 1
+    assert splits(ctas=64, key_blocks=64, warps=4, slots=264) == 4     # 16 blocks a split
+    assert splits(ctas=16, key_blocks=4096, warps=8, slots=132) == 8   # 128 CTAs (v42: 9, 144, read at half speed)
+    assert splits(ctas=3, key_blocks=4096, warps=8, slots=132) == 43   # 44 asked: 94 -> 96 blocks each -> 43
+    assert splits(ctas=8, key_blocks=256, warps=4, slots=264) == 32    # 33 asked: 8 blocks each -> 32 splits
+    assert splits(ctas=4, key_blocks=256, warps=6, slots=132) == 22    # 33 asked: 8 -> 12 blocks each -> 22
+    assert splits(ctas=1, key_blocks=256, warps=6, slots=132) == 43    # one block per warp and split
+    assert splits(ctas=8, key_blocks=8, warps=4, slots=264) == 2
+    assert splits(ctas=1, key_blocks=10 ** 6, warps=8, slots=132) == MAX_SPLITS
+    for slots in (46, 108, 132, 264, 528):
         for warps in (4, 6, 8):
-            slots = sms * max(1, round(STREAMING_WARPS / warps))
             for ctas in (1, 3, 8, 64, 100, 200, 1000):
                 for key_blocks in (1, 5, 64, 255, 4096, 10 ** 6):
-                    count = splits(ctas, key_blocks, warps, sms)
+                    count = splits(ctas, key_blocks, warps, slots)
                     assert 1 <= count <= min(MAX_SPLITS, max(1, -(-key_blocks // warps)))
                     blocks_per_split = -(-key_blocks // count)
                     per_split = -(-blocks_per_split // warps) * warps  # flash_decode's share of a split
                     assert (count - 1) * per_split < key_blocks <= count * per_split  # every split gets keys
                     if ctas >= 0.8 * slots:
                         assert count == 1
-                    else:  # no more splits than fill the slots
-                        assert ctas * (count - 1) < slots
+                    else:  # one wave: no SM streams two CTAs' keys
+                        assert ctas * count <= slots
 
 
 def test_the_plan_signature_tells_calls_apart():

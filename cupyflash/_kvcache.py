@@ -92,14 +92,16 @@ def _launchable(caller, arrays):
     return _plan._launchable(caller, arrays)
 
 
-def streaming_slots(warps, sms, resident, capacity):
+def streaming_slots(warps, sms, resident, capacity, paged):
     """How many decode CTAs of `warps` warps read a cache of `capacity` rows per sequence at the
     copy bandwidth together, on a GPU of `sms` SMs that holds `resident` of them at once. Short
-    caches (at most SHORT_CACHE rows): about STREAMING_WARPS warps per SM (one CTA of the 6- and
-    8-warp tiles, two of the 4-warp one: bench/notes/v41's sweep), since a longer wave adds its
-    fixed costs to streams of a few key blocks. Longer caches: every resident CTA (v42's grid: 128
-    CTAs of long paged caches, one per SM, read at 0.6-0.85x the speed of 256, two per SM)."""
-    if capacity <= _config.SHORT_CACHE:
+    streams (dense caches of at most SHORT_CACHE rows, paged ones of a quarter of that): about
+    STREAMING_WARPS warps per SM (one CTA of the 6- and 8-warp tiles, two of the 4-warp one:
+    bench/notes/v41's sweep), since a longer wave adds its fixed costs to streams of a few key
+    blocks. Longer ones, and pages, whose table reads add latency to each: every resident CTA
+    (v42's grid: 128 CTAs of long or 4k paged caches, one per SM, read at 0.6-0.85x the speed of
+    two per SM)."""
+    if capacity <= (_config.SHORT_CACHE // 4 if paged else _config.SHORT_CACHE):
         return min(resident, sms * max(1, round(STREAMING_WARPS / warps)))
     return resident
 
@@ -131,7 +133,8 @@ def _new_plan(call, cache, arrays):
     count = cache.num_splits
     if not count:
         sms = _schedule.device_attributes(device_id)["MultiProcessorCount"]
-        slots = streaming_slots(tile.warps, sms, _schedule.resident_ctas(kernel, caller.device()), cache.capacity)
+        slots = streaming_slots(tile.warps, sms, _schedule.resident_ctas(kernel, caller.device()), cache.capacity,
+                                cache.page_size > 0)
         count = splits(ctas, key_blocks, tile.warps, slots)
     count = max(1, min(count, MAX_SPLITS, key_blocks))
 

@@ -349,14 +349,16 @@ def test_bad_paged_varlen_input_names_the_argument():
 def test_decode_streaming_slots_by_cache_length():
     from cupyflash._config import SHORT_CACHE
     from cupyflash._kvcache import streaming_slots
-    # 132 SMs (the H200): short caches stream on one CTA per SM of the 6- and 8-warp tiles, two of
-    # the 4-warp one (fewer where fewer are resident); longer ones on every resident CTA
-    assert streaming_slots(warps=8, sms=132, resident=264, capacity=SHORT_CACHE) == 132
-    assert streaming_slots(warps=6, sms=132, resident=396, capacity=1024) == 132
-    assert streaming_slots(warps=4, sms=132, resident=528, capacity=1024) == 264
-    assert streaming_slots(warps=4, sms=132, resident=132, capacity=1024) == 132
-    assert streaming_slots(warps=6, sms=132, resident=396, capacity=SHORT_CACHE + 16) == 396
-    assert streaming_slots(warps=8, sms=132, resident=132, capacity=131072) == 132
+    # 132 SMs (the H200): short dense caches stream on one CTA per SM of the 6- and 8-warp tiles,
+    # two of the 4-warp one (fewer where fewer are resident); longer or paged ones on every resident CTA
+    assert streaming_slots(warps=8, sms=132, resident=264, capacity=SHORT_CACHE, paged=False) == 132
+    assert streaming_slots(warps=6, sms=132, resident=396, capacity=1024, paged=False) == 132
+    assert streaming_slots(warps=4, sms=132, resident=528, capacity=1024, paged=False) == 264
+    assert streaming_slots(warps=4, sms=132, resident=132, capacity=1024, paged=False) == 132
+    assert streaming_slots(warps=6, sms=132, resident=396, capacity=SHORT_CACHE + 16, paged=False) == 396
+    assert streaming_slots(warps=8, sms=132, resident=132, capacity=131072, paged=False) == 132
+    assert streaming_slots(warps=6, sms=132, resident=396, capacity=SHORT_CACHE // 4, paged=True) == 132
+    assert streaming_slots(warps=6, sms=132, resident=396, capacity=SHORT_CACHE, paged=True) == 396
 
 
 def test_decode_splits_fill_the_slots_in_one_wave_with_no_empty_split():

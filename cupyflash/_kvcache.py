@@ -152,7 +152,7 @@ def _new_plan(call, cache, arrays):
         outputs += [_plan._Output("out_partial", (count, rows, shape.headdim), "float32", scratch=True),
                     _plan._Output("lse_partial", (count, rows), "float32", scratch=True)]
         launches.append(_plan._Launch(_kernels.Kernel("decode_combine", call.dtype), (rows, 1, 1), dependent=True))
-    return _plan.Plan(caller, params, arrays, outputs, launches, lambda o: (o["out"], o["lse"]))
+    return _plan.Plan(caller, params, arrays, outputs, launches)  # (out, lse)
 
 
 def params_of(call, cache, arrays, tile, count):

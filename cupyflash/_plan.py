@@ -173,11 +173,12 @@ class Plan:
     as addresses) and the scratch (but where `workspaces` gives its buffers' addresses, of at least
     `scratch_sizes` bytes: the caller's, such as XLA's), writes the inputs' (arrays or addresses)
     and outputs' addresses (and an int dropout seed; a seed array is an input) into the block,
-    launches every kernel on `stream` (the caller's current one by default) and returns
-    `finish(outputs)`; it returns None when an input's address is not aligned as the kernels need
-    (then the caller's slow path copies it)."""
+    launches every kernel on `stream` (the caller's current one by default) and returns the
+    results (the outputs but scratch) in order, or `finish` of them by name where it is given; it
+    returns None when an input's address is not aligned as the kernels need (then the caller's slow
+    path copies it)."""
 
-    def __init__(self, caller, params, inputs, outputs, launches, finish, maps=None):
+    def __init__(self, caller, params, inputs, outputs, launches, finish=None, maps=None):
         import cupy
         self.caller, self.device_id, self.finish = caller, caller.device_id, finish
         self.hands_back = caller.kind not in ("torch", "cupy")  # results go back through give_back
@@ -300,7 +301,7 @@ class Plan:
                     self.launch_kernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream, argv, 0)
                 else:
                     dependent(stream)
-        results = self.finish(dict(zip(self.result_names, results)))
+        results = tuple(results) if self.finish is None else self.finish(dict(zip(self.result_names, results)))
         if self.hands_back:
             return tuple(None if a is None else self.caller.give_back(a) for a in results)
         return results
@@ -457,7 +458,7 @@ def _forward_plan(call, inputs, return_dbias):
                                              call.local and (tile.stages == 2 or kv_fits_l2))
     outputs = [_Output("out", tuple(q.shape), call.dtype), _Output("lse", shape.stats, "float32")]
     return Plan(call.caller, _param_block(call, tile, strides, inputs, block_major), inputs, outputs,
-                [_Launch(kernel, grid)], lambda o: (o["out"], o["lse"]))
+                [_Launch(kernel, grid)])
 
 
 def _wgmma_forward_plan(call, inputs, strides):
@@ -485,7 +486,7 @@ def _wgmma_forward_plan(call, inputs, strides):
         if counter and block_major < pairs:  # the CTAs take tiles from a counter (next_tile in cuda_src/sm90/fwd.cuh)
             outputs.append(_Output("tile_counter", (1,), "int32", zeroed=True, scratch=True))
     return Plan(call.caller, _param_block(call, tile, strides, inputs, block_major), inputs, outputs,
-                [_Launch(kernel, grid)], lambda o: (o["out"], o["lse"]), maps)
+                [_Launch(kernel, grid)], maps=maps)
 
 
 def _backward_plan(call, inputs, return_dbias):

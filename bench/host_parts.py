@@ -4,7 +4,9 @@ signature lookup, the plan's call, its allocations, stream read and launch, an a
 that launches nothing, with and without its saves). us per call: 2000 back-to-back calls per
 timing, median of 7 timings, synchronised after each.
 
-Usage (GPU): PYTHONPATH=. python bench/host_parts.py [b s h d ...]   (default 1 128 8 64, bf16 causal)
+Usage (GPU): PYTHONPATH=. python bench/host_parts.py [--with-jax] [b s h d ...]   (default 1 128 8 64, bf16
+causal). --with-jax first runs a jitted JAX function on the GPU, as `bench --host` has before its
+torch columns (v42: that table reads every cell 1.3-1.6x these figures): its runtime's threads stay.
 """
 import statistics
 import sys
@@ -106,8 +108,21 @@ def parts(b, s, h, d):
         return {name: per_call_us(function) for name, function in rows.items()}
 
 
+def start_jax():
+    import os
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((256, 256), jnp.float32)
+    jax.jit(lambda a: (a @ a).sum())(x).block_until_ready()
+
+
 if __name__ == "__main__":
-    numbers = [int(x) for x in sys.argv[1:]] or [1, 128, 8, 64]
+    arguments = sys.argv[1:]
+    if "--with-jax" in arguments:
+        arguments.remove("--with-jax")
+        start_jax()
+    numbers = [int(x) for x in arguments] or [1, 128, 8, 64]
     for shape in zip(*[iter(numbers)] * 4):
         print(f"shape {shape}, bf16 causal, us per call", flush=True)
         for name, us in parts(*shape).items():

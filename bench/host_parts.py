@@ -80,7 +80,7 @@ def parts(b, s, h, d):
     lse_shape = (b, h, s)
 
     def launch_only():
-        for function, (gx, gy, gz), threads, smem, argv in launches:
+        for function, (gx, gy, gz), threads, smem, argv, _ in launches:
             launch(function, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

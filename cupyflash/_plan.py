@@ -236,11 +236,12 @@ class Plan:
         self.map_inputs = [self.input_names.index(name) for name in maps.inputs] if maps else []
         self.argv = (ctypes.c_void_p * 2)(ctypes.addressof(self.words), maps.address if maps else 0)
         argv_address = ctypes.addressof(self.argv)
-        self.launches = [(function, l.grid, l.kernel.threads, l.kernel.smem_bytes, argv_address)
-                         for function, l in zip(functions, launches)]
+        # Each launch's arguments, and its _launch.DependentLaunch where it is one (else None).
         dependent = _launch.available(_schedule.device_info(self.device_id)[1])
-        self.dependent_launches = [_launch.DependentLaunch(*launch) if dependent and l.dependent else None
-                                   for launch, l in zip(self.launches, launches)]
+        self.launches = []
+        for function, l in zip(functions, launches):
+            launch = (function, l.grid, l.kernel.threads, l.kernel.smem_bytes, argv_address)
+            self.launches.append((*launch, _launch.DependentLaunch(*launch) if dependent and l.dependent else None))
         self.lock = threading.Lock()
         self.captured_scratch = []  # of CuPy graph captures, which replays still write
         self.sinks = {}  # result name -> the array of the calls that drop it
@@ -295,8 +296,7 @@ class Plan:
                 words[self.seed_slot] = int(seed)
             if self.maps is not None:
                 self.maps.point([pointers[i] for i in self.map_inputs])
-            for (function, (gx, gy, gz), threads, smem_bytes, argv), dependent in zip(self.launches,
-                                                                                     self.dependent_launches):
+            for function, (gx, gy, gz), threads, smem_bytes, argv, dependent in self.launches:
                 if dependent is None:
                     self.launch_kernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream, argv, 0)
                 else:

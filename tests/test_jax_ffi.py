@@ -562,7 +562,7 @@ def test_plan_runs_on_given_workspaces_without_a_gpu():
     plan.words = [0] * 5
     plan.memset = lambda *args: events.append(("memset", *args))
     plan.launch_kernel = lambda function, *args: events.append(("launch", function, args[7], list(plan.words)))
-    plan.launches, plan.dependent_launches = [("bwd", (1, 1, 1), 128, 0, 0)], [None]
+    plan.launches = [("bwd", (1, 1, 1), 128, 0, 0, None)]
     plan.finish = lambda outputs: (outputs["out"],)
     assert plan.run({"q": 4096}, None, {"out": 8192}, 77, workspaces=[10_000 + 8, 20_480]) == (8192,)
     words = [4096, 8192, 10_240, 10_752, 20_480]

@@ -75,9 +75,10 @@ if __name__ == "__main__":
             m_blocks = -(-h // hk // 16)
             ctas = m_blocks * hk * batch
             sms = _schedule.device_attributes(0)["MultiProcessorCount"]
-            default = _kvcache.splits(ctas, -(-cache // n), w, _kvcache.streaming_slots(w, sms, resident, cache, False))
             line = []
             for layout, (kk, vv, tab) in (("dense", (kc, vc, None)), ("paged", (kp, vp, table))):
+                slots = _kvcache.streaming_slots(w, sms, resident, cache, tab is not None)
+                default = _kvcache.splits(ctas, -(-cache // n), w, slots)
                 for splits in sorted({default, max(1, default // 2), min(1024, default * 2), min(1024, default * 4)}):
                     def step():
                         with no_host_sync():

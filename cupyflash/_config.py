@@ -61,8 +61,8 @@ _SM90 = {
         256: (128, 32, 8, 1),   # 14-18% faster than 64x32 (v28); 64x64 spills with the options
     },
     # The KV cache's decode kernel (cuda_src/sm80/decode.cuh): 16 packed query rows, block_n keys per
-    # warp step, `stages` K/V buffers per warp; 'decode' reads long dense caches and large pages,
-    # 'decode_small' smaller pages and short caches (decode_table). hd128 timed (bench/notes/v20): 8
+    # warp step, `stages` K/V buffers per warp; 'decode' reads long dense caches, large pages and
+    # short caches of few CTAs, 'decode_small' smaller pages and short caches (decode_table). hd128 timed (bench/notes/v20): 8
     # warps and 3 stages read long dense caches 1-36% faster; 16-row pages want more warps per SM
     # (likely: each waits for its rows' table entries): 6 warps x 2 stages, two CTAs per SM, read them
     # 1-7% faster than 4 x 2, and short dense caches 2-9% faster than 8 x 3 (v40).
@@ -177,14 +177,20 @@ DENSE_TILE_PAGE = 256
 # Caches of at most this many rows per sequence run the small pages' decode tile, two or more CTAs
 # per SM: each CTA streams so few rows that its start and end, where its loads are not all in
 # flight, take a share of its time that a second CTA on the SM fills (bench/notes/v40: dense
-# 128 x 1k hd128 +7.7%, 64 x 4k +1.6%; from 16k on the dense tile is 1-4% faster).
+# 128 x 1k hd128 +7.7%, 64 x 4k +1.6%; from 16k on the dense tile is 1-4% faster). Unless the
+# call has no more CTAs than the GPU has SMs: then the small tile fills the SMs only by splitting
+# the keys further, and the dense tile, one CTA of 8 warps per SM, reads faster on fewer splits
+# (bench/notes/v43: MQA 128 x 1k hd64 1.5-1.7x, 4 x 4k and 16 x 1k hd128 +6-14%).
 SHORT_CACHE = 4096
 
 
-def decode_table(page_size, capacity):
-    """The decode tile table for a cache of `page_size`-row pages (0: a dense cache) and `capacity`
-    rows per sequence: 'decode_small' for pages under DENSE_TILE_PAGE rows or at most SHORT_CACHE
-    rows, else 'decode'."""
+def decode_table(page_size, capacity, ctas, sms):
+    """The decode tile table for a call of `ctas` CTAs (one key split each) on a GPU of `sms` SMs,
+    over a cache of `page_size`-row pages (0: a dense cache) and `capacity` rows per sequence:
+    'decode' for caches of at most SHORT_CACHE rows with at most `sms` CTAs; else 'decode_small'
+    for pages under DENSE_TILE_PAGE rows or at most SHORT_CACHE rows, else 'decode'."""
+    if capacity <= SHORT_CACHE and ctas <= sms:
+        return "decode"
     return "decode_small" if 0 < page_size < DENSE_TILE_PAGE or capacity <= SHORT_CACHE else "decode"
 
 

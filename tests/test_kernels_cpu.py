@@ -121,7 +121,16 @@ def test_short_and_local_forwards_take_their_tables_where_they_have_the_head_dim
     (16, 1 << 17, "decode_small"), (_config.DENSE_TILE_PAGE - 16, 1 << 17, "decode_small"),
     (_config.DENSE_TILE_PAGE, 1 << 17, "decode"), (_config.DENSE_TILE_PAGE, _config.SHORT_CACHE, "decode_small")])
 def test_small_pages_and_short_caches_take_the_small_decode_tiles(page_size, capacity, table):
-    assert _config.decode_table(page_size, capacity) == table
+    assert _config.decode_table(page_size, capacity, ctas=133, sms=132) == table
+
+
+@pytest.mark.parametrize("page_size", [0, 16, _config.DENSE_TILE_PAGE])
+def test_short_caches_of_few_ctas_take_the_dense_decode_tile(page_size):
+    assert _config.decode_table(page_size, _config.SHORT_CACHE, ctas=132, sms=132) == "decode"
+    assert _config.decode_table(page_size, _config.SHORT_CACHE, ctas=133, sms=132) == "decode_small"
+    # Long caches keep their tables whatever the CTA count.
+    expected = "decode_small" if 0 < page_size < _config.DENSE_TILE_PAGE else "decode"
+    assert _config.decode_table(page_size, _config.SHORT_CACHE + 1, ctas=1, sms=132) == expected
 
 
 @pytest.mark.parametrize("headdim, padded", [(8, 64), (64, 64), (72, 128), (128, 128), (136, 256), (256, 256)])

@@ -132,6 +132,15 @@ def test_paged_caches_and_rotary(page, interleaved, headdim):
     _run_and_check(case, "bfloat16", "cupy", causal=True, rotary_interleaved=interleaved)
 
 
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_paged_caches_of_more_ctas_than_sms(headdim):
+    """3 x 48 KV heads, more CTAs than an H200's 132 SMs: the small pages' own tile."""
+    rng = np.random.default_rng(headdim + 5)
+    case = _case(rng, "bfloat16", seqlen_q=2, seqlen_new=2, nheads=48, nheads_k=48, capacity=512, headdim=headdim,
+                 paged_page=16)
+    _run_and_check(case, "bfloat16", "cupy", causal=True)
+
+
 def test_batch_index_leftpad_and_options():
     rng = np.random.default_rng(11)
     case = _case(rng, "bfloat16", batch=4, seqlen_q=2, seqlen_new=2, headdim=40, rotary_dim=40)
@@ -150,7 +159,10 @@ def test_batch_index_leftpad_and_options():
     (40, 6, 6, 1, 0, 2048),     # MHA, a head dim padded to 64
     (64, 16, 2, 13, 1, 300),    # one split
     (96, 4, 2, 1, 200, 160),    # more splits asked for than key blocks
-    (128, 8, 1, 1, 100, 4096),  # many splits for few rows: the combine's thread groups take several each; SHORT_CACHE's tile
+    (128, 8, 1, 1, 100, 4096),  # many splits for few rows: the combine's thread groups take several each
+    # Short caches of more CTAs (3 x 48) than an H200 has SMs: the short-cache tiles (few CTAs take the dense one)
+    (64, 48, 48, 1, 0, 1000),
+    (128, 96, 48, 2, 0, 4096),
 ])
 def test_splits_groups_and_head_dims(headdim, nheads, nheads_k, seqlen_q, num_splits, capacity):
     rng = np.random.default_rng(headdim + seqlen_q)

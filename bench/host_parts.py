@@ -4,9 +4,10 @@ signature lookup, the plan's call, its allocations, stream read and launch, an a
 that launches nothing, with and without its saves). us per call: 2000 back-to-back calls per
 timing, median of 7 timings, synchronised after each.
 
-Usage (GPU): PYTHONPATH=. python bench/host_parts.py [--with-jax] [b s h d ...]   (default 1 128 8 64, bf16
-causal). --with-jax first runs a jitted JAX function on the GPU, as `bench --host` has before its
-torch columns (v42: that table reads every cell 1.3-1.6x these figures): its runtime's threads stay.
+Usage (GPU): PYTHONPATH=. python bench/host_parts.py [--with-jax] [--turns] [b s h d ...]   (default
+1 128 8 64, bf16 causal). --with-jax first runs a jitted JAX function on the GPU, as `bench --host` has
+before its torch columns (v42: that table reads every cell 1.3-1.6x these figures): its runtime's
+threads stay. --turns times whole calls instead in turns like the table's (turns()).
 """
 import statistics
 import sys
@@ -108,6 +109,47 @@ def parts(b, s, h, d):
         return {name: per_call_us(function) for name, function in rows.items()}
 
 
+def turns(b, s, h, d):
+    """Why `bench --host` reads some columns above these figures: a turn of 200 calls after the GPU
+    idled (as the table's columns take turns) against 2000 calls on a busy GPU. For each: us per
+    call to enqueue (the host's time), to finish (synchronised), and the GPU's own (events around
+    the turn)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+    qc, kc, vc = (cupy.from_dlpack(t) for t in (q, k, v))
+    calls = {"core fwd (CuPy)": lambda: cupyflash.flash_attn_func(qc, kc, vc, causal=True),
+             "cupyflash.torch fwd (grad)": lambda: cft.flash_attn_func(qg, kg, vg, causal=True),
+             "SDPA flash fwd (grad)": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)}
+    rows = []
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for name, function in calls.items():
+            for _ in range(200):
+                function()
+            for count, idle_s in ((200, 0.02), (200, 0.0), (2000, 0.0)):
+                samples = []
+                for _ in range(TIMINGS):
+                    torch.cuda.synchronize()
+                    time.sleep(idle_s)
+                    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    begin = time.perf_counter()
+                    start.record()
+                    for _ in range(count):
+                        function()
+                    stop.record()
+                    enqueued = time.perf_counter()
+                    cupy.cuda.Device().synchronize()
+                    torch.cuda.synchronize()
+                    finished = time.perf_counter()
+                    samples.append(((enqueued - begin) / count * 1e6, (finished - begin) / count * 1e6,
+                                    start.elapsed_time(stop) / count * 1e3))
+                enqueue, total, gpu = (statistics.median(x) for x in zip(*samples))
+                rows.append(f"{name:28s} {count:5d} calls, idle {idle_s * 1e3:4.0f} ms before: enqueue {enqueue:6.2f}"
+                            f"  total {total:6.2f}  GPU {gpu:6.2f}")
+    return rows
+
+
 def start_jax():
     import os
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -122,8 +164,14 @@ if __name__ == "__main__":
     if "--with-jax" in arguments:
         arguments.remove("--with-jax")
         start_jax()
+    with_turns = "--turns" in arguments
+    if with_turns:
+        arguments.remove("--turns")
     numbers = [int(x) for x in arguments] or [1, 128, 8, 64]
     for shape in zip(*[iter(numbers)] * 4):
         print(f"shape {shape}, bf16 causal, us per call", flush=True)
+        if with_turns:
+            print("\n".join(turns(*shape)), flush=True)
+            continue
         for name, us in parts(*shape).items():
             print(f"{name:40s} {us:7.2f}", flush=True)

@@ -8,9 +8,8 @@
 //     split's key blocks in turn, each warp with its own cp.async ring of STAGES buffers and its
 //     own online softmax: no CTA barrier inside the loop, and STAGES - 1 blocks in flight per warp
 //     while it computes one. Keys are addressed per row through the cache row (cache_batch_idx) or the
-//     block table (its entries read a block ahead of the loads they address), from cache_leftpad
-//     on. At the end the warps merge by their row maxima; with one split the CTA writes out and
-//     lse, else its split's normalised O and lse.
+//     block table, from cache_leftpad on. At the end the warps merge by their row maxima; with one
+//     split the CTA writes out and lse, else its split's normalised O and lse.
 //   flash_decode_combine: with several splits, out and lse from the splits' partials, weighted by
 //     exp(lse_split - lse), a CTA per row. On sm_90 it is a dependent launch: its CTAs are placed
 //     while the decode's last ones run, and wait for them (common/ptx.cuh).
@@ -40,42 +39,24 @@ struct CacheSequence {
         pages = p.block_table != nullptr ? p.block_table + batch * p.block_table_batch_stride : nullptr;
     }
     // (cache row or block, row within it) of cache position pos (0 <= pos < capacity).
-    __device__ __forceinline__ int2 at(const FlashParams& p, int pos) const {
-        if (pages == nullptr) return make_int2(row, pos);
-        const int page = pos / p.page_size;
-        return make_int2(min(max(pages[page], 0), p.cache_rows - 1), pos - page * p.page_size);
+    __device__ __forceinline__ int2 at(const FlashParams& p, int pos) const { return at(p, page_of(p, pos), 0); }
+    // at() of positions pos0 + r for r < 32 from (page, offset) = page_of(pos0): one division per
+    // run of positions, not per row (a page holds at least 16 rows, so pos0 + r is at most two pages on).
+    __device__ __forceinline__ int2 page_of(const FlashParams& p, int pos0) const {
+        if (pages == nullptr) return make_int2(0, pos0);
+        const int page = pos0 / p.page_size;
+        return make_int2(page, pos0 - page * p.page_size);
     }
-    // The cache blocks of the pages that positions pos0 .. pos0 + 16 SPAN - 1 span, pos0 a multiple
-    // of 16 SPAN. Paged caches start at position 0 (cache_leftpad does not combine with a block
-    // table), so such a run starts at a multiple of 16 within its page and spans at most SPAN pages.
-    // flash_decode reads them a block ahead of the loads they address, so that the table's latency
-    // passes while the warp computes; entries past the table's width are not read.
-    template <int SPAN>
-    struct Run {
-        int blocks[SPAN];
-    };
-    template <int SPAN>
-    __device__ __forceinline__ Run<SPAN> run_of(const FlashParams& p, int pos0) const {
-        Run<SPAN> run;
-        const int page = pages != nullptr ? pos0 / p.page_size : 0;
+    __device__ __forceinline__ int2 at(const FlashParams& p, int2 page_offset, int r) const {
+        int page = page_offset.x, offset = page_offset.y + r;
+        if (pages == nullptr) return make_int2(row, offset);
 #pragma unroll
-        for (int t = 0; t < SPAN; ++t)
-            run.blocks[t] = pages != nullptr && (page + t) * p.page_size < p.capacity
-                            ? min(max(pages[page + t], 0), p.cache_rows - 1) : row;
-        return run;
-    }
-    // at() of position pos0 + r (r < 16 SPAN) from the run of pos0.
-    template <int SPAN>
-    __device__ __forceinline__ int2 at(const FlashParams& p, const Run<SPAN>& run, int pos0, int r) const {
-        if (pages == nullptr) return make_int2(row, pos0 + r);
-        int offset = pos0 % p.page_size + r, block = run.blocks[0];
-#pragma unroll
-        for (int t = 1; t < SPAN; ++t)
+        for (int turn = 0; turn < 2; ++turn)
             if (offset >= p.page_size) {
                 offset -= p.page_size;
-                block = run.blocks[t];
+                ++page;
             }
-        return make_int2(block, offset);
+        return make_int2(min(max(pages[page], 0), p.cache_rows - 1), offset);
     }
 };
 
@@ -185,20 +166,18 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
 
     const uint16* k_cache = static_cast<const uint16*>(p.k) + head_k * p.k_head_stride;
     const uint16* v_cache = static_cast<const uint16*>(p.v) + head_k * p.v_head_stride;
-    static_assert(WARP_N % 16 == 0, "a block spans WARP_N / 16 pages at most (CacheSequence::Run)");
-    typedef CacheSequence::Run<WARP_N / 16> Run;
-    auto run_of = [&](int n_block) { return seq.template run_of<WARP_N / 16>(p, seq.start + n_block * WARP_N); };
-    auto load = [&](int n_block, int buffer, const Run& run) {
+    static_assert(WARP_N <= 32, "a block's rows are at most two pages past its first (CacheSequence::at)");
+    auto load = [&](int n_block, int buffer) {
         uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;
         uint16* s_v = s_k + WARP_N * L::kStride;
-        const int pos0 = seq.start + n_block * WARP_N;
+        const int2 first = seq.page_of(p, seq.start + n_block * WARP_N);
 #pragma unroll
         for (int step = 0; step < ceil_div(WARP_N * kChunks, 32); ++step) {
             const int c = lane + 32 * step;
             if ((WARP_N * kChunks) % 32 != 0 && c >= WARP_N * kChunks) break;
             const int r = c / kChunks, col = 8 * (c % kChunks), key = n_block * WARP_N + r;
             const bool valid = key < seq.seqlen_k && col < p.headdim;
-            const int2 at = valid ? seq.at(p, run, pos0, r) : make_int2(0, 0);
+            const int2 at = valid ? seq.at(p, first, r) : make_int2(0, 0);
             cp_async_16(smem_address(s_k + L::offset(r, col)),
                         k_cache + at.x * p.k_batch_stride + at.y * p.k_row_stride + col, valid);
             cp_async_16(smem_address(s_v + L::offset(r, col)),
@@ -211,13 +190,9 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     int n_block = split_first + warp;
 #pragma unroll
     for (int stage = 0; stage < STAGES - 1; ++stage) {
-        if (n_block + stage * WARPS < split_end) load(n_block + stage * WARPS, stage, run_of(n_block + stage * WARPS));
+        if (n_block + stage * WARPS < split_end) load(n_block + stage * WARPS, stage);
         else cp_async_commit();
     }
-    // The table's entries a block ahead where registers allow (above hd128 the kernels with every
-    // option would spill).
-    constexpr bool kTableAhead = HEADDIM <= 128;
-    Run next = run_of(n_block + (STAGES - 1) * WARPS);  // the pages of the loop's first load
 
     cp_async_wait<STAGES - 1>();
     __syncthreads();  // Q has landed
@@ -249,9 +224,8 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
     for (int buffer = 0; n_block < split_end; n_block += WARPS, buffer = buffer + 1 == STAGES ? 0 : buffer + 1) {
         const int ahead = n_block + (STAGES - 1) * WARPS;  // into the buffer the last step computed
-        if (ahead < split_end) load(ahead, buffer == 0 ? STAGES - 1 : buffer - 1, kTableAhead ? next : run_of(ahead));
+        if (ahead < split_end) load(ahead, buffer == 0 ? STAGES - 1 : buffer - 1);
         else cp_async_commit();
-        if (kTableAhead) next = run_of(ahead + WARPS);
         cp_async_wait<STAGES - 1>();
         __syncwarp();  // block n_block has landed, for every lane
         const uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;

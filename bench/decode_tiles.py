@@ -3,8 +3,8 @@ candidate tile forced on both decode tables, on the dense cache and on random 16
 split count `_kvcache.splits` picks (marked *) and at half, twice and four times it. TB/s of K and V
 read (bf16, seqlen_q 1), each step replayed from a CUDA graph (benchmark.GraphTimer), median of 5.
 
-Usage (GPU): python bench/decode_tiles.py [B:CACHE:H:HK:HD ...]   (default: CELLS; compile first with
---compile: NVRTC, no GPU needed)
+Usage (GPU): python bench/decode_tiles.py [--tiles=N:W:S,...] [B:CACHE:H:HK:HD ...]   (default: TILES,
+CELLS; compile first with --compile: NVRTC, no GPU needed)
 """
 import sys
 from cupyflash import _config, _kernels, _compile, _plan, _kvcache, _schedule
@@ -43,7 +43,12 @@ if __name__ == "__main__":
     _kvcache.MAX_SPLITS = 1024  # counts past the table's cap, to see whether the cap costs
     def timed(step):  # ms per step, replayed from a CUDA graph as `bench --decode` times
         return median_ms({0: GraphTimer(step)})[0]
-    cells = [tuple(map(int, cell.split(":"))) for cell in sys.argv[1:]] or CELLS
+    arguments = sys.argv[1:]
+    for argument in [a for a in arguments if a.startswith("--tiles=")]:  # N:W:S,... for every head dim
+        arguments.remove(argument)
+        chosen = [tuple(map(int, t.split(":"))) for t in argument.removeprefix("--tiles=").split(",")]
+        TILES = {hd: chosen for hd in TILES}
+    cells = [tuple(map(int, cell.split(":"))) for cell in arguments] or CELLS
     for batch, cache, h, hk, hd in cells:
         g = torch.Generator(device=dev).manual_seed(batch + cache + hd)
         q = torch.randn(batch, 1, h, hd, device=dev, dtype=torch.bfloat16, generator=g)

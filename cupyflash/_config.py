@@ -62,13 +62,14 @@ _SM90 = {
     },
     # The KV cache's decode kernel (cuda_src/sm80/decode.cuh): 16 packed query rows, block_n keys per
     # warp step, `stages` K/V buffers per warp; 'decode' reads long dense caches, large pages and
-    # short caches of few CTAs, 'decode_small' smaller pages and short caches (decode_table). hd128 timed (bench/notes/v20): 8
-    # warps and 3 stages read long dense caches 1-36% faster; 16-row pages want more warps per SM
-    # (likely: each waits for its rows' table entries): 6 warps x 2 stages, two CTAs per SM, read them
-    # 1-7% faster than 4 x 2, and short dense caches 2-9% faster than 8 x 3 (v40).
-    # hd64 (v30): 16 keys per step, 8 x 3 dense and 4 x 2 paged, read 0-7% faster than 32 on 4 x 2.
-    # No hd224 tile: its padded rows spill on sm_90; hd256's serves it.
-    "decode": _DECODE | {64: (16, 16, 8, 3), 128: (16, 16, 8, 3)},
+    # short caches of few CTAs, 'decode_small' smaller pages and short caches (decode_table).
+    # hd128 timed (bench/notes/v20): 8 warps and 3 stages read long dense caches 1-36% faster;
+    # 16-row pages want more warps per SM (likely: each waits for its rows' table entries): 6 warps
+    # x 2 stages, two CTAs per SM, read them 1-7% faster than 4 x 2, and short dense caches 2-9%
+    # faster than 8 x 3 (v40). hd64: 4 x 2 with 16 keys a step for small pages (v30); 8 x 3 with
+    # 32 keys a step, against 16, reads few-CTA short caches 10-21% faster and long dense ones 3%
+    # (v43). No hd224 tile: its padded rows spill on sm_90; hd256's serves it.
+    "decode": _DECODE | {64: (16, 32, 8, 3), 128: (16, 16, 8, 3)},
     "decode_small": _DECODE | {64: (16, 16, 4, 2), 128: (16, 16, 6, 2)},
 }
 # sm86's decode tiles: the 4-warp ones up to hd160, 2 warps above (99 KiB).

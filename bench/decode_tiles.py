@@ -21,7 +21,7 @@ CELLS = [(1, 131072, 32, 8, 128), (1, 131072, 32, 8, 64), (1, 131072, 8, 1, 128)
 def force(hd, tile):
     n, w, s = tile
     for fam in ("sm90", "sm80"):
-        for t in ("decode", "decode_small"):
+        for t in [t for t in _config.TABLES if _config.kernel_pass(t) == "decode"]:
             _config.TILES[_config.MMA_SYNC][fam][t][hd] = (16, n, w, s)
     _plan._plans.clear()
 

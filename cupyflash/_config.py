@@ -61,16 +61,18 @@ _SM90 = {
         256: (128, 32, 8, 1),   # 14-18% faster than 64x32 (v28); 64x64 spills with the options
     },
     # The KV cache's decode kernel (cuda_src/sm80/decode.cuh): 16 packed query rows, block_n keys per
-    # warp step, `stages` K/V buffers per warp; 'decode' reads long dense caches, large pages and
-    # short caches of few CTAs, 'decode_small' smaller pages and short caches (decode_table).
-    # hd128 timed (bench/notes/v20): 8 warps and 3 stages read long dense caches 1-36% faster;
-    # 16-row pages want more warps per SM (likely: each waits for its rows' table entries): 6 warps
-    # x 2 stages, two CTAs per SM, read them 1-7% faster than 4 x 2, and short dense caches 2-9%
-    # faster than 8 x 3 (v40). hd64: 4 x 2 with 16 keys a step for small pages (v30); 8 x 3 with
-    # 32 keys a step, against 16, reads few-CTA short caches 10-21% faster and long dense ones 3%
-    # (v43). No hd224 tile: its padded rows spill on sm_90; hd256's serves it.
-    "decode": _DECODE | {64: (16, 32, 8, 3), 128: (16, 16, 8, 3)},
+    # warp step, `stages` K/V buffers per warp; 'decode' reads long dense caches and large pages,
+    # 'decode_small' smaller pages and short caches, 'decode_few' calls of at most a CTA per SM
+    # (decode_table). hd128 timed (bench/notes/v20): 8 warps and 3 stages read long dense caches
+    # 1-36% faster; 16-row pages want more warps per SM (likely: each waits for its rows' table
+    # entries): 6 warps x 2 stages, two CTAs per SM, read them 1-7% faster than 4 x 2, and short
+    # dense caches 2-9% faster than 8 x 3 (v40). hd64: 16 keys a step, 8 x 3 dense and 4 x 2 paged
+    # (v30); 32 keys a step on 8 x 3 read few-CTA short caches 10-21% faster and long dense ones
+    # 1-5%, but take a whole SM (192 KiB), which costs long 256-row pages of many CTAs 5-10% (v43).
+    # No hd224 tile: its padded rows spill on sm_90; hd256's serves it.
+    "decode": _DECODE | {64: (16, 16, 8, 3), 128: (16, 16, 8, 3)},
     "decode_small": _DECODE | {64: (16, 16, 4, 2), 128: (16, 16, 6, 2)},
+    "decode_few": _DECODE | {64: (16, 32, 8, 3), 128: (16, 16, 8, 3)},
 }
 # sm86's decode tiles: the 4-warp ones up to hd160, 2 warps above (99 KiB).
 _SM86_DECODE = {hd: tile if hd <= 160 else (16, 16, 2, 2) for hd, tile in _DECODE.items()}
@@ -87,6 +89,7 @@ TILES = {
                             160: (32, 32, 4, 1), 192: (64, 32, 8, 1), 224: (32, 32, 8, 1), 256: (32, 32, 8, 1)},
             "decode": _SM86_DECODE,
             "decode_small": _SM86_DECODE,
+            "decode_few": _SM86_DECODE,
         },
         # A100: sm90's tiles but where noted (not timed on an A100).
         "sm80": {
@@ -106,6 +109,7 @@ TILES = {
                             256: (64, 32, 8, 1)},  # sm90's needs more than 163 KiB
             "decode": _DECODE,  # sm90's dense hd128 tile needs 200 KiB; its paged one is not timed here
             "decode_small": _DECODE,
+            "decode_few": _DECODE,
         },
     },
 }
@@ -178,32 +182,32 @@ DENSE_TILE_PAGE = 256
 # Caches of at most this many rows per sequence run the small pages' decode tile, two or more CTAs
 # per SM: each CTA streams so few rows that its start and end, where its loads are not all in
 # flight, take a share of its time that a second CTA on the SM fills (bench/notes/v40: dense
-# 128 x 1k hd128 +7.7%, 64 x 4k +1.6%; from 16k on the dense tile is 1-4% faster). Unless the
-# call has no more CTAs than the GPU has SMs: then the small tile fills the SMs only by splitting
-# the keys further, and the dense tile, one CTA of 8 warps per SM, reads faster on fewer splits
-# (bench/notes/v43: MQA 128 x 1k hd64 1.5-1.7x, 4 x 4k and 16 x 1k hd128 +6-14%).
+# 128 x 1k hd128 +7.7%, 64 x 4k +1.6%; from 16k on the dense tile is 1-4% faster).
 SHORT_CACHE = 4096
 
 
 def decode_table(page_size, capacity, ctas, sms):
     """The decode tile table for a call of `ctas` CTAs (one key split each) on a GPU of `sms` SMs,
     over a cache of `page_size`-row pages (0: a dense cache) and `capacity` rows per sequence:
-    'decode' for caches of at most SHORT_CACHE rows with at most `sms` CTAs; else 'decode_small'
-    for pages under DENSE_TILE_PAGE rows or at most SHORT_CACHE rows, else 'decode'."""
-    if capacity <= SHORT_CACHE and ctas <= sms:
-        return "decode"
+    'decode_few' where the CTAs are at most the SMs, the cache dense or short (the small tile
+    would fill the SMs only by splitting the keys further; one CTA of 8 warps per SM reads faster
+    on fewer splits: bench/notes/v43, MQA 128 x 1k hd64 1.7x, 4 x 4k and 16 x 1k hd128 +6-14%);
+    else 'decode_small' for pages under DENSE_TILE_PAGE rows or at most SHORT_CACHE rows, else
+    'decode'."""
+    if ctas <= sms and (page_size == 0 or capacity <= SHORT_CACHE):
+        return "decode_few"
     return "decode_small" if 0 < page_size < DENSE_TILE_PAGE or capacity <= SHORT_CACHE else "decode"
 
 
 FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
 # The tile tables of each GPU family (see kernel_pass).
-TABLES = ("fwd", "bwd", "bwd_options", "bwd_deterministic", "decode", "decode_small")
+TABLES = ("fwd", "bwd", "bwd_options", "bwd_deterministic", "decode", "decode_small", "decode_few")
 
 
 def kernel_pass(table):
     """The kernel pass a tile table serves: 'bwd_options' and 'bwd_deterministic' hold backward tiles,
-    'decode_small' decode ones."""
+    'decode_small' and 'decode_few' decode ones."""
     return table.split("_")[0]
 
 

@@ -166,7 +166,8 @@ _CHECKED_FLAGS = {"fwd": (((), False), (FEATURES, False)), "bwd": (((), False),)
                   "bwd_options": ((FEATURES, False), (FEATURES, True)), "bwd_deterministic": (((), True),),
                   "bwd_full": (((), False),),
                   "decode": (((), False), (DECODE_FEATURES, False)),
-                  "decode_small": (((), False), (DECODE_FEATURES, False))}
+                  "decode_small": (((), False), (DECODE_FEATURES, False)),
+                  "decode_few": (((), False), (DECODE_FEATURES, False))}
 _SINGLE_FLAGS = {"fwd": tuple(((f,), False) for f in FEATURES),
                  "bwd_options": tuple(((f,), False) for f in FEATURES)}
 

@@ -125,11 +125,11 @@ def test_small_pages_and_short_caches_take_the_small_decode_tiles(page_size, cap
 
 
 @pytest.mark.parametrize("page_size", [0, 16, _config.DENSE_TILE_PAGE])
-def test_short_caches_of_few_ctas_take_the_dense_decode_tile(page_size):
-    assert _config.decode_table(page_size, _config.SHORT_CACHE, ctas=132, sms=132) == "decode"
+def test_calls_of_at_most_a_cta_per_sm_take_the_few_ctas_decode_tile(page_size):
+    assert _config.decode_table(page_size, _config.SHORT_CACHE, ctas=132, sms=132) == "decode_few"
     assert _config.decode_table(page_size, _config.SHORT_CACHE, ctas=133, sms=132) == "decode_small"
-    # Long caches keep their tables whatever the CTA count.
-    expected = "decode_small" if 0 < page_size < _config.DENSE_TILE_PAGE else "decode"
+    # Long paged caches keep their tables whatever the CTA count; long dense ones take it too.
+    expected = "decode_few" if page_size == 0 else "decode_small" if page_size < _config.DENSE_TILE_PAGE else "decode"
     assert _config.decode_table(page_size, _config.SHORT_CACHE + 1, ctas=1, sms=132) == expected
 
 

@@ -160,7 +160,7 @@ def test_batch_index_leftpad_and_options():
     (64, 16, 2, 13, 1, 300),    # one split
     (96, 4, 2, 1, 200, 160),    # more splits asked for than key blocks
     (128, 8, 1, 1, 100, 4096),  # many splits for few rows: the combine's thread groups take several each
-    # Short caches of more CTAs (3 x 48) than an H200 has SMs: the short-cache tiles (few CTAs take the dense one)
+    # Short caches of more CTAs (3 x 48) than an H200 has SMs: the short-cache tiles (fewer take decode_few's)
     (64, 48, 48, 1, 0, 1000),
     (128, 96, 48, 2, 0, 4096),
 ])

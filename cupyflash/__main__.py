@@ -74,8 +74,13 @@ def _tile_text(tile, table):
             f"{tile.smem_bytes(table) // 1024} KiB")
 
 
-_TILE_HEADERS = ["head dim", "fwd tile", "bwd tile", "bwd tile with options", "deterministic bwd tile", "decode tile",
-                 f"decode tile of pages under {_config.DENSE_TILE_PAGE} rows, caches of {_config.SHORT_CACHE} or fewer"]
+# A column per tile table (_config.TABLES; a table without its header here is a KeyError).
+_TABLE_HEADERS = {"fwd": "fwd tile", "bwd": "bwd tile", "bwd_options": "bwd tile with options",
+                  "bwd_deterministic": "deterministic bwd tile", "decode": "decode tile",
+                  "decode_small": f"decode tile of pages under {_config.DENSE_TILE_PAGE} rows, caches of "
+                                  f"{_config.SHORT_CACHE} or fewer",
+                  "decode_few": "decode tile of calls of at most a CTA per SM"}
+_TILE_HEADERS = ["head dim", *(_TABLE_HEADERS[table] for table in _config.TABLES)]
 
 
 def _table_tile(table, headdim):

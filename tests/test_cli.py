@@ -39,6 +39,9 @@ def test_info_without_a_gpu_shows_every_tile_table_and_the_cache(env, tmp_path):
     for family in ("sm80", "sm86", "sm90"):
         assert f"tile table {family}:" in out
     assert "128x32, 4 warps, 2 stage(s), 64 KiB" in out  # sm90's forward tile at head dim 128
+    header = next(line for line in out.splitlines() if line.startswith("head dim"))
+    assert header.count(" | ") == len(_config.TABLES)  # a column per tile table
+    assert "decode tile of calls of at most a CTA per SM" in header
     # the wgmma tables, each once: the passes', then the forward's by length and by masking, the
     # backward's by options and by edges
     for line in ("the fwd pass up to head dim 256 is wgmma's", "the bwd pass up to head dim 256 is wgmma's",

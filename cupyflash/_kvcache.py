@@ -14,7 +14,6 @@ import math
 from . import _arrays, _config, _kernels, _plan, _schedule
 
 MAX_SPLITS = 128
-DECODE_ROWS = 16  # packed (query, head) rows of every decode tile (_config.TILES)
 STREAMING_WARPS = 8  # warps per SM that keep a short cache's reads at the copy bandwidth (streaming_slots)
 # The plan's inputs by FlashParams field, in flash_attn_with_kvcache's order of array arguments: the
 # caches are `k` and `v`, the new keys and values `k_new` and `v_new`.
@@ -127,10 +126,10 @@ def _new_plan(call, cache, arrays):
     device_id = caller.device_id
     sms = _schedule.device_attributes(device_id)["MultiProcessorCount"]
     group = shape.nheads // shape.nheads_k
-    m_blocks = -(-shape.seqlen_q * group // DECODE_ROWS)  # blocks of packed (query, head) rows
+    block_rows = _schedule.tile("decode", shape.headdim, device_id).block_m  # (every decode table's)
+    m_blocks = -(-shape.seqlen_q * group // block_rows)  # blocks of packed (query, head) rows
     ctas = m_blocks * shape.nheads_k * shape.batch
     tile = _schedule.tile(_config.decode_table(cache.page_size, cache.capacity, ctas, sms), shape.headdim, device_id)
-    assert tile.block_m == DECODE_ROWS
     kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features)
     key_blocks = -(-cache.capacity // tile.block_n)
     count = cache.num_splits

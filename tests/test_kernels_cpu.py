@@ -124,6 +124,14 @@ def test_small_pages_and_short_caches_take_the_small_decode_tiles(page_size, cap
     assert _config.decode_table(page_size, capacity, ctas=133, sms=132) == table
 
 
+def test_every_decode_table_packs_the_same_rows_per_cta():
+    """The decode plan counts its CTAs by the 'decode' table's rows before it picks the table."""
+    for family, tables in _config.TILES[_config.MMA_SYNC].items():
+        decode = [t for t in _config.TABLES if _config.kernel_pass(t) == "decode"]
+        for headdim in tables["decode"]:
+            assert len({tables[t][headdim][0] for t in decode}) == 1, (family, headdim)
+
+
 @pytest.mark.parametrize("page_size", [0, 16, _config.DENSE_TILE_PAGE])
 def test_calls_of_at_most_a_cta_per_sm_take_the_few_ctas_decode_tile(page_size):
     assert _config.decode_table(page_size, _config.SHORT_CACHE, ctas=132, sms=132) == "decode_few"

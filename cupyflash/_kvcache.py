@@ -121,6 +121,23 @@ def splits(ctas, key_blocks, warps, slots):
     return -(-key_blocks // per_split)
 
 
+def _table(ctas, cache, headdim, sms, device_id):
+    """The decode tile table of a call of `ctas` CTAs (one split each): _config.decode_table's, but
+    where the few-CTA tile would run at most half the warps the small pages' tile runs after each
+    is split (a tiny call, whose splits stop at a key block per warp): there more, shorter streams
+    finish sooner (bench/notes/v43: hd64 1 x 1k 8/1 6.3 us a step on the small tile, 7.5 on the
+    few-CTA one; 16 x 1k 8/1 7.5 against 8.0)."""
+    table = _config.decode_table(cache.page_size, cache.capacity, ctas, sms)
+    if table != "decode_few" or cache.capacity > _config.SHORT_CACHE:
+        return table
+
+    def warps(name):  # launched after splitting, in a short cache's slots (streaming_slots), residency aside
+        tile = _schedule.tile(name, headdim, device_id)
+        slots = sms * max(1, round(STREAMING_WARPS / tile.warps))
+        return ctas * splits(ctas, -(-cache.capacity // tile.block_n), tile.warps, slots) * tile.warps
+    return "decode_small" if warps("decode_small") >= 2 * warps(table) else table
+
+
 def _new_plan(call, cache, arrays):
     shape, caller = call.shape, call.caller
     device_id = caller.device_id
@@ -129,7 +146,7 @@ def _new_plan(call, cache, arrays):
     block_rows = _schedule.tile("decode", shape.headdim, device_id).block_m  # (every decode table's)
     m_blocks = -(-shape.seqlen_q * group // block_rows)  # blocks of packed (query, head) rows
     ctas = m_blocks * shape.nheads_k * shape.batch
-    tile = _schedule.tile(_config.decode_table(cache.page_size, cache.capacity, ctas, sms), shape.headdim, device_id)
+    tile = _schedule.tile(_table(ctas, cache, shape.headdim, sms, device_id), shape.headdim, device_id)
     kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features)
     key_blocks = -(-cache.capacity // tile.block_n)
     count = cache.num_splits

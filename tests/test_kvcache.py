@@ -390,6 +390,22 @@ def test_decode_splits_fill_the_slots_in_one_wave_with_no_empty_split():
                         assert ctas * count <= slots
 
 
+def test_tiny_short_calls_take_the_small_tile_where_it_runs_twice_the_warps(monkeypatch):
+    import types
+    from cupyflash import _config, _kvcache, _schedule
+    monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
+    monkeypatch.setattr(_schedule, "tile", lambda table, headdim, device_id: _config.tile_for(
+        table, headdim, (9, 0), 227 * 1024))  # the H200's tables, 132 SMs
+    short, long = types.SimpleNamespace(page_size=0, capacity=1024), types.SimpleNamespace(page_size=0, capacity=5000)
+    assert _kvcache._table(1, short, 64, 132, 0) == "decode_small"   # hd64 1 x 1k 8/1: 4 x 8 warps against 16 x 4
+    assert _kvcache._table(16, short, 64, 132, 0) == "decode_small"  # 16 x 1k 8/1: 512 against 1024
+    assert _kvcache._table(32, short, 64, 132, 0) == "decode_few"    # 1 x 1k 32/32: 1024 each
+    assert _kvcache._table(128, short, 64, 132, 0) == "decode_few"   # one split either way
+    assert _kvcache._table(1, short, 128, 132, 0) == "decode_few"    # hd128: 11 x 6 against 8 x 8
+    assert _kvcache._table(1, long, 64, 132, 0) == "decode_few"      # long dense caches keep it
+    assert _kvcache._table(133, short, 64, 132, 0) == "decode_small"
+
+
 def test_the_plan_signature_tells_calls_apart():
     """A GPU call whose signature equals an earlier one's skips validation under no_host_sync, so the
     signature must differ wherever validation or the plan could: layouts, dtypes, which arguments

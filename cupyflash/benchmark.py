@@ -538,11 +538,13 @@ def write_options(results, out_dir):
 # cuDNN, at shapes small enough that the host sets the pace (where a call's GPU work takes longer,
 # as it can at the large shape, the figure is the GPU's time). Timing: `calls` back-to-back calls
 # after the warm-up (which takes any torch.compile or jax.jit compilation), synchronised once at the
-# end, wall time / calls; the columns take turns, and a cell is the median of its HOST_REPS turns.
+# end, wall time / calls; the columns take turns in an order shuffled per round, and a cell is the
+# median of its HOST_REPS turns. The lent hosts' speed wanders: one call read 2x apart between
+# consecutive turns of a process (bench/notes/v43), so many short interleaved turns, not a few.
 
 HOST_SHAPES = {"small": (1, 128, 8, 64), "medium": (4, 512, 16, 128), "large": (8, 2048, 16, 128)}
 HOST_PASSES = ("fwd", "fwd+bwd")
-HOST_CALLS, HOST_REPS = 200, 5
+HOST_CALLS, HOST_REPS = 200, 15
 # At least 3 (CUDA graph trees record on the second call and replay from the third), and enough
 # back-to-back work for the GPU to leave its idle clocks, which would make tiny kernels the bound.
 HOST_WARMUP = 50
@@ -825,9 +827,9 @@ def _error_note(error):
 def run_host(shapes=tuple(HOST_SHAPES.values()), calls=HOST_CALLS, columns=tuple(HOST_COLUMNS), profile=False,
              device="cuda", report=print):
     """[HostCell] for every shape, pass and column (bf16, causal). The columns of a shape and pass
-    take turns, HOST_REPS rounds of `calls` calls each after every column's warm-up, and each
-    cell is the median of its rounds: the host's clocks drift over a run (they rise under load),
-    and turns give every column the same. A column that fails in a cell (not installed, not
+    take turns, HOST_REPS rounds of `calls` calls each after every column's warm-up, in an order
+    shuffled per round (seeded), and each cell is the median of its rounds: the host's speed
+    drifts over a run, and turns give every column the same. A column that fails in a cell (not installed, not
     supported here) gives a NaN cell with the reason. With `profile`, each cell's cProfile report
     is printed after its timing. `device` other than "cuda" only exercises the plumbing (the tests
     run it on the CPU)."""
@@ -858,8 +860,8 @@ def run_host(shapes=tuple(HOST_SHAPES.values()), calls=HOST_CALLS, columns=tuple
                     failed[column] = _error_note(error)
                     del timed[column]
             samples = {column: [] for column in timed}
-            for _ in range(HOST_REPS):
-                for column, call in list(timed.items()):
+            for round_ in range(HOST_REPS):
+                for column, call in random.Random(round_).sample(list(timed.items()), len(timed)):
                     try:
                         samples[column].append(_host_turn(call, calls))
                     except Exception as error:
@@ -927,7 +929,8 @@ def write_host(cells, out_dir, environment, calls=HOST_CALLS):
     lines = ["# Host time per call", "", environment, "",
              f"Microseconds per call (lower is better): the wall time of {calls} back-to-back calls after "
              f"{HOST_WARMUP} warm-up calls (which take any torch.compile or jax.jit compilation), synchronised "
-             f"once at the end, divided by {calls}; the columns take turns, and a cell is the median of its {HOST_REPS} turns. bf16, causal; shapes "
+             f"once at the end, divided by {calls}; the columns take turns in an order shuffled per round, and a "
+             f"cell is the median of its {HOST_REPS} turns. bf16, causal; shapes "
              "are batch x seqlen x nheads x headdim; fwd+bwd is the forward, then the gradients of q, k and v for "
              "a fixed dout. Where a call's GPU work takes longer than its host work (the large shape), the "
              "figure is the GPU's time.", "",

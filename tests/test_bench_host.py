@@ -41,7 +41,7 @@ def test_write_host_makes_one_row_per_shape_and_pass_with_ratios_and_footnotes(t
     assert (tmp_path / "host.md").read_text() == markdown
     lines = markdown.splitlines()
     assert lines[0] == "# Host time per call" and lines[2] == "NVIDIA H200; torch 2.9, jax missing; 2026-12-01"
-    assert "the wall time of 200 back-to-back calls" in markdown and "the median of its 5 turns" in markdown
+    assert "the wall time of 200 back-to-back calls" in markdown and f"the median of its {benchmark.HOST_REPS} turns" in markdown
     assert markdown.count("Targets: ") == 1 and "<= 20 us at 1x128x8x64" in markdown
     header = ("| shape | pass | cupyflash core (CuPy) | cupyflash.torch eager | cupyflash.torch fwd (no grad) | "
               "cupyflash.torch reduce-overhead | cupyflash.jax jit | SDPA flash | JAX cuDNN | "

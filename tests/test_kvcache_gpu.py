@@ -132,12 +132,13 @@ def test_paged_caches_and_rotary(page, interleaved, headdim):
     _run_and_check(case, "bfloat16", "cupy", causal=True, rotary_interleaved=interleaved)
 
 
-@pytest.mark.parametrize("headdim", [64, 128])
-def test_paged_caches_of_more_ctas_than_sms(headdim):
-    """3 x 48 KV heads, more CTAs than an H200's 132 SMs: the small pages' own tile."""
-    rng = np.random.default_rng(headdim + 5)
-    case = _case(rng, "bfloat16", seqlen_q=2, seqlen_new=2, nheads=48, nheads_k=48, capacity=512, headdim=headdim,
-                 paged_page=16)
+@pytest.mark.parametrize("headdim, nheads_k", [(64, 48), (128, 48), (64, 40)])
+def test_paged_caches_by_cta_count(headdim, nheads_k):
+    """3 x 48 KV heads, more CTAs than an H200's 132 SMs: the small pages' own tile; 3 x 40 at
+    hd64, one split on the few-CTA tile, whose 32-row blocks span two 16-row pages."""
+    rng = np.random.default_rng(headdim + nheads_k)
+    case = _case(rng, "bfloat16", seqlen_q=2, seqlen_new=2, nheads=nheads_k, nheads_k=nheads_k, capacity=512,
+                 headdim=headdim, paged_page=16)
     _run_and_check(case, "bfloat16", "cupy", causal=True)
 
 

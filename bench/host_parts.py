@@ -64,12 +64,18 @@ class EmptySaved(torch.autograd.Function):
         return None, None, None, None, dout, dout, dout, None
 
 
-def parts(b, s, h, d):
+def tensors(b, s, h, d):
+    """q, k, v (bf16, (b, s, h, d)); the same requiring grad; SDPA's (b, h, s, d) views requiring
+    grad; CuPy views of q, k, v."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-    qc, kc, vc = (cupy.from_dlpack(t) for t in (q, k, v))
+    grad = tuple(t.clone().requires_grad_() for t in (q, k, v))
+    sdpa = tuple(t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+    return (q, k, v), grad, sdpa, tuple(cupy.from_dlpack(t) for t in (q, k, v))
+
+
+def parts(b, s, h, d):
+    (q, k, v), (qg, kg, vg), (qt, kt, vt), (qc, kc, vc) = tensors(b, s, h, d)
     scalars = (None, True, 0.0, (-1, -1), 0.0, False)
     resolved = cft._resolution(q, k, v, None, None, scalars)
     plan = resolved.plan
@@ -114,11 +120,7 @@ def turns(b, s, h, d):
     idled (as the table's columns take turns) against 2000 calls on a busy GPU. For each: us per
     call to enqueue (the host's time), to finish (synchronised), and the GPU's own (events around
     the turn)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-    qc, kc, vc = (cupy.from_dlpack(t) for t in (q, k, v))
+    _, (qg, kg, vg), (qt, kt, vt), (qc, kc, vc) = tensors(b, s, h, d)
     calls = {"core fwd (CuPy)": lambda: cupyflash.flash_attn_func(qc, kc, vc, causal=True),
              "cupyflash.torch fwd (grad)": lambda: cft.flash_attn_func(qg, kg, vg, causal=True),
              "SDPA flash fwd (grad)": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)}

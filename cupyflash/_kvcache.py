@@ -102,8 +102,13 @@ def streaming_slots(warps, sms, resident, capacity, paged):
     (v42's grid: 128 CTAs of long or 4k paged caches, one per SM, read at 0.6-0.85x the speed of
     two per SM)."""
     if capacity <= (_config.SHORT_CACHE // 4 if paged else _config.SHORT_CACHE):
-        return min(resident, sms * max(1, round(STREAMING_WARPS / warps)))
+        return min(resident, _short_stream_slots(warps, sms))
     return resident
+
+
+def _short_stream_slots(warps, sms):
+    """About STREAMING_WARPS warps per SM, in CTAs of `warps` warps (streaming_slots)."""
+    return sms * max(1, round(STREAMING_WARPS / warps))
 
 
 def splits(ctas, key_blocks, warps, slots):
@@ -131,9 +136,9 @@ def _table(ctas, cache, headdim, sms, device_id):
     if table != "decode_few" or cache.capacity > _config.SHORT_CACHE:
         return table
 
-    def warps(name):  # launched after splitting, in a short cache's slots (streaming_slots), residency aside
+    def warps(name):  # launched after splitting, in a short cache's slots, residency aside
         tile = _schedule.tile(name, headdim, device_id)
-        slots = sms * max(1, round(STREAMING_WARPS / tile.warps))
+        slots = _short_stream_slots(tile.warps, sms)
         return ctas * splits(ctas, -(-cache.capacity // tile.block_n), tile.warps, slots) * tile.warps
     return "decode_small" if warps("decode_small") >= 2 * warps(table) else table
 

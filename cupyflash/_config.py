@@ -138,6 +138,7 @@ TILES[WGMMA] = {"sm90": {
     # 1k, 1-8% slower at 2k and 4k.
     "fwd_short": {
         64: (128, 128, 12, 3),
+        128: (128, 128, 12, 2),  # two Q buffers: short tiles run back to back (kCarry), +2.4% at 1k (v44)
     },
     # The LOCAL forwards (forward_table): two stages leave room for a second Q buffer, which lets a
     # tile's last P V run beside the next tile's first Q K^T (sm90/fwd.cuh, kCarry): +3% at 1k

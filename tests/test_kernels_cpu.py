@@ -107,8 +107,9 @@ def test_wgmma_tiles_round_head_dims_up_to_whole_column_blocks(headdim, padded):
 
 @pytest.mark.parametrize("headdim, seqlen_q, local, table", [
     (8, 1, False, "fwd_short"), (64, _config.SHORT_SEQLEN, True, "fwd_short"),
-    (64, _config.SHORT_SEQLEN + 1, True, "fwd"), (72, 1, False, "fwd"), (72, 1, True, "fwd_local"),
-    (128, 1000, False, "fwd"), (128, 1 << 16, True, "fwd_local"), (256, 1, True, "fwd")])
+    (64, _config.SHORT_SEQLEN + 1, True, "fwd"), (72, 1, False, "fwd_short"), (72, 1, True, "fwd_short"),
+    (128, 1000, False, "fwd_short"), (128, _config.SHORT_SEQLEN + 1, False, "fwd"),
+    (128, 1 << 16, True, "fwd_local"), (256, 1, True, "fwd")])
 def test_short_and_local_forwards_take_their_tables_where_they_have_the_head_dim(headdim, seqlen_q, local, table):
     assert _config.forward_table(headdim, seqlen_q, local) == table
     tile = _config.tile_for(table, headdim, (9, 0), 227 * 1024, kernel_family=_config.WGMMA)

@@ -13,8 +13,8 @@
 // fragment per warp). The products run asynchronously: block n's S = Q K^T is issued together
 // with the previous block's O += P V, and block n's softmax runs while that P V does; O is
 // rescaled after it. Below hd256 the consumers also take turns to issue (ping-pong), so one's
-// softmax overlaps the others' products. The LOCAL kernels with two Q buffers run tiles back to
-// back: a tile's last P V is issued with the next tile's first Q K^T (kCarry). Barriers: per Q
+// softmax overlaps the others' products. Kernels with two Q buffers run tiles back to back: a
+// tile's last P V is issued with the next tile's first Q K^T (kCarry). Barriers: per Q
 // buffer q_full and q_empty (the consumers' last S = Q K^T of a tile has read Q), and per stage
 // k_full and v_full (the copies' bytes have landed) and k_empty and v_empty (each consumer warp
 // arrives when its products have read them).
@@ -138,10 +138,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     constexpr int kOWidth = HEADDIM == 64 ? 64 : 128;  // columns of O per P V wgmma
 
     constexpr int QB = T::kQBuffers;
-    // Tiles back to back: a LOCAL tile's last P V runs beside the next tile's first Q K^T, its O
-    // stored after (short causal tiles spend much of their time starting and ending). It needs
-    // the next tile's Q loaded ahead (a second buffer), and the options' registers are spoken for.
-    constexpr bool kCarry = LOCAL && !OPTIONS && QB == 2;
+    // Tiles back to back: a tile's last P V runs beside the next tile's first Q K^T, its O stored
+    // after (short tiles spend much of their time starting and ending). It needs the next tile's Q
+    // loaded ahead (a second buffer), and the options' registers are spoken for.
+    constexpr bool kCarry = !OPTIONS && QB == 2;
     // O through its buffer (T::kStagedO), but in the options' kernels of two consumers: at 232
     // registers (LOCAL, hd128) they spill 8 bytes with it.
     constexpr bool kStageO = T::kStagedO && !(OPTIONS && CONSUMERS == 2);

@@ -163,7 +163,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     auto tile_slot = [&](int buffer) { return barriers + 8 * (2 * QB + 4 * STAGES + buffer); };
 
     const int m_blocks = ceil_div(p.seqlen_q, BLOCK_M), tiles = m_blocks * p.nheads * p.batch;
-    const int warpgroup = threadIdx.x / 128;
+    // (hd256's LOCAL kernel spills 68 bytes with the broadcast index, and gains nothing from it)
+    const int warpgroup = warpgroup_index<HEADDIM < 256>();
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int buffer = 0; buffer < QB; ++buffer) {

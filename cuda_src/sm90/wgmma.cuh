@@ -45,12 +45,14 @@ __device__ __forceinline__ uint64 k_major_descriptor(uint32 tile, int k, int row
 
 // desc moved BYTES further into its tile. IN_ORDER: by an instruction the compiler keeps beside
 // the product that reads it, where otherwise it would compute every descriptor of a loop ahead
-// and hold each in two registers.
+// and hold each in two registers; a 32-bit add to the start address field, which cannot carry
+// out of it (shared memory ends below 2^18 bytes), so the upper word is not recomputed.
 template <uint32 BYTES, bool IN_ORDER>
 __device__ __forceinline__ uint64 descriptor_plus(uint64 desc) {
     if constexpr (!IN_ORDER) return desc + (BYTES >> 4);
     uint64 moved;
-    asm volatile("add.s64 %0, %1, %2;\n" : "=l"(moved) : "l"(desc), "n"(BYTES >> 4));
+    asm volatile("{\n.reg .b32 lo, hi;\nmov.b64 {lo, hi}, %1;\nadd.s32 lo, lo, %2;\nmov.b64 %0, {lo, hi};\n}\n"
+                 : "=l"(moved) : "l"(desc), "n"(BYTES >> 4));
     return moved;
 }
 
@@ -151,6 +153,14 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32 (&a)[4]
     static_assert(N == 64 || N == 128, "wgmma_rs is written for N = 64 and 128");
     if constexpr (N == 64) wgmma_m64n64k16_rs<BF16, true>(d, a, desc_b, accumulate);
     else wgmma_m64n128k16_rs<BF16, true>(d, a, desc_b, accumulate);
+}
+
+// This thread's warpgroup. BROADCAST: read from lane 0, which ptxas takes as the same in every
+// lane, so that what derives from it (shared-memory addresses, operand descriptors) lives in
+// uniform registers rather than being recomputed per thread and moved there for each product.
+template <bool BROADCAST>
+__device__ __forceinline__ int warpgroup_index() {
+    return BROADCAST ? __shfl_sync(0xffffffffu, threadIdx.x / 128, 0) : threadIdx.x / 128;
 }
 
 // Named barriers of two consumer warpgroups (256 threads; barrier 0 is __syncthreads).

@@ -39,24 +39,26 @@ struct CacheSequence {
         pages = p.block_table != nullptr ? p.block_table + batch * p.block_table_batch_stride : nullptr;
     }
     // (cache row or block, row within it) of cache position pos (0 <= pos < capacity).
-    __device__ __forceinline__ int2 at(const FlashParams& p, int pos) const { return at(p, page_of(p, pos), 0); }
-    // at() of positions pos0 + r for r < 32 from (page, offset) = page_of(pos0): one division per
-    // run of positions, not per row (a page holds at least 16 rows, so pos0 + r is at most two pages on).
-    __device__ __forceinline__ int2 page_of(const FlashParams& p, int pos0) const {
-        if (pages == nullptr) return make_int2(0, pos0);
-        const int page = pos0 / p.page_size;
-        return make_int2(page, pos0 - page * p.page_size);
+    __device__ __forceinline__ int2 at(const FlashParams& p, int pos) const {
+        if (pages == nullptr) return make_int2(row, pos);
+        const int page = pos / p.page_size;
+        return make_int2(block_of(p, page), pos - page * p.page_size);
     }
-    __device__ __forceinline__ int2 at(const FlashParams& p, int2 page_offset, int r) const {
-        int page = page_offset.x, offset = page_offset.y + r;
-        if (pages == nullptr) return make_int2(row, offset);
-#pragma unroll
-        for (int turn = 0; turn < 2; ++turn)
-            if (offset >= p.page_size) {
-                offset -= p.page_size;
-                ++page;
-            }
-        return make_int2(min(max(pages[page], 0), p.cache_rows - 1), offset);
+    __device__ __forceinline__ int block_of(const FlashParams& p, int page) const {
+        return min(max(pages[page], 0), p.cache_rows - 1);
+    }
+    // at() of positions pos0 .. pos0 + 15 (low) and pos0 + 16 .. pos0 + 31 (high), each run in one
+    // page: a paged cache has no left padding, so a key block starts at a multiple of 16, and a
+    // page holds a multiple of 16 rows. Position r of a run is its first plus r rows. The high
+    // run's page is read only where it holds keys (the table may end before it).
+    struct Runs {
+        int2 low, high;
+    };
+    __device__ __forceinline__ Runs runs_of(const FlashParams& p, int pos0, bool high_seen) const {
+        if (pages == nullptr) return {make_int2(row, pos0), make_int2(row, pos0 + 16)};
+        const int page = pos0 / p.page_size, offset = pos0 - page * p.page_size, low = block_of(p, page);
+        if (offset + 16 < p.page_size) return {make_int2(low, offset), make_int2(low, offset + 16)};
+        return {make_int2(low, offset), make_int2(high_seen ? block_of(p, page + 1) : low, 0)};  // the next page's start
     }
 };
 
@@ -166,22 +168,53 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
 
     const uint16* k_cache = static_cast<const uint16*>(p.k) + head_k * p.k_head_stride;
     const uint16* v_cache = static_cast<const uint16*>(p.v) + head_k * p.v_head_stride;
-    static_assert(WARP_N <= 32, "a block's rows are at most two pages past its first (CacheSequence::at)");
+    static_assert(WARP_N <= 32, "a block is at most two runs of 16 rows (CacheSequence::runs_of)");
+    // Where 32 is a multiple of a row's chunks (swizzled hd 64, 128, 256), a lane copies the same
+    // chunk column of rows lane / kChunks + kRowsPerStep * step at every block: its offsets are
+    // kept, a step adds constants to them (rows, and an XOR of the swizzle's row phase), and the
+    // run a step's row falls in is a constant. Else each step computes its row and column.
+    constexpr bool kLaneFixed = 32 % kChunks == 0 && L::kSwizzled;
+    constexpr int kRowsPerStep = kLaneFixed ? 32 / kChunks : 1;
+    const int lane_row = lane / kChunks, lane_col = 8 * (lane % kChunks);
+    const bool lane_col_seen = lane_col < p.headdim;
+    const long long lane_k = lane_row * p.k_row_stride + lane_col, lane_v = lane_row * p.v_row_stride + lane_col;
+    const uint32 lane_smem = smem_address(s_buffers) + 2 * (lane_row * L::kStride);
+    const int lane_swizzled_col = lane_col ^ ((lane_row & 7) << 3);
     auto load = [&](int n_block, int buffer) {
-        uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;
-        uint16* s_v = s_k + WARP_N * L::kStride;
-        const int2 first = seq.page_of(p, seq.start + n_block * WARP_N);
+        const int key0 = n_block * WARP_N;
+        const CacheSequence::Runs runs = seq.runs_of(p, seq.start + key0, WARP_N > 16 && key0 + 16 < seq.seqlen_k);
+        const uint16* k_run[2] = {k_cache + runs.low.x * p.k_batch_stride + runs.low.y * p.k_row_stride,
+                                  k_cache + runs.high.x * p.k_batch_stride + runs.high.y * p.k_row_stride};
+        const uint16* v_run[2] = {v_cache + runs.low.x * p.v_batch_stride + runs.low.y * p.v_row_stride,
+                                  v_cache + runs.high.x * p.v_batch_stride + runs.high.y * p.v_row_stride};
+        if constexpr (kLaneFixed) {
+            const uint16* k_lane[2] = {k_run[0] + lane_k, k_run[1] + lane_k};
+            const uint16* v_lane[2] = {v_run[0] + lane_v, v_run[1] + lane_v};
+            const uint32 smem_k = lane_smem + 2 * buffer * 2 * WARP_N * L::kStride;
 #pragma unroll
-        for (int step = 0; step < ceil_div(WARP_N * kChunks, 32); ++step) {
-            const int c = lane + 32 * step;
-            if ((WARP_N * kChunks) % 32 != 0 && c >= WARP_N * kChunks) break;
-            const int r = c / kChunks, col = 8 * (c % kChunks), key = n_block * WARP_N + r;
-            const bool valid = key < seq.seqlen_k && col < p.headdim;
-            const int2 at = valid ? seq.at(p, first, r) : make_int2(0, 0);
-            cp_async_16(smem_address(s_k + L::offset(r, col)),
-                        k_cache + at.x * p.k_batch_stride + at.y * p.k_row_stride + col, valid);
-            cp_async_16(smem_address(s_v + L::offset(r, col)),
-                        v_cache + at.x * p.v_batch_stride + at.y * p.v_row_stride + col, valid);
+            for (int step = 0; step < WARP_N / kRowsPerStep; ++step) {
+                const int drow = kRowsPerStep * step, run = drow / 16, in_run = drow % 16;
+                const bool valid = key0 + lane_row + drow < seq.seqlen_k && lane_col_seen;
+                const uint32 dst = smem_k + 2 * (drow * L::kStride + (lane_swizzled_col ^ ((drow & 7) << 3)));
+                cp_async_16(dst, valid ? k_lane[run] + in_run * p.k_row_stride : k_cache, valid);
+                cp_async_16(dst + 2 * WARP_N * L::kStride, valid ? v_lane[run] + in_run * p.v_row_stride : v_cache, valid);
+            }
+        } else {
+            uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;
+            uint16* s_v = s_k + WARP_N * L::kStride;
+#pragma unroll
+            for (int step = 0; step < ceil_div(WARP_N * kChunks, 32); ++step) {
+                const int c = lane + 32 * step;
+                if ((WARP_N * kChunks) % 32 != 0 && c >= WARP_N * kChunks) break;
+                const int r = c / kChunks, col = 8 * (c % kChunks), run = r / 16, in_run = r % 16;
+                const bool valid = key0 + r < seq.seqlen_k && col < p.headdim;
+                const uint16* k_first = run == 0 ? k_run[0] : k_run[1];  // (a select: run is not a constant)
+                const uint16* v_first = run == 0 ? v_run[0] : v_run[1];
+                cp_async_16(smem_address(s_k + L::offset(r, col)),
+                            valid ? k_first + in_run * p.k_row_stride + col : k_cache, valid);
+                cp_async_16(smem_address(s_v + L::offset(r, col)),
+                            valid ? v_first + in_run * p.v_row_stride + col : v_cache, valid);
+            }
         }
         cp_async_commit();
     };

@@ -258,7 +258,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     };
     const int first_head = head_k * group, first_row0 = query_blocks.first * BLOCK_M;
 
-    const int warpgroup = warpgroup_index<true>();
+    const int warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         mbarrier_init(kv_full, 2);  // K, V
 #pragma unroll

@@ -163,8 +163,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     auto tile_slot = [&](int buffer) { return barriers + 8 * (2 * QB + 4 * STAGES + buffer); };
 
     const int m_blocks = ceil_div(p.seqlen_q, BLOCK_M), tiles = m_blocks * p.nheads * p.batch;
-    // (hd256's LOCAL kernel spills 68 bytes with the broadcast index, and gains nothing from it)
-    const int warpgroup = warpgroup_index<HEADDIM < 256>();
+    // Broadcast where it pays: at hd64 the descriptors then leave vector registers (+7-9%); hd128
+    // gains nothing measurable, and hd256's LOCAL kernel spills with it (v44 note).
+    const int warpgroup = warpgroup_index<HEADDIM == 64>();
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int buffer = 0; buffer < QB; ++buffer) {

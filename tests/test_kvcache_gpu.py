@@ -142,6 +142,16 @@ def test_paged_caches_by_cta_count(headdim, nheads_k):
     _run_and_check(case, "bfloat16", "cupy", causal=True)
 
 
+@pytest.mark.parametrize("headdim, nheads_k", [(64, 40), (128, 40)])
+def test_pages_of_an_odd_multiple_of_16_rows(headdim, nheads_k):
+    """48-row pages: hd64's 32-row key blocks (the few-CTA tile) end within a page or run their
+    second 16 rows into the next page; hd128's 16-row blocks stay within one."""
+    rng = np.random.default_rng(48 + headdim)
+    case = _case(rng, "bfloat16", seqlen_q=2, seqlen_new=2, nheads=nheads_k, nheads_k=nheads_k, capacity=480,
+                 headdim=headdim, paged_page=48)
+    _run_and_check(case, "bfloat16", "cupy", causal=True)
+
+
 def test_batch_index_leftpad_and_options():
     rng = np.random.default_rng(11)
     case = _case(rng, "bfloat16", batch=4, seqlen_q=2, seqlen_new=2, headdim=40, rotary_dim=40)

@@ -764,6 +764,9 @@ HOST_COLUMNS = {  # name: (maker, what a call does)
 }
 HOST_RATIOS = (("cupyflash.torch eager", "SDPA flash"), ("cupyflash.torch compiled", "SDPA flash compiled"),
                ("cupyflash.jax jit", "JAX cuDNN"))
+# Timed in a process of their own: with JAX's runtime started, every torch column read 1.1-1.3x
+# slower on the same host, SDPA's too (bench/notes/v43).
+HOST_JAX_COLUMNS = ("cupyflash.jax jit", "JAX cuDNN")
 
 
 def _busy(seconds):
@@ -826,7 +829,34 @@ def _error_note(error):
 
 def run_host(shapes=tuple(HOST_SHAPES.values()), calls=HOST_CALLS, columns=tuple(HOST_COLUMNS), profile=False,
              device="cuda", report=print):
-    """[HostCell] for every shape, pass and column (bf16, causal). The columns of a shape and pass
+    """[HostCell] for every shape, pass and column (bf16, causal), as run_host_here times them, but
+    the JAX columns (HOST_JAX_COLUMNS) in a child process when others are timed too, so that JAX's
+    runtime never starts in the process that times torch and CuPy."""
+    jax_columns = [c for c in columns if c in HOST_JAX_COLUMNS]
+    if not jax_columns or len(jax_columns) == len(columns):
+        return run_host_here(shapes, calls, columns, profile, device, report)
+    cells = run_host_here(shapes, calls, [c for c in columns if c not in HOST_JAX_COLUMNS], profile, device, report)
+    import multiprocessing
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        jax_cells = pool.apply(run_host_here, (shapes, calls, jax_columns, profile, device, _silent))
+    for cell in jax_cells:
+        report(_host_line(cell))
+    cells += jax_cells
+    shapes, order = list(shapes), {column: i for i, column in enumerate(columns)}
+    return sorted(cells, key=lambda c: (shapes.index(c.shape), HOST_PASSES.index(c.pass_), order[c.column]))
+
+
+def _silent(message):
+    pass
+
+
+def _host_line(cell):
+    return (f"host {_shape_text(cell.shape)} {cell.pass_} {cell.column}: "
+            + ("-" if math.isnan(cell.us) else f"{cell.us:.1f} us") + (f" ({cell.note})" if cell.note else ""))
+
+
+def run_host_here(shapes, calls, columns, profile=False, device="cuda", report=print):
+    """[HostCell] for every shape, pass and column, timed in this process. The columns of a shape and pass
     take turns, HOST_REPS rounds of `calls` calls each after every column's warm-up, in an order
     shuffled per round (seeded), and each cell is the median of its rounds: the host's speed
     drifts over a run, and turns give every column the same. A column that fails in a cell (not installed, not
@@ -876,8 +906,7 @@ def run_host(shapes=tuple(HOST_SHAPES.values()), calls=HOST_CALLS, columns=tuple
                 else:
                     continue
                 cells.append(HostCell(shape, pass_, column, us, note))
-                report(f"host {_shape_text(shape)} {pass_} {column}: "
-                       + (f"{us:.1f} us" if not math.isnan(us) else "-") + (f" ({note})" if note else ""))
+                report(_host_line(cells[-1]))
                 if profile and column in timed:
                     report(profile_host(timed[column], calls))
     return cells

@@ -180,6 +180,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     const long long lane_k = lane_row * p.k_row_stride + lane_col, lane_v = lane_row * p.v_row_stride + lane_col;
     const uint32 lane_smem = smem_address(s_buffers) + 2 * (lane_row * L::kStride);
     const int lane_swizzled_col = lane_col ^ ((lane_row & 7) << 3);
+    const long long k_step = kRowsPerStep * p.k_row_stride, v_step = kRowsPerStep * p.v_row_stride;
     auto load = [&](int n_block, int buffer) {
         const int key0 = n_block * WARP_N;
         const CacheSequence::Runs runs = seq.runs_of(p, seq.start + key0, WARP_N > 16 && key0 + 16 < seq.seqlen_k);
@@ -188,16 +189,23 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         const uint16* v_run[2] = {v_cache + runs.low.x * p.v_batch_stride + runs.low.y * p.v_row_stride,
                                   v_cache + runs.high.x * p.v_batch_stride + runs.high.y * p.v_row_stride};
         if constexpr (kLaneFixed) {
-            const uint16* k_lane[2] = {k_run[0] + lane_k, k_run[1] + lane_k};
-            const uint16* v_lane[2] = {v_run[0] + lane_v, v_run[1] + lane_v};
+            // (a row past the keys copies nothing: src-size 0 reads no byte of its address)
+            const uint16* k_row = k_run[0] + lane_k;
+            const uint16* v_row = v_run[0] + lane_v;
             const uint32 smem_k = lane_smem + 2 * buffer * 2 * WARP_N * L::kStride;
 #pragma unroll
             for (int step = 0; step < WARP_N / kRowsPerStep; ++step) {
-                const int drow = kRowsPerStep * step, run = drow / 16, in_run = drow % 16;
+                const int drow = kRowsPerStep * step;
+                if (drow == 16) {
+                    k_row = k_run[1] + lane_k;
+                    v_row = v_run[1] + lane_v;
+                }
                 const bool valid = key0 + lane_row + drow < seq.seqlen_k && lane_col_seen;
                 const uint32 dst = smem_k + 2 * (drow * L::kStride + (lane_swizzled_col ^ ((drow & 7) << 3)));
-                cp_async_16(dst, valid ? k_lane[run] + in_run * p.k_row_stride : k_cache, valid);
-                cp_async_16(dst + 2 * WARP_N * L::kStride, valid ? v_lane[run] + in_run * p.v_row_stride : v_cache, valid);
+                cp_async_16(dst, k_row, valid);
+                cp_async_16(dst + 2 * WARP_N * L::kStride, v_row, valid);
+                k_row += k_step;
+                v_row += v_step;
             }
         } else {
             uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;
@@ -267,12 +275,18 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         zero(s);
         warp_gemm<BF16, 1, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, 0, s_k, 0);
         const int key0 = n_block * WARP_N;
-        for_each_element<1, NT>([&](int, int nt, int e) {
-            const int key = key0 + fragment_col(nt, e), half = e / 2;
-            float x = s[0][nt][e], grad = 1.f;  // (the forward needs no gradient)
-            x = mods[half].apply(x, query[half], key, grad);
-            s[0][nt][e] = is_visible<LOCAL>(p, keys, query[half], key) ? x : -CUPYFLASH_INF;
-        });
+        // Without a window every key of a whole block is visible: only the last block is masked.
+        const bool whole = !LOCAL && key0 + WARP_N <= keys.seqlen_k;
+        auto score = [&](auto masked) {
+            for_each_element<1, NT>([&](int, int nt, int e) {
+                const int key = key0 + fragment_col(nt, e), half = e / 2;
+                float x = s[0][nt][e], grad = 1.f;  // (the forward needs no gradient)
+                x = mods[half].apply(x, query[half], key, grad);
+                s[0][nt][e] = !decltype(masked)::value || is_visible<LOCAL>(p, keys, query[half], key) ? x : -CUPYFLASH_INF;
+            });
+        };
+        if (whole) score(Constant<false>());
+        else score(Constant<true>());
         softmax_step(s, acc_o, row_max, row_sum, p, 1.f);
         uint32 p_frag[WARP_N / 16][1][4];
 #pragma unroll

@@ -7,6 +7,7 @@
 // side is 1 << 30, so there is no "unbounded" test per element. A row may see no key at all.
 #pragma once
 #include "math.cuh"
+#include "ptx.cuh"
 #include "params.cuh"
 
 // The sequence a CTA works on: batch entry `batch`, or with cu_seqlens one packed sequence.
@@ -87,6 +88,28 @@ template <bool LOCAL>
 __device__ __forceinline__ bool is_visible(const FlashParams& p, const Sequence& seq, int row, int col) {
     return col < seq.seqlen_k
            && (!LOCAL || (col <= seq.diagonal(row) + p.window_right && col >= seq.diagonal(row) - p.window_left));
+}
+
+// A fragment row's elements as bits: bit 2 t + j stands for the column at offset 8 t + j (j < 2)
+// from the lane's first (common/fragment.cuh). Offsets grow with the bit, so the columns a row sees
+// are a run of bits, which ptxas moves to predicates seven at a time (R2P): a few instructions a
+// row, where is_visible per element costs several.
+// How many of those offsets are at most x (none for x < 0; the count may pass the row's elements).
+__device__ __forceinline__ int fragment_cols_upto(int x) { return (x >> 3) + ((x + 7) >> 3) + 1; }
+
+// The bits of the offsets in [lo, hi] (up to 16 column tiles).
+__device__ __forceinline__ uint32 fragment_run(int lo, int hi) {
+    const int first = max(fragment_cols_upto(lo - 1), 0);
+    return bit_run(first, max(fragment_cols_upto(hi) - first, 0));
+}
+
+// is_visible by rows of the backward's S^T: the queries from col0 that see key `key`.
+template <bool LOCAL>
+__device__ __forceinline__ uint32 queries_seeing(const FlashParams& p, const Sequence& seq, int key, int col0) {
+    const int shift = seq.seqlen_k - seq.seqlen_q;  // a query row's diagonal is row + shift
+    const int lo = LOCAL ? key - shift - p.window_right - col0 : 0;
+    const int hi = key >= seq.seqlen_k ? -1 : LOCAL ? key - shift + p.window_left - col0 : 1 << 30;
+    return fragment_run(lo, hi);
 }
 
 // Key blocks [first, end) that query rows [row0, row0 + block_m) see at all: the blocks outside

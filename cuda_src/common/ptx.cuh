@@ -27,6 +27,14 @@ __device__ __forceinline__ void allow_dependent_grid() {
 #endif
 }
 
+// Bits [first, first + width) set, none past bit 31 (bmsk.clamp: first >= 32 gives 0, a width
+// past the top is cut there).
+__device__ __forceinline__ uint32 bit_run(uint32 first, uint32 width) {
+    uint32 bits;
+    asm("bmsk.clamp.b32 %0, %1, %2;\n" : "=r"(bits) : "r"(first), "r"(width));
+    return bits;
+}
+
 // A 32-bit word of shared memory by its shared address (plus OFFSET, an immediate of the store;
 // volatile: a value another thread wrote before a barrier that this one has since waited on).
 template <int OFFSET = 0>

@@ -764,9 +764,11 @@ HOST_COLUMNS = {  # name: (maker, what a call does)
 }
 HOST_RATIOS = (("cupyflash.torch eager", "SDPA flash"), ("cupyflash.torch compiled", "SDPA flash compiled"),
                ("cupyflash.jax jit", "JAX cuDNN"))
-# Timed in a process of their own: with JAX's runtime started, every torch column read 1.1-1.3x
-# slower on the same host, SDPA's too (bench/notes/v43).
-HOST_JAX_COLUMNS = ("cupyflash.jax jit", "JAX cuDNN")
+# Column groups timed each in a process of their own: with JAX's runtime started, every torch
+# column read 1.1-1.3x slower on the same host, SDPA's too (bench/notes/v43); torch.compile starts
+# a pool of compile workers, busy while the first shape's cells are timed (bench/notes/v45).
+HOST_PROCESS_GROUPS = (("cupyflash.torch compiled", "cupyflash.torch reduce-overhead", "SDPA flash compiled"),
+                       ("cupyflash.jax jit", "JAX cuDNN"))
 
 
 def _busy(seconds):
@@ -830,18 +832,21 @@ def _error_note(error):
 def run_host(shapes=tuple(HOST_SHAPES.values()), calls=HOST_CALLS, columns=tuple(HOST_COLUMNS), profile=False,
              device="cuda", report=print):
     """[HostCell] for every shape, pass and column (bf16, causal), as run_host_here times them, but
-    the JAX columns (HOST_JAX_COLUMNS) in a child process when others are timed too, so that JAX's
-    runtime never starts in the process that times torch and CuPy."""
-    jax_columns = [c for c in columns if c in HOST_JAX_COLUMNS]
-    if not jax_columns or len(jax_columns) == len(columns):
+    each of HOST_PROCESS_GROUPS in a child process of its own where other columns are timed too, so
+    that neither JAX's runtime nor torch.compile's workers run in the process that times the rest."""
+    groups = [[c for c in group if c in columns] for group in HOST_PROCESS_GROUPS]
+    groups = [group for group in groups if group]
+    here = [c for c in columns if not any(c in group for group in groups)]
+    if len(groups) + bool(here) < 2:
         return run_host_here(shapes, calls, columns, profile, device, report)
-    cells = run_host_here(shapes, calls, [c for c in columns if c not in HOST_JAX_COLUMNS], profile, device, report)
+    cells = run_host_here(shapes, calls, here, profile, device, report) if here else []
     import multiprocessing
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        jax_cells = pool.apply(run_host_here, (shapes, calls, jax_columns, profile, device, _silent))
-    for cell in jax_cells:
-        report(_host_line(cell))
-    cells += jax_cells
+    for group in groups:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            group_cells = pool.apply(run_host_here, (shapes, calls, group, profile, device, _silent))
+        for cell in group_cells:
+            report(_host_line(cell))
+        cells += group_cells
     shapes, order = list(shapes), {column: i for i, column in enumerate(columns)}
     return sorted(cells, key=lambda c: (shapes.index(c.shape), HOST_PASSES.index(c.pass_), order[c.column]))
 
@@ -958,7 +963,8 @@ def write_host(cells, out_dir, environment, calls=HOST_CALLS):
     lines = ["# Host time per call", "", environment, "",
              f"Microseconds per call (lower is better): the wall time of {calls} back-to-back calls after "
              f"{HOST_WARMUP} warm-up calls (which take any torch.compile or jax.jit compilation), synchronised "
-             f"once at the end, divided by {calls}; the columns take turns in an order shuffled per round, and a "
+             f"once at the end, divided by {calls}; the columns take turns in an order shuffled per round (the "
+             "torch.compile columns and the JAX columns each in a process of their own), and a "
              f"cell is the median of its {HOST_REPS} turns. bf16, causal; shapes "
              "are batch x seqlen x nheads x headdim; fwd+bwd is the forward, then the gradients of q, k and v for "
              "a fixed dout. Where a call's GPU work takes longer than its host work (the large shape), the "

@@ -766,7 +766,8 @@ HOST_RATIOS = (("cupyflash.torch eager", "SDPA flash"), ("cupyflash.torch compil
                ("cupyflash.jax jit", "JAX cuDNN"))
 # Column groups timed each in a process of their own: with JAX's runtime started, every torch
 # column read 1.1-1.3x slower on the same host, SDPA's too (bench/notes/v43); torch.compile starts
-# a pool of compile workers, busy while the first shape's cells are timed (bench/notes/v45).
+# a pool of compile workers during the first shape's warm-up, the suspect for that shape's slow
+# cells (bench/notes/v45; not yet measured apart).
 HOST_PROCESS_GROUPS = (("cupyflash.torch compiled", "cupyflash.torch reduce-overhead", "SDPA flash compiled"),
                        ("cupyflash.jax jit", "JAX cuDNN"))
 

@@ -103,7 +103,17 @@ __device__ __forceinline__ uint32 fragment_run(int lo, int hi) {
     return bit_run(first, max(fragment_cols_upto(hi) - first, 0));
 }
 
-// is_visible by rows of the backward's S^T: the queries from col0 that see key `key`.
+// is_visible by rows of a fragment: the keys from col0 that query `row` sees (S), and the queries
+// from col0 that see key `key` (the wgmma backward's S^T).
+template <bool LOCAL>
+__device__ __forceinline__ uint32 keys_seen(const FlashParams& p, const Sequence& seq, int row, int col0) {
+    int lo = 0, hi = seq.seqlen_k - 1 - col0;
+    if (LOCAL) {
+        lo = seq.diagonal(row) - p.window_left - col0;
+        hi = min(hi, seq.diagonal(row) + p.window_right - col0);
+    }
+    return fragment_run(lo, hi);
+}
 template <bool LOCAL>
 __device__ __forceinline__ uint32 queries_seeing(const FlashParams& p, const Sequence& seq, int key, int col0) {
     const int shift = seq.seqlen_k - seq.seqlen_q;  // a query row's diagonal is row + shift

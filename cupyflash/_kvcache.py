@@ -4,14 +4,15 @@ A call is up to three launches on the caller's stream, planned once per call sig
 (_plan.Plan): the new keys (rotated) and values appended into the caches (kvcache_append, when k
 and v are given); attention of the packed query rows of each KV group over its sequence's cache,
 the keys split into num_splits ranges (decode); and the splits merged by log-sum-exp
-(decode_combine, with more than one). The split count follows from shapes alone, and nothing is
+(decode_combine, with more than one; on sm_90, up to _launch.MAX_CLUSTER splits of a query block
+are one thread-block cluster that merges them itself, with no third launch). The split count follows from shapes alone, and nothing is
 read on the host but what validation reads (validate.reads_device_values), so a decode step
 captures in a CUDA graph and replays as the lengths change on the device.
 """
 
 import math
 
-from . import _arrays, _config, _kernels, _plan, _schedule
+from . import _arrays, _config, _kernels, _launch, _plan, _schedule
 
 MAX_SPLITS = 128
 STREAMING_WARPS = 8  # warps per SM that keep a short cache's reads at the copy bandwidth (streaming_slots)
@@ -161,7 +162,13 @@ def _new_plan(call, cache, arrays):
         count = splits(ctas, key_blocks, tile.warps, slots)
     count = max(1, min(count, MAX_SPLITS, key_blocks))
 
+    # One cluster per query block's splits, unless the clusters would take a second wave: a GPC
+    # holds a whole number of them, so fewer fit than SMs over the cluster size (bench/notes/v46: 16 clusters
+    # of 8 where 15 fit ran at 0.63x the combine launch's speed; 8 of 8 and 64 of 2 gained 13-16%).
+    merge_in_cluster = (1 < count <= _launch.MAX_CLUSTER and _launch.available(_schedule.device_info(device_id)[1])
+                        and ctas <= _schedule.cluster_slots(kernel, device_id, count))
     params = params_of(call, cache, arrays, tile, count)
+    params["merge_in_cluster"] = int(merge_in_cluster)
     q = arrays["q"]
     stats = (shape.batch, shape.nheads, shape.seqlen_q)
     outputs = [_plan._Output("out", tuple(q.shape), call.dtype), _plan._Output("lse", stats, "float32")]
@@ -169,8 +176,9 @@ def _new_plan(call, cache, arrays):
     if cache.seqlen_new:
         append = _kernels.Kernel("kvcache_append", call.dtype)
         launches.append(_plan._Launch(append, (cache.seqlen_new, shape.batch, 1)))
-    launches.append(_plan._Launch(kernel, (m_blocks * count, shape.nheads_k, shape.batch)))
-    if count > 1:
+    launches.append(_plan._Launch(kernel, (m_blocks * count, shape.nheads_k, shape.batch),
+                                  cluster=count if merge_in_cluster else 1))
+    if count > 1 and not merge_in_cluster:
         rows = math.prod(stats)
         outputs += [_plan._Output("out_partial", (count, rows, shape.headdim), "float32", scratch=True),
                     _plan._Output("lse_partial", (count, rows), "float32", scratch=True)]

@@ -135,6 +135,7 @@ class _Launch:
     kernel: _kernels.Kernel
     grid: tuple
     dependent: bool = False  # a dependent launch where the device has them (_launch): the kernel waits
+    cluster: int = 1         # CTAs per thread-block cluster along x (_launch; only where the device has them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,12 +237,14 @@ class Plan:
         self.map_inputs = [self.input_names.index(name) for name in maps.inputs] if maps else []
         self.argv = (ctypes.c_void_p * 2)(ctypes.addressof(self.words), maps.address if maps else 0)
         argv_address = ctypes.addressof(self.argv)
-        # Each launch's arguments, and its _launch.DependentLaunch where it is one (else None).
-        dependent = _launch.available(_schedule.device_info(self.device_id)[1])
+        # Each launch's arguments, and its _launch.ExtendedLaunch where it has attributes (else None).
+        extended = _launch.available(_schedule.device_info(self.device_id)[1])
         self.launches = []
         for function, l in zip(functions, launches):
             launch = (function, l.grid, l.kernel.threads, l.kernel.smem_bytes, argv_address)
-            self.launches.append((*launch, _launch.DependentLaunch(*launch) if dependent and l.dependent else None))
+            dependent = extended and l.dependent
+            self.launches.append((*launch, _launch.ExtendedLaunch(*launch, dependent, l.cluster)
+                                  if dependent or l.cluster > 1 else None))
         self.lock = threading.Lock()
         self.captured_scratch = []  # of CuPy graph captures, which replays still write
         self.sinks = {}  # result name -> the array of the calls that drop it
@@ -296,11 +299,11 @@ class Plan:
                 words[self.seed_slot] = int(seed)
             if self.maps is not None:
                 self.maps.point([pointers[i] for i in self.map_inputs])
-            for function, (gx, gy, gz), threads, smem_bytes, argv, dependent in self.launches:
-                if dependent is None:
+            for function, (gx, gy, gz), threads, smem_bytes, argv, extended in self.launches:
+                if extended is None:
                     self.launch_kernel(function, gx, gy, gz, threads, 1, 1, smem_bytes, stream, argv, 0)
                 else:
-                    dependent(stream)
+                    extended(stream)
         results = tuple(results) if self.finish is None else self.finish(dict(zip(self.result_names, results)))
         if self.hands_back:
             return tuple(None if a is None else self.caller.give_back(a) for a in results)

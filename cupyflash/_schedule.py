@@ -4,7 +4,7 @@ from FlashParams (block_major, tail_units, tail_parts)."""
 
 import functools
 
-from . import _config
+from . import _config, _launch
 from ._compile import load
 from .validate import MAX_GRID_YZ
 
@@ -92,6 +92,15 @@ def resident_ctas(kernel, device):
     per_sm = min(by_registers, by_smem, attributes["MaxThreadsPerMultiProcessor"] // kernel.threads,
                  attributes["MaxBlocksPerMultiprocessor"])
     return attributes["MultiProcessorCount"] * max(per_sm, 1)
+
+
+@functools.cache
+def cluster_slots(kernel, device_id, cluster):
+    """How many clusters of `cluster` CTAs of `kernel` the device runs at once (one wave of them)."""
+    import cupy
+    device = cupy.cuda.Device(device_id)
+    function = load(kernel, device).kernel.ptr
+    return _launch.max_active_clusters(function, kernel.threads, kernel.smem_bytes, cluster)
 
 
 def tail_split(units, steps, resident):

@@ -169,6 +169,7 @@ def test_batch_index_leftpad_and_options():
     (256, 8, 1, 16, 0, 700),    # MQA: 128 packed rows, eight row blocks
     (40, 6, 6, 1, 0, 2048),     # MHA, a head dim padded to 64
     (64, 16, 2, 13, 1, 300),    # one split
+    (64, 8, 1, 1, 8, 2048),     # eight splits: on sm_90 the largest cluster that merges its splits itself
     (96, 4, 2, 1, 200, 160),    # more splits asked for than key blocks
     (128, 8, 1, 1, 100, 4096),  # many splits for few rows: the combine's thread groups take several each
     # Short caches of more CTAs (3 x 48) than an H200 has SMs: the short-cache tiles (fewer take decode_few's)

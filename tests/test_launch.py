@@ -1,7 +1,10 @@
-"""Dependent launches (cupyflash/_launch.py): the driver structures' layout, and the decode kernels'
-side of them (the combine waits for the decode before its first read)."""
+"""Launches with attributes (cupyflash/_launch.py): the driver structures' layout, the attributes a
+launch names, and the decode kernels' side of them (the combine waits for the decode before its
+first read; a cluster's CTAs meet before and after they read each other's shared memory)."""
 
 import ctypes
+
+import pytest
 
 from cupyflash import _kernels, _launch
 
@@ -14,9 +17,27 @@ def test_launch_structures_match_the_drivers_layout():
     assert ctypes.sizeof(_launch._Attribute) == 72 and _launch._Attribute.value.offset == 8
 
 
+def test_a_launch_names_its_attributes_in_the_drivers_values():
+    both = _launch.ExtendedLaunch(0, (16, 2, 1), 256, 1024, 0, dependent=True, cluster=8)
+    assert [(a.id, list(a.value[:4])) for a in both.attributes] == [(6, [1, 0, 0, 0]), (4, [8, 1, 1, 0])]
+    assert both.config.attribute_count == 2 and list(both.config.grid) == [16, 2, 1]
+    cluster = _launch.ExtendedLaunch(0, (6, 1, 1), 128, 0, 0, cluster=3)
+    assert [(a.id, list(a.value[:3])) for a in cluster.attributes] == [(4, [3, 1, 1])]
+    assert cluster.config.attribute_count == 1
+
+
+def test_a_cluster_merge_reads_other_ctas_only_between_two_cluster_barriers():
+    source = _kernels.Kernel("decode_combine", "bfloat16").source()
+    merge = source[source.index("void merge_splits_in_cluster("):]
+    merge = merge[:merge.index("\n}\n")]
+    reads = [merge.index("ld_cluster_f32("), merge.index("ld_cluster_f32x4(")]
+    assert merge.index("cluster_sync();") < min(reads) and max(reads) < merge.rindex("cluster_sync();")
+    assert "barrier.cluster.arrive.release" in source and "mapa.shared::cluster" in source
+
+
 def test_dependent_launches_only_from_compute_capability_9():
     assert not _launch.available((8, 9))
-    assert _launch.available((9, 0)) == (_launch._launch_kernel_ex() is not None)
+    assert _launch.available((9, 0)) == (_launch._driver("cuLaunchKernelEx", 4) is not None)
 
 
 def test_the_combine_waits_for_the_decode_before_reading_its_partials():
@@ -29,3 +50,21 @@ def test_the_combine_waits_for_the_decode_before_reading_its_partials():
     decode = source[source.index("void flash_decode("):source.index("void flash_decode_combine(")]
     assert decode.index("allow_dependent_grid();") < decode.index("p.q")
     assert "griddepcontrol.wait" in source and "griddepcontrol.launch_dependents" in source
+
+
+@pytest.mark.gpu
+def test_a_wave_holds_fewer_clusters_the_larger_they_are():
+    """cuOccupancyMaxActiveClusters for the decode kernels, which _kvcache asks before merging a
+    step's splits in clusters: at least one, at most the resident CTAs over the cluster size, and
+    no more clusters of 8 than half those of 4."""
+    import cupy
+    from cupyflash import _schedule
+    device = cupy.cuda.Device()
+    if not _launch.available(_schedule.device_info(device.id)[1]):
+        pytest.skip("clusters need compute capability 9.0")
+    for table in ("decode_small", "decode_few"):
+        kernel = _kernels.Kernel("decode", "bfloat16", _schedule.tile(table, 128, device.id))
+        slots = {size: _schedule.cluster_slots(kernel, device.id, size) for size in (2, 4, 8)}
+        resident = _schedule.resident_ctas(kernel, device)
+        assert all(1 <= n <= resident // size for size, n in slots.items()), (table, slots, resident)
+        assert slots[8] <= slots[4] // 2 and slots[4] <= slots[2] // 2, (table, slots)

@@ -155,6 +155,7 @@ struct FlashParams {
     int rotary_is_float32;
     int rotary_q_per_row;           // q's row i turns at cache_seqlens + i (causal or local), else all at cache_seqlens
     int num_splits;                 // key splits per (query block, kv head, batch entry)
+    int merge_in_cluster;           // 1: a query block's splits are one thread-block cluster (sm_90), merged there
     float* out_partial;             // (num_splits, batch, nheads, seqlen_q, headdim): each split's normalised O
     float* lse_partial;             // (num_splits, batch, nheads, seqlen_q)
 };

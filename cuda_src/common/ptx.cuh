@@ -27,6 +27,33 @@ __device__ __forceinline__ void allow_dependent_grid() {
 #endif
 }
 
+// A thread-block cluster's (sm_90): every thread of its CTAs meets here, and the shared-memory
+// writes of each before it are seen by the reads of any after it.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// A word (or four) of the shared memory of the cluster's CTA `rank`, at the address `address` has
+// in this CTA's.
+__device__ __forceinline__ float ld_cluster_f32(uint32 address, int rank) {
+    float value = 0.f;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %1, %2;\nld.shared::cluster.f32 %0, [remote];\n}\n"
+                 : "=f"(value) : "r"(address), "r"(rank) : "memory");
+#endif
+    return value;
+}
+__device__ __forceinline__ float4 ld_cluster_f32x4(uint32 address, int rank) {
+    float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %4, %5;\n"
+                 "ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [remote];\n}\n"
+                 : "=f"(value.x), "=f"(value.y), "=f"(value.z), "=f"(value.w) : "r"(address), "r"(rank) : "memory");
+#endif
+    return value;
+}
+
 // Bits [first, first + width) set, none past bit 31 (bmsk.clamp: first >= 32 gives 0, a width
 // past the top is cut there).
 __device__ __forceinline__ uint32 bit_run(uint32 first, uint32 width) {

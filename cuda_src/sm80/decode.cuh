@@ -9,7 +9,9 @@
 //     own online softmax: no CTA barrier inside the loop, and STAGES - 1 blocks in flight per warp
 //     while it computes one. Keys are addressed per row through the cache row (cache_batch_idx) or the
 //     block table, from cache_leftpad on. At the end the warps merge by their row maxima; with one
-//     split the CTA writes out and lse, else its split's normalised O and lse.
+//     split the CTA writes out and lse, else its split's normalised O and lse. On sm_90 a query
+//     block's splits (up to 8) can be one thread-block cluster that merges them itself
+//     (p.merge_in_cluster, merge_splits_in_cluster), with no combine launch.
 //   flash_decode_combine: with several splits, out and lse from the splits' partials, weighted by
 //     exp(lse_split - lse), a CTA per row. On sm_90 it is a dependent launch: its CTAs are placed
 //     while the decode's last ones run, and wait for them (common/ptx.cuh).
@@ -123,6 +125,43 @@ struct DecodeTile {
     static_assert(WARP_N % 16 == 0 && HEADDIM % 32 == 0, "tiles are built of 16-wide mma steps");
     static_assert(STAGES >= 2, "a warp computes one buffer while the next loads");
 };
+
+// The splits of a query block, a cluster's CTAs (rank = split), merged: O and lse of each row
+// from every split's (in its CTA's shared memory, s_o and s_lse), weighted by exp(lse_split - lse),
+// as flash_decode_combine does from global memory. Each CTA writes a share of the rows' columns.
+template <bool BF16, int HEADDIM, int ROWS, int THREADS>
+__device__ __forceinline__ void merge_splits_in_cluster(const FlashParams& p, const float* s_o, const float* s_lse,
+                                                        int split, int row0, int rows, int group, int head_k, int batch) {
+    cluster_sync();  // every split's O and lse are in its shared memory
+    const uint32 o_address = smem_address(s_o), lse_address = smem_address(s_lse);
+    for (int c = split + p.num_splits * threadIdx.x; c < ROWS * HEADDIM / 4; c += p.num_splits * THREADS) {
+        const int r = c / (HEADDIM / 4), col = 4 * (c % (HEADDIM / 4)), packed = row0 + r;
+        if (packed >= rows || col >= p.headdim) continue;
+        float max = -CUPYFLASH_INF;
+        for (int s = 0; s < p.num_splits; ++s) max = fmaxf(max, ld_cluster_f32(lse_address + 4 * r, s));
+        float sum = 0.f;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (max != -CUPYFLASH_INF) {
+            for (int s = 0; s < p.num_splits; ++s) {
+                const float lse_s = ld_cluster_f32(lse_address + 4 * r, s);
+                const float weight = lse_s == -CUPYFLASH_INF ? 0.f : __expf(lse_s - max);
+                const float4 x = ld_cluster_f32x4(o_address + 4 * (r * HEADDIM + col), s);
+                sum += weight;
+                o.x += weight * x.x; o.y += weight * x.y; o.z += weight * x.z; o.w += weight * x.w;
+            }
+        }
+        const float scale = sum > 0.f ? 1.f / sum : 0.f;
+        const int query_row = packed / group, head = head_k * group + packed % group;
+        uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + query_row * p.out_row_stride
+                      + head * p.out_head_stride + col;
+        *reinterpret_cast<uint2*>(out) = make_uint2(pack_pair<BF16>(o.x * scale, o.y * scale),
+                                                    pack_pair<BF16>(o.z * scale, o.w * scale));
+        if (col == 0)
+            p.lse[(static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + query_row] =
+                sum > 0.f ? max + logf(sum) : -CUPYFLASH_INF;
+    }
+    cluster_sync();  // no CTA leaves while another reads its shared memory
+}
 
 template <int HEADDIM, int WARP_N, int WARPS, int STAGES, bool BF16, bool LOCAL, int FEATURES>
 __device__ __forceinline__ void flash_decode(const FlashParams& p) {
@@ -356,11 +395,16 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
                           + head * p.out_head_stride + col;
             *reinterpret_cast<uint2*>(out) = make_uint2(pack_pair<BF16>(o.x, o.y), pack_pair<BF16>(o.z, o.w));
             if (col == 0) p.lse[stats_row] = s_lse[r];
+        } else if (p.merge_in_cluster) {  // into warp 0's piece, which only this thread has read
+            *reinterpret_cast<float4*>(s_o + r * HEADDIM + col) = o;
         } else {
             *reinterpret_cast<float4*>(p.out_partial + (split * rows_total + stats_row) * p.headdim + col) = o;
             if (col == 0) p.lse_partial[split * rows_total + stats_row] = s_lse[r];
         }
     }
+    if (p.merge_in_cluster)
+        merge_splits_in_cluster<BF16, HEADDIM, T::kRows, T::kThreads>(p, s_o, s_lse, split, row0, rows, group, head_k,
+                                                                      batch);
 }
 
 // A CTA's reduction of one value per thread (op: fmaxf or a sum), its result in every thread.

@@ -4,10 +4,11 @@ A call is up to three launches on the caller's stream, planned once per call sig
 (_plan.Plan): the new keys (rotated) and values appended into the caches (kvcache_append, when k
 and v are given); attention of the packed query rows of each KV group over its sequence's cache,
 the keys split into num_splits ranges (decode); and the splits merged by log-sum-exp
-(decode_combine, with more than one; on sm_90, up to _launch.MAX_CLUSTER splits of a query block
-are one thread-block cluster that merges them itself, with no third launch). The split count follows from shapes alone, and nothing is
-read on the host but what validation reads (validate.reads_device_values), so a decode step
-captures in a CUDA graph and replays as the lengths change on the device.
+(decode_combine, with more than one; on sm_90, where one wave holds them, up to _launch.MAX_CLUSTER
+splits of a query block are one thread-block cluster that merges them itself, with no third
+launch). The split count follows from shapes alone, and nothing is read on the host but what
+validation reads (validate.reads_device_values), so a decode step captures in a CUDA graph and
+replays as the lengths change on the device.
 """
 
 import math
@@ -163,8 +164,8 @@ def _new_plan(call, cache, arrays):
     count = max(1, min(count, MAX_SPLITS, key_blocks))
 
     # One cluster per query block's splits, unless the clusters would take a second wave: a GPC
-    # holds a whole number of them, so fewer fit than SMs over the cluster size (bench/notes/v46: 16 clusters
-    # of 8 where 15 fit ran at 0.63x the combine launch's speed; 8 of 8 and 64 of 2 gained 13-16%).
+    # holds a whole number of them, so fewer fit than SMs over the cluster size (bench/notes/v46:
+    # 16 clusters of 8 where 15 fit ran at 0.63x the combine's speed; 8 of 8 and 64 of 2 gained 13-17%).
     merge_in_cluster = (1 < count <= _launch.MAX_CLUSTER and _launch.available(_schedule.device_info(device_id)[1])
                         and ctas <= _schedule.cluster_slots(kernel, device_id, count))
     params = params_of(call, cache, arrays, tile, count)

@@ -97,9 +97,7 @@ def resident_ctas(kernel, device):
 @functools.cache
 def cluster_slots(kernel, device_id, cluster):
     """How many clusters of `cluster` CTAs of `kernel` the device runs at once (one wave of them)."""
-    import cupy
-    device = cupy.cuda.Device(device_id)
-    function = load(kernel, device).kernel.ptr
+    function = load(kernel, device_info(device_id)[0]).kernel.ptr
     return _launch.max_active_clusters(function, kernel.threads, kernel.smem_bytes, cluster)
 
 

@@ -28,7 +28,7 @@ from cupyflash import _compile, _kernels
 if __name__ == "__main__":
     jobs = [(arch, k) for arch, k in _kernels.compile_jobs() if arch.startswith("90")]
     unclean = [k.name for _, k, report in _compile.compile_all(jobs) if not report.clean]
-    print({"kernels": len(jobs), "unclean": unclean})
+    print({"kernels": len(jobs), "unclean": unclean, "code": _compile.__file__})
 """
 
 
@@ -57,7 +57,8 @@ def compile_kernels(tree, cache, which):
         commands = [[sys.executable, str(REPO / "bench" / "ab.py"), "--compile", "--pass", pass_, str(tree)]
                     for pass_ in ("fwd", "bwd", "decode")]
     for command in commands:
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        # (from the tree: `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH)
+        done = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"{tree.name}: compiling failed\n{done.stderr[-2000:]}")
         print(tree.name, done.stdout.strip().splitlines()[-1], flush=True)

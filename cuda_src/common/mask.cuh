@@ -103,16 +103,27 @@ __device__ __forceinline__ uint32 fragment_run(int lo, int hi) {
     return bit_run(first, max(fragment_cols_upto(hi) - first, 0));
 }
 
+// The keys from col0 on that query `row` sees, as offsets from col0: [lo, hi], empty where hi < lo.
+// Either end may lie past a tile's columns; lo may be negative (a fragment has no offsets below 0).
+struct KeyOffsets {
+    int lo, hi;
+};
+template <bool LOCAL>
+__device__ __forceinline__ KeyOffsets key_offsets_seen(const FlashParams& p, const Sequence& seq, int row, int col0) {
+    KeyOffsets seen{0, seq.seqlen_k - 1 - col0};
+    if (LOCAL) {
+        seen.lo = seq.diagonal(row) - p.window_left - col0;
+        seen.hi = min(seen.hi, seq.diagonal(row) + p.window_right - col0);
+    }
+    return seen;
+}
+
 // is_visible by rows of a fragment: the keys from col0 that query `row` sees (S), and the queries
 // from col0 that see key `key` (the wgmma backward's S^T).
 template <bool LOCAL>
 __device__ __forceinline__ uint32 keys_seen(const FlashParams& p, const Sequence& seq, int row, int col0) {
-    int lo = 0, hi = seq.seqlen_k - 1 - col0;
-    if (LOCAL) {
-        lo = seq.diagonal(row) - p.window_left - col0;
-        hi = min(hi, seq.diagonal(row) + p.window_right - col0);
-    }
-    return fragment_run(lo, hi);
+    const KeyOffsets seen = key_offsets_seen<LOCAL>(p, seq, row, col0);
+    return fragment_run(seen.lo, seen.hi);
 }
 template <bool LOCAL>
 __device__ __forceinline__ uint32 queries_seeing(const FlashParams& p, const Sequence& seq, int key, int col0) {
@@ -120,6 +131,18 @@ __device__ __forceinline__ uint32 queries_seeing(const FlashParams& p, const Seq
     const int lo = LOCAL ? key - shift - p.window_right - col0 : 0;
     const int hi = key >= seq.seqlen_k ? -1 : LOCAL ? key - shift + p.window_left - col0 : 1 << 30;
     return fragment_run(lo, hi);
+}
+
+// Zeroes the elements of one fragment row (half `half` of column tiles nt0 .. nt0 + COUNT - 1)
+// whose bit in `seen` is clear.
+template <int COUNT, int NT>
+__device__ __forceinline__ void zero_unseen(float (&s)[NT][4], int nt0, int half, uint32 seen) {
+    static_assert(COUNT <= 16, "a row's fragment elements are the bits of one word");
+#pragma unroll
+    for (int c = 0; c < COUNT; ++c)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            if (!((seen >> (2 * c + j)) & 1u)) s[nt0 + c][2 * half + j] = 0.f;
 }
 
 // Key blocks [first, end) that query rows [row0, row0 + block_m) see at all: the blocks outside

@@ -17,17 +17,12 @@ __device__ __forceinline__ void mask_fragment(float (&s)[MT][NT][4], const Flash
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int row = row0 + fragment_row(mt, 2 * half);
-            int hi = seq.seqlen_k - 1 - lane_col0, lo = -lane_col0;
-            if (LOCAL) {
-                hi = min(hi, seq.diagonal(row) + p.window_right - lane_col0);
-                lo = max(lo, seq.diagonal(row) - p.window_left - lane_col0);
-            }
+            const KeyOffsets seen = key_offsets_seen<LOCAL>(p, seq, row0 + fragment_row(mt, 2 * half), lane_col0);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int j = 0; j < 2; ++j)
-                    if (8 * nt + j > hi || (LOCAL && 8 * nt + j < lo)) s[mt][nt][2 * half + j] = hidden;
+                    if (8 * nt + j > seen.hi || (LOCAL && 8 * nt + j < seen.lo)) s[mt][nt][2 * half + j] = hidden;
         }
 }
 

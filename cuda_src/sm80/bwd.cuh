@@ -193,19 +193,13 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
             // A row's visible keys as one word of bits, made where it is used (rows' bounds held
             // across the pass make the LOCAL hd128 backward spill).
             if (masked) {
-                static_assert(GS::NT <= 16, "a row's fragment elements are the bits of one word");
 #pragma unroll
                 for (int mt = 0; mt < GS::MT; ++mt)
 #pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const uint32 seen = keys_seen<LOCAL>(p, seq, row0 + GS::row0() + fragment_row(mt, 2 * half),
-                                                             key0 + GS::col0() + fragment_col(0, 0));
-#pragma unroll
-                        for (int nt = 0; nt < GS::NT; ++nt)
-#pragma unroll
-                            for (int j = 0; j < 2; ++j)
-                                if (!((seen >> (2 * nt + j)) & 1u)) s[mt][nt][2 * half + j] = 0.f;
-                    }
+                    for (int half = 0; half < 2; ++half)
+                        zero_unseen<GS::NT>(s[mt], 0, half,
+                                            keys_seen<LOCAL>(p, seq, row0 + GS::row0() + fragment_row(mt, 2 * half),
+                                                             key0 + GS::col0() + fragment_col(0, 0)));
             }
             // dS = P * (dP - D)
             for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {

@@ -154,17 +154,10 @@ __device__ __forceinline__ void probabilities_transposed(float (&s)[MT][4], floa
         s[nt][e] = fast_exp2(fmaf(s[nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
     });
     if (masked) {
-        static_assert(COUNT <= 16, "a key row's fragment elements are the bits of one word");
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const uint32 seen = queries_seeing<LOCAL>(p, seq, warp_key0 + fragment_row(0, 2 * half),
-                                                      row0 + fragment_col(nt0, 0));
-#pragma unroll
-            for (int c = 0; c < COUNT; ++c)
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-                    if (!((seen >> (2 * c + j)) & 1u)) s[nt0 + c][2 * half + j] = 0.f;
-        }
+        for (int half = 0; half < 2; ++half)
+            zero_unseen<COUNT>(s, nt0, half, queries_seeing<LOCAL>(p, seq, warp_key0 + fragment_row(0, 2 * half),
+                                                                   row0 + fragment_col(nt0, 0)));
     }
 }
 

@@ -1,0 +1,142 @@
+"""The SASS of versions of cupyflash, read here (NVRTC and nvdisasm need no GPU): which kernels a
+change altered, and the sizes of their loops, before any device call.
+
+    python bench/sass.py diff TREE_A TREE_B [FILTER ...]   # per kernel: identical, or what moved
+    python bench/sass.py loops TREE [FILTER ...]            # per kernel: its loops' sizes and opcodes
+
+A TREE is a directory holding one version's cupyflash/ and cuda_src/ (as bench/ab.py's), or `.`.
+The kernels are the sm_90 ones of `--dtype` without options whose names hold every FILTER; each
+tree compiles them with its own code (a process run from the tree) into one cache, keyed by the
+source as the package keys it (CUPYFLASH_CACHE_DIR, else .device_cache/, which device_trees.py
+fills). `diff` compares the instruction streams without addresses; a refactor that leaves them
+identical needs no device call to show it changed nothing. `loops` lists each backward branch
+spanning more than --min instructions: a main loop's instruction count predicted v44's two
+landed changes. nvdisasm comes from $NVDISASM or PATH (`pip download --no-deps
+nvidia-cuda-nvdisasm`, unzipped outside the checkout; not a dependency of the package).
+"""
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CUBINS = """
+import json, sys
+from cupyflash import _compile, _kernels
+if __name__ == "__main__":
+    dtype, filters = sys.argv[1], sys.argv[2:]
+    jobs = [(arch, k) for arch, k in _kernels.compile_jobs() if arch.startswith("90") and k.dtype == dtype
+            and not k.options and all(f in k.name for f in filters)]
+    reports = _compile.compile_all(jobs)
+    print(json.dumps({"code": _compile.__file__,
+                      "kernels": {k.name: [str(_compile.compile_kernel(k, arch)[0]), r.registers, r.spills]
+                                  for arch, k, r in reports}}))
+"""
+INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;")
+LABEL = re.compile(r"^(\.L_x_\d+):")
+OPCODE = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+
+
+def cubins(tree, dtype, filters):
+    """{kernel name: (cubin path, registers, spill bytes)} of `tree`'s kernels."""
+    tree = tree.resolve()
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    env.setdefault("CUPYFLASH_CACHE_DIR", str(REPO / ".device_cache"))
+    done = subprocess.run([sys.executable, "-c", CUBINS, dtype, *filters], cwd=tree, env=env, check=True,
+                          capture_output=True, text=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if not pathlib.Path(result["code"]).resolve().is_relative_to(tree):
+        raise SystemExit(f"{tree}: compiled {result['code']}, not the tree's code")
+    return result["kernels"]
+
+
+def nvdisasm():
+    tool = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+    if not tool:
+        raise SystemExit("nvdisasm not found: set NVDISASM (see this file's docstring)")
+    return tool
+
+
+def listing(cubin):
+    """parse() of a cubin's code."""
+    return parse(subprocess.run([nvdisasm(), "-c", cubin], check=True, capture_output=True, text=True).stdout)
+
+
+def parse(text):
+    """[(label, None) or (None, instruction text without its address)] of nvdisasm's output, in order."""
+    lines = []
+    for line in text.splitlines():
+        label, instruction = LABEL.match(line), INSTRUCTION.match(line)
+        if label:
+            lines.append((label.group(1), None))
+        elif instruction:
+            lines.append((None, instruction.group(1)))
+    return lines
+
+
+def instructions(lines):
+    return [text for label, text in lines if text is not None]
+
+
+def opcodes(texts):
+    return collections.Counter(OPCODE.match(text).group(1) for text in texts)
+
+
+def loops(lines, shortest):
+    """[(instruction count, opcode Counter)] of each backward branch over at least `shortest` instructions."""
+    where, count, found, texts = {}, 0, [], []
+    for label, text in lines:
+        if label:
+            where[label] = count
+            continue
+        texts.append(text)
+        count += 1
+        target = re.search(r"`\((\.L_x_\d+)\)", text)
+        if "BRA" in text and target and target.group(1) in where and count - where[target.group(1)] >= shortest:
+            body = texts[where[target.group(1)]:count]
+            found.append((len(body), opcodes(body)))
+    return found
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("diff", "loops"))
+    parser.add_argument("trees_and_filters", nargs="+", help="diff: TREE_A TREE_B [FILTER ...]; loops: TREE [FILTER ...]")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--min", type=int, default=150, help="loops: the shortest loop listed (instructions)")
+    args = parser.parse_args(argv)
+    count = 2 if args.command == "diff" else 1
+    trees, filters = [pathlib.Path(t) for t in args.trees_and_filters[:count]], args.trees_and_filters[count:]
+    if len(trees) < count:
+        parser.error(f"{args.command} takes {count} tree(s)")
+    kernels = [cubins(tree, args.dtype, filters) for tree in trees]
+    if args.command == "loops":
+        for name, (cubin, registers, spills) in sorted(kernels[0].items()):
+            print(f"{name} ({registers} registers, {spills} spill bytes)")
+            for size, ops in loops(listing(cubin), args.min):
+                print(f"  loop of {size}: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
+        return
+    a, b = kernels
+    for name in sorted(a.keys() | b.keys()):
+        if name not in a or name not in b:
+            print(f"{name}: only in {trees[0] if name in a else trees[1]}")
+            continue
+        old, new = (instructions(listing(k[name][0])) for k in (a, b))
+        registers = f", registers {a[name][1]} -> {b[name][1]}" if a[name][1] != b[name][1] else ""
+        if old == new:
+            print(f"{name}: identical ({len(old)} instructions{registers})")
+            continue
+        moved = opcodes(new)
+        moved.subtract(opcodes(old))
+        changes = ", ".join(f"{op} {n:+d}" for op, n in sorted(moved.items(), key=lambda kv: -abs(kv[1])) if n)
+        print(f"{name}: {len(old)} -> {len(new)} instructions{registers}; {changes or 'same opcodes, another order'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,36 @@
+"""bench/sass.py's reading of nvdisasm listings (no GPU, no nvdisasm: a listing written here)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+import sass  # noqa: E402
+
+LISTING = """
+        .text.kernel:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   FFMA R2, R3, R4, R2 ;
+        /*0020*/              @!P0 MUFU.EX2 R5, R2 ;
+        /*0030*/                   FFMA R2, R5, R4, R2 ;
+        /*0040*/               @P1 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0050*/                   BRA `(.L_x_2) ;
+.L_x_2:
+        /*0060*/                   EXIT ;
+"""
+
+
+def test_parse_keeps_labels_and_instructions_without_addresses():
+    lines = sass.parse(LISTING)
+    assert lines[0] == (None, "MOV R1, c[0x0][0x28]")
+    assert lines[1] == (".L_x_0", None)
+    assert sass.instructions(lines) == ["MOV R1, c[0x0][0x28]", "FFMA R2, R3, R4, R2", "@!P0 MUFU.EX2 R5, R2",
+                                        "FFMA R2, R5, R4, R2", "@P1 BRA `(.L_x_0)", "BRA `(.L_x_2)", "EXIT"]
+
+
+def test_loops_are_backward_branches_with_their_opcodes():
+    found = sass.loops(sass.parse(LISTING), shortest=2)
+    assert len(found) == 1  # the forward branch to .L_x_2 is no loop
+    size, ops = found[0]
+    assert size == 4 and ops == {"FFMA": 2, "MUFU": 1, "BRA": 1}
+    assert sass.loops(sass.parse(LISTING), shortest=5) == []

@@ -110,7 +110,7 @@ def flash_attn(q, k, v, softmax_scale=None, causal=False, **given):
 
 @_takes_options(varlen=True)
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                      causal=False, **given):
+                      causal=False, *, block_table=None, **given):
     """flash_attn over sequences of different lengths packed without padding, differentiable in q, k, v.
 
     q is (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim); sequence b is rows
@@ -120,10 +120,46 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     them where XLA wrote them and clamp each sequence into the packed arrays, unchecked);
     max_seqlen_q and max_seqlen_k are static ints at least every length. Options as in flash_attn
     but those the varlen functions do not take; masks are per sequence.
+    With block_table (int32 (batch, pages per sequence)), k and v are a paged cache (num_blocks,
+    page_size, nheads_k, headdim) read as cupyflash.flash_attn_varlen_func reads it (prefill from a
+    paged cache): the sequences' keys are gathered into packed arrays on the device, with no host
+    read (so under jit and in XLA's graphs too), and the gradients of k and v reach the caches. The
+    block table's values and the lengths against it are checked where they are concrete (eager
+    calls, on the host); traced, a block outside the cache reads a clamped one.
     """
+    if block_table is not None:
+        k, v, cu_seqlens_q, cu_seqlens_k, given = _packed_from_pages(
+            q, k, v, validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), block_table, given)
     varlen = validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     static, operands = _prepare(q, k, v, softmax_scale, causal, given, "flash_attn_varlen", varlen)
     return _flash_attn(q, k, v, operands, static)
+
+
+def _packed_from_pages(q, k_cache, v_cache, varlen, block_table, given):
+    """(k, v, cu_seqlens_q, cu_seqlens_k, given) of a varlen call over a paged cache, its keys and
+    values gathered into packed arrays on the device. Their rows are as many as the block table can
+    hold (batch x pages x page_size), a static count; the rows past the last sequence's keys form
+    extra sequences of keys alone, each at most max_seqlen_k long, so that the packing's checks hold:
+    without queries they change no result (ALiBi slopes per sequence get zero rows for them)."""
+    validate.check_paged_varlen_shapes(q, k_cache, v_cache, varlen, block_table)
+    cu_q, cu_k, longest = varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_k
+    if not any(isinstance(x, jax.core.Tracer) for x in (cu_k, block_table)):
+        validate.check_paged_varlen_values(numpy.asarray(cu_k), numpy.asarray(block_table), k_cache)
+    (batch, pages), (blocks, page) = block_table.shape, k_cache.shape[:2]
+    rows = batch * pages * page if longest else 0
+    position = jnp.arange(rows, dtype=jnp.int32)
+    sequence = jnp.clip(jnp.searchsorted(cu_k, position, side="right").astype(jnp.int32) - 1, 0, max(batch - 1, 0))
+    offset = position - cu_k[sequence]  # in its sequence
+    held = position < cu_k[-1]
+    block = jnp.where(held, jnp.clip(block_table[sequence, jnp.clip(offset // page, 0, pages - 1)], 0, blocks - 1), 0)
+    row = jnp.where(held, offset % page, 0)
+    extra = -(-rows // longest) if rows else 0
+    ends = jnp.minimum(cu_k[-1] + numpy.minimum(longest * numpy.arange(1, extra + 1), rows).astype(numpy.int32), rows)
+    slopes = given.get("alibi_slopes")
+    if slopes is not None and len(slopes.shape) == 2 and slopes.shape[0] == batch:
+        given = dict(given, alibi_slopes=jnp.concatenate([slopes, jnp.zeros((extra, slopes.shape[1]), slopes.dtype)]))
+    return (k_cache[block, row], v_cache[block, row], jnp.concatenate([cu_q, jnp.broadcast_to(cu_q[-1], (extra,))]),
+            jnp.concatenate([cu_k, ends]), given)
 
 
 @_takes_options(varlen=False)

@@ -235,7 +235,8 @@ def check_packed(name, array, ndim, count):
 # Varlen: the shapes and dtypes (known at trace time), then the values (on the host).
 
 def check_varlen_shapes(q, k, varlen):
-    """What can be checked of a varlen call's packing without reading cu_seqlens' values."""
+    """What can be checked of a varlen call's packing without reading cu_seqlens' values (k None: a
+    paged cache, checked on its own)."""
     for side, cu, packed in (("q", varlen.cu_seqlens_q, q), ("k", varlen.cu_seqlens_k, k)):
         if not hasattr(cu, "shape") or not hasattr(cu, "dtype"):
             raise TypeError(f"cu_seqlens_{side} must be an int32 array, got {type(cu).__name__}")
@@ -243,7 +244,7 @@ def check_varlen_shapes(q, k, varlen):
             raise TypeError(f"cu_seqlens_{side} must be an int32 array, got dtype {_arrays.dtype_name(cu)}")
         if len(cu.shape) != 1 or cu.shape[0] < 1:
             raise ValueError(f"cu_seqlens_{side} must be 1-D (batch + 1,), got shape {tuple(cu.shape)}")
-        if len(getattr(packed, "shape", ())) != 3:
+        if packed is not None and len(getattr(packed, "shape", ())) != 3:
             raise ValueError(f"{side} must be 3-D (total, nheads, headdim) for varlen, got shape "
                              f"{tuple(getattr(packed, 'shape', ()))}")
     if tuple(varlen.cu_seqlens_q.shape) != tuple(varlen.cu_seqlens_k.shape):
@@ -578,6 +579,18 @@ def check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_ta
     lengths and the block table are read on the host."""
     caller = caller_of(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                        block_table=block_table)
+    check_paged_varlen_shapes(q, k_cache, v_cache, Varlen(cu_seqlens_q, cu_seqlens_k, 0, 0), block_table)
+    if not reads_device_values(caller):
+        raise ValueError("flash_attn_varlen_func with block_table reads cu_seqlens_k and block_table on the host: "
+                         "not under no_host_sync or a graph capture")
+    table = numpy.asarray(_arrays.to_host(block_table, caller))
+    lengths = check_paged_varlen_values(_arrays.to_host(cu_seqlens_k, caller), table, k_cache)
+    return caller, lengths, table
+
+
+def check_paged_varlen_shapes(q, k_cache, v_cache, varlen, block_table):
+    """What can be checked of a varlen call over a paged cache without reading values (shapes and
+    dtypes: cupyflash.jax checks these of traced arrays)."""
     for name, array in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_4d(name, array, "(num_blocks, page_size, nheads_k, headdim) with block_table")
     if tuple(k_cache.shape) != tuple(v_cache.shape):
@@ -587,24 +600,25 @@ def check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_ta
         raise ValueError(f"a paged k's page size (its dim 1) must be a multiple of {PAGE_MULTIPLE}, got "
                          f"{k_cache.shape[1]}")
     _check_index_array("block_table", block_table, 2)
-    check_varlen_shapes(q, k_cache[:, 0], Varlen(cu_seqlens_q, cu_seqlens_k, 0, 0))
-    batch = cu_seqlens_q.shape[0] - 1
+    check_varlen_shapes(q, None, varlen)
+    batch = varlen.batch
     if block_table.shape[0] != batch:
         raise ValueError(f"block_table must have shape (batch, pages per sequence) with batch = {batch}, got "
                          f"{tuple(block_table.shape)}")
-    if not reads_device_values(caller):
-        raise ValueError("flash_attn_varlen_func with block_table reads cu_seqlens_k and block_table on the host: "
-                         "not under no_host_sync or a graph capture")
-    cu = check_cu_seqlens("cu_seqlens_k", _arrays.to_host(cu_seqlens_k, caller), batch, None)
-    table = numpy.asarray(_arrays.to_host(block_table, caller))
+
+
+def check_paged_varlen_values(cu_seqlens_k, block_table, k_cache):
+    """The key lengths (NumPy) of a varlen call over a paged cache, from cu_seqlens_k and block_table on
+    the host: each sequence fits its pages, and the pages it uses are blocks of the cache."""
+    cu = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, block_table.shape[0], None)
     lengths = numpy.diff(cu.astype(numpy.int64))
     page = k_cache.shape[1]
     for b, length in enumerate(lengths):
-        if length > table.shape[1] * page:
+        if length > block_table.shape[1] * page:
             raise ValueError(f"sequence {b} has {length} keys (cu_seqlens_k) but block_table gives it "
-                             f"{table.shape[1]} pages of {page}")
-    _check_pages(table, lengths, k_cache, "k")
-    return caller, lengths, table
+                             f"{block_table.shape[1]} pages of {page}")
+    _check_pages(block_table, lengths, k_cache, "k")
+    return lengths
 
 
 def _check_pages(table, lengths, cache, name):

@@ -14,8 +14,9 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 pytest.register_assert_rewrite("jax_helpers")
 
-from cupyflash import reference  # noqa: E402
+from cupyflash import api, reference  # noqa: E402
 from cupyflash.jax import flash_attn_varlen, varlen_forward_with_lse  # noqa: E402
+from reference_helpers import paged_varlen_case  # noqa: E402
 from jax_helpers import (LENGTHS, VARLEN_OPTIONS, _assert_close, _assert_rounded, _f64,  # noqa: E402, F401
                          _jax_attention, _make_options, _random, _reference_options, _vjp_with_options, on_cpu)
 
@@ -84,3 +85,83 @@ def test_cpu_varlen_bad_packing_is_refused(on_cpu):
     with pytest.raises(Exception, match="cu_seqlens_k must end at the packed length 9"):
         jax.block_until_ready(jax.jit(flash_attn_varlen, static_argnums=(5, 6))(
             q, q, q, good, jnp.asarray([0, 4, 8], jnp.int32), 5, 5))
+
+
+# --------------------------------------------------------------------------------------------
+# block_table: prefill from a paged cache, gathered on the device.
+
+def _paged_case(page=16):
+    """paged_varlen_case in float32 JAX arrays: q, packed k and v (the reference's), cu_seqlens_q and _k,
+    the block table and the caches; queries 3, 0 and 5 over 20, 7 and 33 keys."""
+    q, k, v, cu_q, cu_k, table, caches = paged_varlen_case(numpy.random.default_rng(7), page)
+    as_jax = lambda x: jnp.asarray(numpy.asarray(x, numpy.float32))  # noqa: E731
+    return (as_jax(q), k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), cu_q, cu_k, jnp.asarray(table), table,
+            [as_jax(c) for c in caches])
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("page", [16, 32])
+def test_cpu_varlen_over_a_paged_cache_matches_the_packed_reference_with_gradients_into_the_caches(on_cpu, page, jit):
+    q, k, v, cu_q, cu_k, cu_q_host, cu_k_host, table, table_host, (k_cache, v_cache) = _paged_case(page)
+    slopes = jnp.asarray(numpy.random.default_rng(8).uniform(0.05, 0.5, (3, 4)).astype(numpy.float32))
+    dout = _random(q.shape, 9)
+
+    def attention(q, k_cache, v_cache, cu_q, cu_k, table):
+        return flash_attn_varlen(q, k_cache, v_cache, cu_q, cu_k, 5, 33, 0.3, True, softcap=2.0, alibi_slopes=slopes,
+                                 block_table=table)
+    run = jax.jit(attention) if jit else attention
+    out, vjp = jax.vjp(lambda q, kc, vc: run(q, kc, vc, cu_q, cu_k, table), q, k_cache, v_cache)
+    dq, dk_cache, dv_cache = vjp(dout)
+
+    # the packed keys the reference reads are the caches' rows (float32), and their gradients land there
+    blocks, rows = api.paged_rows(*(numpy.asarray(x) for x in (q, k_cache, v_cache)), cu_q_host, cu_k_host, table_host)[1:]
+    args = [_f64(q), _f64(k_cache)[blocks, rows], _f64(v_cache)[blocks, rows]]
+    options = dict(softcap=2.0, alibi_slopes=_f64(slopes))
+    ref_out, _ = reference.attention_forward_varlen(*args, cu_q_host, cu_k_host, 0.3, True, **options)
+    ref_dq, ref_dk, ref_dv = reference.attention_backward_varlen(_f64(dout), *args, cu_q_host, cu_k_host, 0.3, True,
+                                                                 **options)
+    want_dk, want_dv = numpy.zeros(k_cache.shape), numpy.zeros(v_cache.shape)
+    numpy.add.at(want_dk, (blocks, rows), ref_dk)
+    numpy.add.at(want_dv, (blocks, rows), ref_dv)
+    for what, got, ref in (("out", out, ref_out), ("dq", dq, ref_dq), ("dk_cache", dk_cache, want_dk),
+                           ("dv_cache", dv_cache, want_dv)):
+        _assert_rounded(what, got, ref)
+
+
+def test_cpu_varlen_over_a_paged_cache_traces_once_for_new_lengths_and_tables(on_cpu):
+    """Lengths and block tables are operands: new values reuse the program, each giving its own result."""
+    q, _, _, cu_q, cu_k, _, _, table, _, (k_cache, v_cache) = _paged_case()
+    traces = []
+
+    @jax.jit
+    def attention(cu_k, table):
+        traces.append(table)
+        return flash_attn_varlen(q, k_cache, v_cache, cu_q, cu_k, 5, 33, causal=True, block_table=table)
+
+    for lengths, order in (((20, 7, 33), [0, 1, 2]), ((33, 0, 1), [2, 0, 1])):
+        cu = jnp.asarray(numpy.cumsum((0,) + lengths).astype(numpy.int32))
+        shuffled = table[numpy.array(order)]
+        want = flash_attn_varlen(q, k_cache, v_cache, cu_q, cu, 5, 33, causal=True, block_table=shuffled)
+        numpy.testing.assert_array_equal(attention(cu, shuffled), want)
+    assert len(traces) == 1
+
+
+def test_cpu_bad_paged_varlen_input_names_the_argument(on_cpu):
+    q, _, _, cu_q, cu_k, _, _, table, table_host, (k_cache, v_cache) = _paged_case()
+    call = lambda **changes: flash_attn_varlen(  # noqa: E731
+        **dict(dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=33,
+                    block_table=table), **changes))
+    bad = table_host.copy()
+    bad[2, 1] = 99
+    with pytest.raises(ValueError, match=r"block_table\[2, 1\] = 99 is not a block"):
+        call(block_table=jnp.asarray(bad))
+    with pytest.raises(ValueError, match="sequence 2 has 33 keys .* 2 pages of 16"):
+        call(block_table=table[:, :2])
+    with pytest.raises(TypeError, match="block_table must be an int32 array"):
+        call(block_table=table.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"block_table must have shape \(batch, pages per sequence\)"):
+        call(block_table=table[:2])
+    with pytest.raises(ValueError, match="page size .* multiple of 16"):
+        call(k=k_cache.reshape(-1, 8, 2, 16), v=v_cache.reshape(-1, 8, 2, 16))
+    with pytest.raises(ValueError, match="k and v .* same shape"):
+        call(v=v_cache[:-1])

@@ -337,3 +337,37 @@ def test_varlen_prefill_from_a_paged_cache_on_the_gpu_equals_the_packed_call(dty
             expected[pages[b, positions // page], positions % page] = grad[int(cu[b]):int(cu[b + 1])]
         assert torch.equal(cache.grad, expected)
 
+
+
+def test_jax_varlen_prefill_from_a_paged_cache_under_jit_equals_the_packed_call():
+    """cupyflash.jax.flash_attn_varlen with block_table (the keys gathered on the device, extra key-only
+    sequences after the last) under jit: the packed call's out and dq bitwise (deterministic), and
+    the packed k and v's gradients at their pages and rows of the caches."""
+    import os
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import cupyflash.jax as cfj
+    q, k, v, cu_q, cu_k, table, caches = paged_varlen_case(np.random.default_rng(8), 32)
+    gpu = jax.devices("gpu")[0]
+    put = lambda x: jax.device_put(jnp.asarray(x, jnp.bfloat16 if x.dtype == np.float64 else x.dtype), gpu)  # noqa: E731
+    q, k, v, cu_q, cu_k, table, k_cache, v_cache = map(put, (q, k, v, cu_q, cu_k, table, *caches))
+    dout = put(np.random.default_rng(9).standard_normal(q.shape))
+
+    def step(q, k, v, block_table=None):
+        attention = lambda q, k, v: cfj.flash_attn_varlen(q, k, v, cu_q, cu_k, 5, 33, causal=True,  # noqa: E731
+                                                          deterministic=True, block_table=block_table)
+        out, vjp = jax.vjp(attention, q, k, v)
+        return out, vjp(dout)
+    out, (dq, dk, dv) = jax.jit(step)(q, k, v)
+    out_paged, (dq_paged, dk_cache, dv_cache) = jax.jit(step)(q, k_cache, v_cache, table)
+    assert bool(jnp.isfinite(out).all())
+    np.testing.assert_array_equal(np.asarray(out_paged, np.float32), np.asarray(out, np.float32))
+    np.testing.assert_array_equal(np.asarray(dq_paged, np.float32), np.asarray(dq, np.float32))
+    cu, pages, page = np.asarray(cu_k), np.asarray(table), k_cache.shape[1]
+    for got, grad in ((dk_cache, dk), (dv_cache, dv)):
+        expected = np.zeros(got.shape, np.float32)
+        for b in range(len(cu) - 1):
+            positions = np.arange(cu[b + 1] - cu[b])
+            expected[pages[b, positions // page], positions % page] = np.asarray(grad, np.float32)[cu[b]:cu[b + 1]]
+        np.testing.assert_array_equal(np.asarray(got, np.float32), expected)

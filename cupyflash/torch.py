@@ -698,7 +698,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (for CUDA tensors that waits for them). With block_table (int32 (batch, pages per sequence)),
     k and v are a paged cache (num_blocks, page_size, nheads_k, headdim) (prefill from a paged
     cache, cupyflash.flash_attn_varlen_func has the semantics): its keys are gathered into packed
-    tensors by torch indexing, so gradients reach the caches.
+    tensors by torch indexing on the caches' device (_packed_from_pages), so gradients reach the
+    caches, and the call compiles whole under torch.compile and captures in a CUDA graph; the
+    table's values are checked on the host where the lengths are (not when compiling or capturing,
+    nor under cupyflash.no_host_sync, where a block outside the cache reads a clamped one).
     """
     for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(value, torch.Tensor):
@@ -707,9 +710,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         for name, value in (("q", q), ("k", k), ("v", v), ("block_table", block_table)):
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-        _, blocks, rows = api.paged_rows(*map(_to_core, (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)))
-        index = torch.as_tensor(blocks, device=k.device), torch.as_tensor(rows, device=k.device)
-        k, v = k[index], v[index]
+        k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes = _packed_from_pages(
+            q, k, v, validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), block_table, alibi_slopes)
     tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                    max_seqlen_k=max_seqlen_k)
     arguments = _op_arguments(tensors, softmax_scale, causal, dict(
@@ -717,6 +719,35 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         deterministic=deterministic), varlen=True)
     out, lse = _varlen_attention(arguments)
     return _result(out, lse, return_attn_probs)
+
+
+def _packed_from_pages(q, k_cache, v_cache, varlen, block_table, alibi_slopes):
+    """(k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes) of a varlen call over a paged cache, its keys and
+    values gathered into packed tensors on the caches' device, as cupyflash.jax's _packed_from_pages
+    gathers them: as many rows as the block table holds (a size that does not depend on the values,
+    so torch.compile traces it whole), the rows past the last sequence's keys in extra key-only
+    sequences of at most max_seqlen_k keys (no queries: no result changes; ALiBi slopes per sequence
+    get zero rows for them)."""
+    validate.check_paged_varlen_shapes(q, k_cache, v_cache, varlen, block_table)
+    cu_q, cu_k, longest = varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_k
+    if not _is_compiling() and (not cu_k.is_cuda or not (validate.host_sync_off()
+                                                         or torch.cuda.is_current_stream_capturing())):
+        validate.check_paged_varlen_values(cu_k.cpu().numpy(), block_table.cpu().numpy(), k_cache)
+    (batch, pages), (blocks, page) = block_table.shape, k_cache.shape[:2]
+    rows = batch * pages * page if longest else 0
+    position = torch.arange(rows, dtype=torch.int32, device=k_cache.device)
+    sequence = (torch.searchsorted(cu_k, position, right=True).int() - 1).clamp(0, max(batch - 1, 0))
+    offset = position - cu_k[sequence]  # in its sequence
+    held = position < cu_k[-1]
+    table_entry = block_table[sequence, (offset // page).clamp(0, pages - 1)].clamp(0, blocks - 1)
+    block, row = torch.where(held, table_entry, 0), torch.where(held, offset % page, 0)
+    extra = -(-rows // longest) if rows else 0
+    steps = torch.arange(1, extra + 1, device=cu_k.device).mul_(longest).clamp_(max=rows).int()
+    cu_k = torch.cat([cu_k, (cu_k[-1] + steps).clamp(max=rows)])
+    cu_q = torch.cat([cu_q, cu_q[-1:].expand(extra)])
+    if alibi_slopes is not None and alibi_slopes.dim() == 2 and alibi_slopes.shape[0] == batch:
+        alibi_slopes = torch.cat([alibi_slopes, alibi_slopes.new_zeros(extra, alibi_slopes.shape[1])])
+    return k_cache[block, row], v_cache[block, row], cu_q, cu_k, alibi_slopes
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,

@@ -371,3 +371,32 @@ def test_jax_varlen_prefill_from_a_paged_cache_under_jit_equals_the_packed_call(
             positions = np.arange(cu[b + 1] - cu[b])
             expected[pages[b, positions // page], positions % page] = np.asarray(grad, np.float32)[cu[b]:cu[b + 1]]
         np.testing.assert_array_equal(np.asarray(got, np.float32), expected)
+
+
+def test_torch_varlen_prefill_from_a_paged_cache_captures_and_replays_with_new_lengths_and_tables():
+    """cupyflash.torch's paged varlen gathers on the device with no host read, so it captures in a CUDA
+    graph; replays with other lengths and block tables copied into the captured tensors give the
+    eager call's out bitwise."""
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch as cft
+    q, _, _, cu_q, cu_k, table, caches = paged_varlen_case(np.random.default_rng(10), 32)
+    t = lambda x: torch.from_numpy(np.asarray(x)).to("cuda", torch.bfloat16 if x.dtype == np.float64 else None)  # noqa: E731
+    q, cu_q, cu_k, table, k_cache, v_cache = map(t, (q, cu_q, cu_k, table, *caches))
+    attention = lambda: cft.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 5, 33, causal=True,  # noqa: E731
+                                                   block_table=table)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attention()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attention()
+    for lengths, order in (((20, 7, 33), [0, 1, 2]), ((33, 0, 1), [2, 0, 1]), ((1, 32, 17), [1, 2, 0])):
+        new_cu, new_table = torch.tensor(np.cumsum((0,) + lengths), dtype=torch.int32), table[order].clone()
+        cu_k.copy_(new_cu)
+        table.copy_(new_table)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = attention()
+        assert bool(torch.isfinite(want).all()) and torch.equal(captured, want), lengths

@@ -130,3 +130,42 @@ def test_varlen_from_a_paged_cache_equals_the_packed_call_with_gradients_into_th
         for block, row, i in where:
             expected[block, row] = packed.grad[i]
         assert torch.equal(cache.grad, expected)
+
+
+def test_varlen_from_a_paged_cache_compiles_whole_and_takes_new_lengths_and_tables():
+    """The paged gather has no host read and no value-dependent size: torch.compile(fullgraph=True)
+    traces it, and the compiled call gives the eager one's out for other lengths and block tables."""
+    import numpy
+    from reference_helpers import paged_varlen_case
+    q, _, _, cu_q, cu_k, table, caches = (torch.from_numpy(numpy.asarray(x)) for x in
+                                          paged_varlen_case(numpy.random.default_rng(39)))
+    k_cache, v_cache = caches
+
+    def attention(cu_k, table):
+        return cft.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 5, 33, causal=True, block_table=table)
+    compiled = torch.compile(attention, fullgraph=True)
+    for lengths, order in (((20, 7, 33), [0, 1, 2]), ((33, 0, 1), [2, 0, 1])):
+        cu = torch.tensor(numpy.cumsum((0,) + lengths), dtype=torch.int32)
+        assert torch.equal(compiled(cu, table[order]), attention(cu, table[order]))
+
+
+def test_paged_varlen_refusals_name_the_argument():
+    import numpy
+    from reference_helpers import paged_varlen_case
+    q, _, _, cu_q, cu_k, table, (k_cache, v_cache) = (torch.from_numpy(numpy.asarray(x)) for x in
+                                                       paged_varlen_case(numpy.random.default_rng(40)))
+    call = lambda **changes: cft.flash_attn_varlen_func(  # noqa: E731
+        **dict(dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=33,
+                    block_table=table), **changes))
+    bad = table.clone()
+    bad[2, 1] = 99
+    with pytest.raises(ValueError, match=r"block_table\[2, 1\] = 99 is not a block"):
+        call(block_table=bad)
+    with pytest.raises(ValueError, match="sequence 2 has 33 keys .* 2 pages of 16"):
+        call(block_table=table[:, :2].contiguous())
+    with pytest.raises(TypeError, match="block_table must be an int32 array"):
+        call(block_table=table.long())
+    with pytest.raises(ValueError, match="page size .* multiple of 16"):
+        call(k=k_cache.reshape(-1, 8, 2, 16), v=v_cache.reshape(-1, 8, 2, 16))
+    with pytest.raises(ValueError, match="max_seqlen_k must be an int >= 0"):
+        call(max_seqlen_k=-1)

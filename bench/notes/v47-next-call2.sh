@@ -1,24 +1,26 @@
 #!/bin/bash
-# v48 call 2 (prepared in v47): the forced mma.sync family's GPU files that v46 did not reach and
-# its memcheck, on main (HEAD); then why the options table's varlen row reads 1.16-1.21x the plain
-# forward: the same equal-length call timed with and without no_host_sync (its cu_seqlens check
-# reads them on the host each call) beside the plain call. About 400 s.
+# v48 call 2 (prepared in v47): v46's half-P-V forward (half = HEAD + v46-fwd-half-diagonal-pv.patch):
+# its LOCAL tests and an A/B beside main; then why the options table's varlen row reads 1.16-1.21x
+# the plain forward: the same equal-length call with and without no_host_sync (its cu_seqlens
+# check reads them on the host each call) beside the plain one. About 330 s.
 cd "$(dirname "$0")/.."
 mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
 export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
 touch /tmp/t0
+cp bench/ab.py /tmp/
 S=$PWD/.device_scratch
 L=$OUT/log.txt
-echo "== main, forced mma_sync: the GPU files v46 did not reach ($(date +%T))" > $L
-cd $S/main
-CUPYFLASH_FAMILY=mma_sync PYTHONPATH=. timeout 200 python -m pytest -m gpu -n 12 -v -p no:cacheprovider -p no:warnings \
-  $(ls tests/test_*.py | grep -v -e test_gpu.py -e test_head_dims.py -e test_gpu_variants.py -e test_bench_context_parallel.py) \
-  > $OUT/forced_rest.log 2>&1
-echo "rc $? ($(date +%T))" >> $L; tail -1 $OUT/forced_rest.log >> $L; grep -E "FAILED|ERROR" $OUT/forced_rest.log | head -20 >> $L
-echo "== main, forced mma_sync: memcheck ($(date +%T))" >> $L
-CUPYFLASH_FAMILY=mma_sync PYTHONPATH=. timeout 80 compute-sanitizer --tool memcheck python tests/sanitize_run.py 2>&1 | tail -2 >> $L
+echo "== half: LOCAL forward tests ($(date +%T))" > $L
+cd $S/half
+PYTHONPATH=. timeout 130 python -m pytest -m gpu -p no:cacheprovider -n 12 -q -p no:warnings tests/test_gpu.py tests/test_head_dims.py \
+  -k "causal or local or window or tile_table or forward" > $OUT/tests_half.log 2>&1
+echo "rc $? ($(date +%T))" >> $L; tail -1 $OUT/tests_half.log >> $L; grep -E "FAILED|ERROR" $OUT/tests_half.log | head -10 >> $L
+cd $S/..
+echo "== ab fwd main half ($(date +%T))" >> $L
+timeout 100 python /tmp/ab.py --pass fwd --rounds 5 $S/main $S/half >> $L 2>&1
 echo "== varlen (equal lengths) against plain, hd128 bf16, ms per call ($(date +%T))" >> $L
-PYTHONPATH=. timeout 90 python - >> $L 2>&1 <<'PY'
+cd $S/main
+PYTHONPATH=. timeout 80 python - >> $L 2>&1 <<'PY'
 import torch, cupyflash
 from cupyflash.benchmark import BatchTimer, median_ms
 for batch, seqlen in ((4, 4096), (1, 16384)):

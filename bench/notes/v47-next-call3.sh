@@ -1,0 +1,20 @@
+#!/bin/bash
+# v48 call 3 (prepared in v47): the forced mma.sync family's GPU files that v46 did not reach, and
+# its memcheck, on main (HEAD). About 290 s.
+cd "$(dirname "$0")/.."
+mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
+export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
+touch /tmp/t0
+S=$PWD/.device_scratch
+L=$OUT/log.txt
+echo "== main, forced mma_sync: the GPU files v46 did not reach ($(date +%T))" > $L
+cd $S/main
+CUPYFLASH_FAMILY=mma_sync PYTHONPATH=. timeout 200 python -m pytest -m gpu -n 12 -v -p no:cacheprovider -p no:warnings \
+  $(ls tests/test_*.py | grep -v -e test_gpu.py -e test_head_dims.py -e test_gpu_variants.py -e test_bench_context_parallel.py) \
+  > $OUT/forced_rest.log 2>&1
+echo "rc $? ($(date +%T))" >> $L; tail -1 $OUT/forced_rest.log >> $L; grep -E "FAILED|ERROR" $OUT/forced_rest.log | head -20 >> $L
+echo "== main, forced mma_sync: memcheck ($(date +%T))" >> $L
+CUPYFLASH_FAMILY=mma_sync PYTHONPATH=. timeout 80 compute-sanitizer --tool memcheck python tests/sanitize_run.py 2>&1 | tail -2 >> $L
+cd $S/..
+find /tmp/pcache -newer /tmp/t0 -type f | tar -cJf $OUT/newcache.tar.xz -T - 2>/dev/null
+echo "done ($(date +%T))" >> $L

@@ -730,6 +730,11 @@ def _packed_from_pages(q, k_cache, v_cache, varlen, block_table, alibi_slopes):
     get zero rows for them)."""
     validate.check_paged_varlen_shapes(q, k_cache, v_cache, varlen, block_table)
     cu_q, cu_k, longest = varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_k
+    for name, tensor in (("q", q), ("v", v_cache), ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k),
+                         ("block_table", block_table)):
+        if tensor.device != k_cache.device:
+            raise ValueError(f"{name} is on {tensor.device} but k (the paged cache) is on {k_cache.device}; "
+                             f"pass tensors on one device")
     if not _is_compiling() and (not cu_k.is_cuda or not (validate.host_sync_off()
                                                          or torch.cuda.is_current_stream_capturing())):
         validate.check_paged_varlen_values(cu_k.cpu().numpy(), block_table.cpu().numpy(), k_cache)

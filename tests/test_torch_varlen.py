@@ -169,3 +169,5 @@ def test_paged_varlen_refusals_name_the_argument():
         call(k=k_cache.reshape(-1, 8, 2, 16), v=v_cache.reshape(-1, 8, 2, 16))
     with pytest.raises(ValueError, match="max_seqlen_k must be an int >= 0"):
         call(max_seqlen_k=-1)
+    with pytest.raises(ValueError, match="block_table is on meta but k .* is on cpu"):
+        call(block_table=table.to("meta"))

@@ -6,7 +6,7 @@ The options are keyword arguments declared in options.py; each function's signat
 docstring list those it takes.
 """
 
-from . import _kvcache, _plan, options, reference, validate
+from . import _arrays, _kvcache, _paged, _plan, options, reference, validate
 from .validate import Varlen
 
 
@@ -62,10 +62,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     page_size, nheads_k, headdim), page_size a multiple of 16: sequence b's key t is in block
     block_table[b, t // page_size] at row t % page_size, for t < cu_seqlens_k[b + 1] -
     cu_seqlens_k[b] (prefill from a paged cache): the keys and values are gathered into packed
-    arrays first (a copy), read with the lengths and the table on the host.
+    arrays first (a copy; on a GPU with no host read, so under no_host_sync too: _from_pages).
     """
     if block_table is not None:
-        k, v = _unpaged(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)
+        k, v, cu_seqlens_q, cu_seqlens_k, given = _from_pages(
+            q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), block_table, given)
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     result = _call("fwd", dict(q=q, k=k, v=v), softmax_scale, causal, given, "flash_attn_varlen_func", varlen,
                    dropped=() if return_lse else ("lse",))
@@ -84,14 +85,37 @@ def paged_rows(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table):
     return caller, table[sequence, position // page].astype(numpy.int64), position % page
 
 
-def _unpaged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table):
-    """(k, v) packed as a varlen call takes them, gathered from a paged cache's pages on its device (a
-    copy of the sequences' keys and values, which the varlen kernels then read)."""
-    caller, blocks, rows = paged_rows(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table)
+def _from_pages(q, k_cache, v_cache, varlen, block_table, given):
+    """(k, v, cu_seqlens_q, cu_seqlens_k, given) of a varlen call over a paged cache, packed as the
+    varlen kernels take them: NumPy arrays exactly, on the host (paged_rows); GPU arrays on their
+    device with no host read (_paged.packed_from_pages, extra key-only sequences after the last), so
+    under no_host_sync and in a graph capture, their values checked on the host everywhere else."""
+    slopes = given.get("alibi_slopes")
+    caller = validate.caller_of(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=varlen.cu_seqlens_q,
+                                cu_seqlens_k=varlen.cu_seqlens_k, block_table=block_table,
+                                **({} if slopes is None else dict(alibi_slopes=slopes)))
     if caller.kind == "numpy":
-        return k_cache[blocks, rows], v_cache[blocks, rows]
-    index = caller.from_host(blocks), caller.from_host(rows)
-    return tuple(caller.give_back(caller.launchable(cache)[index]) for cache in (k_cache, v_cache))
+        _, blocks, rows = paged_rows(q, k_cache, v_cache, varlen.cu_seqlens_q, varlen.cu_seqlens_k, block_table)
+        return k_cache[blocks, rows], v_cache[blocks, rows], varlen.cu_seqlens_q, varlen.cu_seqlens_k, given
+    validate.check_paged_varlen_shapes(q, k_cache, v_cache, varlen, block_table)
+    if validate.reads_device_values(caller):
+        import numpy
+        validate.check_paged_varlen_values(_arrays.to_host(varlen.cu_seqlens_k, caller),
+                                           numpy.asarray(_arrays.to_host(block_table, caller)), k_cache)
+    if caller.kind == "torch":
+        packed = _paged.packed_from_pages(_paged.TorchCalls(k_cache.device), k_cache, v_cache, varlen, block_table,
+                                          slopes)
+    else:
+        import cupy
+        view = caller.launchable
+        with caller.device():
+            packed = _paged.packed_from_pages(
+                cupy, view(k_cache), view(v_cache),
+                Varlen(view(varlen.cu_seqlens_q), view(varlen.cu_seqlens_k), varlen.max_seqlen_q, varlen.max_seqlen_k),
+                view(block_table), None if slopes is None else view(slopes))
+        packed = [None if x is None else caller.give_back(x) for x in packed]
+    *packed, slopes = packed
+    return (*packed, given if slopes is None else dict(given, alibi_slopes=slopes))
 
 
 @_takes_options("bwd", varlen=True)

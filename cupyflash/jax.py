@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy
 
-from . import _arrays, _config, _xla_ffi, api, options, validate
+from . import _arrays, _config, _paged, _xla_ffi, api, options, validate
 
 __all__ = ["flash_attn", "flash_attn_varlen", "forward_with_lse", "varlen_forward_with_lse", "flash_attn_with_kvcache"]
 
@@ -136,30 +136,13 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 
 def _packed_from_pages(q, k_cache, v_cache, varlen, block_table, given):
-    """(k, v, cu_seqlens_q, cu_seqlens_k, given) of a varlen call over a paged cache, its keys and
-    values gathered into packed arrays on the device. Their rows are as many as the block table can
-    hold (batch x pages x page_size), a static count; the rows past the last sequence's keys form
-    extra sequences of keys alone, each at most max_seqlen_k long, so that the packing's checks hold:
-    without queries they change no result (ALiBi slopes per sequence get zero rows for them)."""
+    """(k, v, cu_seqlens_q, cu_seqlens_k, given) of a varlen call over a paged cache, gathered on the
+    device (_paged.packed_from_pages); the values are checked where they are concrete."""
     validate.check_paged_varlen_shapes(q, k_cache, v_cache, varlen, block_table)
-    cu_q, cu_k, longest = varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_k
-    if not any(isinstance(x, jax.core.Tracer) for x in (cu_k, block_table)):
-        validate.check_paged_varlen_values(numpy.asarray(cu_k), numpy.asarray(block_table), k_cache)
-    (batch, pages), (blocks, page) = block_table.shape, k_cache.shape[:2]
-    rows = batch * pages * page if longest else 0
-    position = jnp.arange(rows, dtype=jnp.int32)
-    sequence = jnp.clip(jnp.searchsorted(cu_k, position, side="right").astype(jnp.int32) - 1, 0, max(batch - 1, 0))
-    offset = position - cu_k[sequence]  # in its sequence
-    held = position < cu_k[-1]
-    block = jnp.where(held, jnp.clip(block_table[sequence, jnp.clip(offset // page, 0, pages - 1)], 0, blocks - 1), 0)
-    row = jnp.where(held, offset % page, 0)
-    extra = -(-rows // longest) if rows else 0
-    ends = jnp.minimum(cu_k[-1] + numpy.minimum(longest * numpy.arange(1, extra + 1), rows).astype(numpy.int32), rows)
-    slopes = given.get("alibi_slopes")
-    if slopes is not None and len(slopes.shape) == 2 and slopes.shape[0] == batch:
-        given = dict(given, alibi_slopes=jnp.concatenate([slopes, jnp.zeros((extra, slopes.shape[1]), slopes.dtype)]))
-    return (k_cache[block, row], v_cache[block, row], jnp.concatenate([cu_q, jnp.broadcast_to(cu_q[-1], (extra,))]),
-            jnp.concatenate([cu_k, ends]), given)
+    if not any(isinstance(x, jax.core.Tracer) for x in (varlen.cu_seqlens_k, block_table)):
+        validate.check_paged_varlen_values(numpy.asarray(varlen.cu_seqlens_k), numpy.asarray(block_table), k_cache)
+    *packed, slopes = _paged.packed_from_pages(jnp, k_cache, v_cache, varlen, block_table, given.get("alibi_slopes"))
+    return (*packed, given if slopes is None else dict(given, alibi_slopes=slopes))
 
 
 @_takes_options(varlen=False)

@@ -23,7 +23,7 @@ from typing import Optional
 import numpy
 import torch
 
-from . import _config, api, options, validate
+from . import _config, _paged, api, options, validate
 from ._arrays import bfloat16_dtype
 
 if not hasattr(torch.library, "custom_op"):
@@ -722,37 +722,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 def _packed_from_pages(q, k_cache, v_cache, varlen, block_table, alibi_slopes):
-    """(k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes) of a varlen call over a paged cache, its keys and
-    values gathered into packed tensors on the caches' device, as cupyflash.jax's _packed_from_pages
-    gathers them: as many rows as the block table holds (a size that does not depend on the values,
-    so torch.compile traces it whole), the rows past the last sequence's keys in extra key-only
-    sequences of at most max_seqlen_k keys (no queries: no result changes; ALiBi slopes per sequence
-    get zero rows for them)."""
+    """(k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes) of a varlen call over a paged cache, gathered
+    by torch indexing on the caches' device (_paged.packed_from_pages: a size that does not depend on
+    the values, so torch.compile traces it whole); the values are checked where the call may read them."""
     validate.check_paged_varlen_shapes(q, k_cache, v_cache, varlen, block_table)
-    cu_q, cu_k, longest = varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_k
-    for name, tensor in (("q", q), ("v", v_cache), ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k),
-                         ("block_table", block_table)):
+    for name, tensor in (("q", q), ("v", v_cache), ("cu_seqlens_q", varlen.cu_seqlens_q),
+                         ("cu_seqlens_k", varlen.cu_seqlens_k), ("block_table", block_table)):
         if tensor.device != k_cache.device:
             raise ValueError(f"{name} is on {tensor.device} but k (the paged cache) is on {k_cache.device}; "
                              f"pass tensors on one device")
-    if not _is_compiling() and (not cu_k.is_cuda or not (validate.host_sync_off()
-                                                         or torch.cuda.is_current_stream_capturing())):
-        validate.check_paged_varlen_values(cu_k.cpu().numpy(), block_table.cpu().numpy(), k_cache)
-    (batch, pages), (blocks, page) = block_table.shape, k_cache.shape[:2]
-    rows = batch * pages * page if longest else 0
-    position = torch.arange(rows, dtype=torch.int32, device=k_cache.device)
-    sequence = (torch.searchsorted(cu_k, position, right=True).int() - 1).clamp(0, max(batch - 1, 0))
-    offset = position - cu_k[sequence]  # in its sequence
-    held = position < cu_k[-1]
-    table_entry = block_table[sequence, (offset // page).clamp(0, pages - 1)].clamp(0, blocks - 1)
-    block, row = torch.where(held, table_entry, 0), torch.where(held, offset % page, 0)
-    extra = -(-rows // longest) if rows else 0
-    steps = torch.arange(1, extra + 1, device=cu_k.device).mul_(longest).clamp_(max=rows).int()
-    cu_k = torch.cat([cu_k, (cu_k[-1] + steps).clamp(max=rows)])
-    cu_q = torch.cat([cu_q, cu_q[-1:].expand(extra)])
-    if alibi_slopes is not None and alibi_slopes.dim() == 2 and alibi_slopes.shape[0] == batch:
-        alibi_slopes = torch.cat([alibi_slopes, alibi_slopes.new_zeros(extra, alibi_slopes.shape[1])])
-    return k_cache[block, row], v_cache[block, row], cu_q, cu_k, alibi_slopes
+    if not _is_compiling() and (not k_cache.is_cuda or not (validate.host_sync_off()
+                                                            or torch.cuda.is_current_stream_capturing())):
+        validate.check_paged_varlen_values(varlen.cu_seqlens_k.cpu().numpy(), block_table.cpu().numpy(), k_cache)
+    return _paged.packed_from_pages(_paged.TorchCalls(k_cache.device), k_cache, v_cache, varlen, block_table,
+                                    alibi_slopes)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,

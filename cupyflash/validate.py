@@ -580,9 +580,6 @@ def check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_ta
     caller = caller_of(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                        block_table=block_table)
     check_paged_varlen_shapes(q, k_cache, v_cache, Varlen(cu_seqlens_q, cu_seqlens_k, 0, 0), block_table)
-    if not reads_device_values(caller):
-        raise ValueError("flash_attn_varlen_func with block_table reads cu_seqlens_k and block_table on the host: "
-                         "not under no_host_sync or a graph capture")
     table = numpy.asarray(_arrays.to_host(block_table, caller))
     lengths = check_paged_varlen_values(_arrays.to_host(cu_seqlens_k, caller), table, k_cache)
     return caller, lengths, table

@@ -95,3 +95,21 @@ def paged_varlen_case(rng, page=16):
         for cache, packed in zip(caches, (k, v)):
             cache[table[b, t // page], t % page] = packed[cu_k[b] + t]
     return q, k, v, cu_q, cu_k, table, caches
+
+
+def paged_varlen_refusals(table, k_cache, v_cache):
+    """Bad input to a varlen call over a paged cache (paged_varlen_case's table and caches, page 16),
+    as (changed arguments, NumPy arrays; the exception; its message): the same for every kind of
+    array, each test converting the arrays to its own."""
+    out_of_cache = table.copy()
+    out_of_cache[2, 1] = 99
+    return [
+        (dict(block_table=out_of_cache), ValueError, r"block_table\[2, 1\] = 99 is not a block"),
+        (dict(block_table=np.ascontiguousarray(table[:, :2])), ValueError, "sequence 2 has 33 keys .* 2 pages of 16"),
+        (dict(block_table=table.astype(np.float32)), TypeError, "block_table must be an int32 array"),
+        (dict(block_table=table[:2]), ValueError, r"block_table must have shape \(batch, pages per sequence\)"),
+        (dict(k=k_cache.reshape(-1, 8, 2, 16), v=v_cache.reshape(-1, 8, 2, 16)), ValueError,
+         "page size .* multiple of 16"),
+        (dict(v=v_cache[:-1]), ValueError, "k and v .* same shape"),
+        (dict(cu_seqlens_k=np.array([0, 20, 7, 60], np.int32)), ValueError, "cu_seqlens_k must be non-decreasing"),
+    ]

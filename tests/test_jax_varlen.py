@@ -16,7 +16,7 @@ pytest.register_assert_rewrite("jax_helpers")
 
 from cupyflash import api, reference  # noqa: E402
 from cupyflash.jax import flash_attn_varlen, varlen_forward_with_lse  # noqa: E402
-from reference_helpers import paged_varlen_case  # noqa: E402
+from reference_helpers import paged_varlen_case, paged_varlen_refusals  # noqa: E402
 from jax_helpers import (LENGTHS, VARLEN_OPTIONS, _assert_close, _assert_rounded, _f64,  # noqa: E402, F401
                          _jax_attention, _make_options, _random, _reference_options, _vjp_with_options, on_cpu)
 
@@ -148,20 +148,8 @@ def test_cpu_varlen_over_a_paged_cache_traces_once_for_new_lengths_and_tables(on
 
 def test_cpu_bad_paged_varlen_input_names_the_argument(on_cpu):
     q, _, _, cu_q, cu_k, _, _, table, table_host, (k_cache, v_cache) = _paged_case()
-    call = lambda **changes: flash_attn_varlen(  # noqa: E731
-        **dict(dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=33,
-                    block_table=table), **changes))
-    bad = table_host.copy()
-    bad[2, 1] = 99
-    with pytest.raises(ValueError, match=r"block_table\[2, 1\] = 99 is not a block"):
-        call(block_table=jnp.asarray(bad))
-    with pytest.raises(ValueError, match="sequence 2 has 33 keys .* 2 pages of 16"):
-        call(block_table=table[:, :2])
-    with pytest.raises(TypeError, match="block_table must be an int32 array"):
-        call(block_table=table.astype(jnp.float32))
-    with pytest.raises(ValueError, match=r"block_table must have shape \(batch, pages per sequence\)"):
-        call(block_table=table[:2])
-    with pytest.raises(ValueError, match="page size .* multiple of 16"):
-        call(k=k_cache.reshape(-1, 8, 2, 16), v=v_cache.reshape(-1, 8, 2, 16))
-    with pytest.raises(ValueError, match="k and v .* same shape"):
-        call(v=v_cache[:-1])
+    arguments = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=33,
+                     block_table=table)
+    for changes, error, message in paged_varlen_refusals(table_host, numpy.asarray(k_cache), numpy.asarray(v_cache)):
+        with pytest.raises(error, match=message):
+            flash_attn_varlen(**dict(arguments, **{name: jnp.asarray(x) for name, x in changes.items()}))

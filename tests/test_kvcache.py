@@ -8,7 +8,7 @@ import pytest
 
 import cupyflash
 from cupyflash._arrays import bfloat16_dtype
-from reference_helpers import paged_varlen_case
+from reference_helpers import paged_varlen_case, paged_varlen_refusals
 
 RNG_SEED = 21
 
@@ -322,25 +322,39 @@ def test_varlen_prefill_from_a_paged_cache_equals_the_packed_call(page):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.parametrize("longest", [33, 40, 1000])
+def test_the_device_gather_of_a_paged_cache_packs_the_host_gathers_rows_then_key_only_sequences(longest):
+    """_paged.packed_from_pages (run here with NumPy, as the GPU paths run it with CuPy, jax.numpy and
+    torch): the first rows are paged_rows' keys, the rest extra sequences of at most max_seqlen_k
+    keys and no queries, whose call gives the exact packing's out and lse (ALiBi per sequence)."""
+    from cupyflash import _paged
+    from cupyflash.validate import Varlen
+    q, k, v, cu_q, cu_k, table, (k_cache, v_cache) = paged_varlen_case(np.random.default_rng(6))
+    slopes = np.random.default_rng(7).uniform(0.05, 0.5, (3, 4))
+    pk, pv, pcu_q, pcu_k, pslopes = _paged.packed_from_pages(np, k_cache, v_cache, Varlen(cu_q, cu_k, 5, longest), table,
+                                                             slopes)
+    rows = table.size * k_cache.shape[1]
+    assert pk.shape == (rows, 2, 16) and pcu_k[-1] == rows and (np.diff(pcu_k) <= longest).all()
+    np.testing.assert_array_equal(pcu_k[:4], cu_k)
+    np.testing.assert_array_equal(pcu_q, np.concatenate([cu_q, np.full(len(pcu_q) - 4, cu_q[-1])]))
+    np.testing.assert_array_equal(pslopes, np.concatenate([slopes, np.zeros((len(pcu_q) - 4, 4))]))
+    np.testing.assert_array_equal(pk[:60], k)
+    np.testing.assert_array_equal(pv[:60], v)
+    want = cupyflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 33, causal=True, alibi_slopes=slopes,
+                                            return_lse=True)
+    got = cupyflash.flash_attn_varlen_func(q, pk, pv, pcu_q, pcu_k, 5, longest, causal=True, alibi_slopes=pslopes,
+                                           return_lse=True)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_bad_paged_varlen_input_names_the_argument():
     q, k, v, cu_q, cu_k, table, (k_cache, v_cache) = paged_varlen_case(np.random.default_rng(5))
-    call = lambda **changes: cupyflash.flash_attn_varlen_func(  # noqa: E731
-        **dict(dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5,
-                    max_seqlen_k=33, block_table=table), **changes))
-    with pytest.raises(ValueError, match=r"block_table\[2, 1\] = 99 is not a block"):
-        bad = table.copy()
-        bad[2, 1] = 99
-        call(block_table=bad)
-    with pytest.raises(ValueError, match="sequence 2 has 33 keys .* 2 pages of 16"):
-        call(block_table=table[:, :2])
-    with pytest.raises(TypeError, match="block_table must be an int32 array"):
-        call(block_table=table.astype(np.int64))
-    with pytest.raises(ValueError, match=r"block_table must have shape \(batch, pages per sequence\)"):
-        call(block_table=table[:2])
-    with pytest.raises(ValueError, match="page size .* multiple of 16"):
-        call(k=k_cache.reshape(-1, 8, 2, 16), v=v_cache.reshape(-1, 8, 2, 16))
-    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
-        call(cu_seqlens_k=np.array([0, 20, 7, 60], np.int32))
+    arguments = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=33,
+                     block_table=table)
+    for changes, error, message in paged_varlen_refusals(table, k_cache, v_cache):
+        with pytest.raises(error, match=message):
+            cupyflash.flash_attn_varlen_func(**dict(arguments, **changes))
 
 
 # --------------------------------------------------------------------------------------------

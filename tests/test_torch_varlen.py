@@ -151,23 +151,16 @@ def test_varlen_from_a_paged_cache_compiles_whole_and_takes_new_lengths_and_tabl
 
 def test_paged_varlen_refusals_name_the_argument():
     import numpy
-    from reference_helpers import paged_varlen_case
-    q, _, _, cu_q, cu_k, table, (k_cache, v_cache) = (torch.from_numpy(numpy.asarray(x)) for x in
-                                                       paged_varlen_case(numpy.random.default_rng(40)))
-    call = lambda **changes: cft.flash_attn_varlen_func(  # noqa: E731
-        **dict(dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=33,
-                    block_table=table), **changes))
-    bad = table.clone()
-    bad[2, 1] = 99
-    with pytest.raises(ValueError, match=r"block_table\[2, 1\] = 99 is not a block"):
-        call(block_table=bad)
-    with pytest.raises(ValueError, match="sequence 2 has 33 keys .* 2 pages of 16"):
-        call(block_table=table[:, :2].contiguous())
-    with pytest.raises(TypeError, match="block_table must be an int32 array"):
-        call(block_table=table.long())
-    with pytest.raises(ValueError, match="page size .* multiple of 16"):
-        call(k=k_cache.reshape(-1, 8, 2, 16), v=v_cache.reshape(-1, 8, 2, 16))
+    from reference_helpers import paged_varlen_case, paged_varlen_refusals
+    q, _, _, cu_q, cu_k, table, (k_cache, v_cache) = paged_varlen_case(numpy.random.default_rng(40))
+    arguments = {name: torch.from_numpy(x) for name, x in dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q,
+                                                                cu_seqlens_k=cu_k, block_table=table).items()}
+    call = lambda **changes: cft.flash_attn_varlen_func(max_seqlen_q=5, max_seqlen_k=33,  # noqa: E731
+                                                        **dict(arguments, **changes))
+    for changes, error, message in paged_varlen_refusals(table, k_cache, v_cache):
+        with pytest.raises(error, match=message):
+            call(**{name: torch.from_numpy(x) for name, x in changes.items()})
     with pytest.raises(ValueError, match="max_seqlen_k must be an int >= 0"):
-        call(max_seqlen_k=-1)
+        cft.flash_attn_varlen_func(max_seqlen_q=5, max_seqlen_k=-1, **arguments)
     with pytest.raises(ValueError, match="block_table is on meta but k .* is on cpu"):
-        call(block_table=table.to("meta"))
+        call(block_table=arguments["block_table"].to("meta"))

@@ -167,8 +167,12 @@ def backward_with_stats(dout, q, k, v, out, lse, softmax_scale=None, causal=Fals
 
 @_takes_options(varlen=True)
 def varlen_forward_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                            causal=False, **given):
-    """(out, lse) of flash_attn_varlen's forward, not differentiable: lse is (nheads, total_q) float32."""
+                            causal=False, *, block_table=None, **given):
+    """(out, lse) of flash_attn_varlen's forward, not differentiable: lse is (nheads, total_q) float32.
+    block_table as flash_attn_varlen takes it."""
+    if block_table is not None:
+        k, v, cu_seqlens_q, cu_seqlens_k, given = _packed_from_pages(
+            q, k, v, validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), block_table, given)
     varlen = validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     static, operands = _prepare(q, k, v, softmax_scale, causal, given, "varlen_forward_with_lse", varlen)
     return _forward(q, k, v, operands, static)

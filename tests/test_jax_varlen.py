@@ -117,7 +117,7 @@ def test_cpu_varlen_over_a_paged_cache_matches_the_packed_reference_with_gradien
     blocks, rows = api.paged_rows(*(numpy.asarray(x) for x in (q, k_cache, v_cache)), cu_q_host, cu_k_host, table_host)[1:]
     args = [_f64(q), _f64(k_cache)[blocks, rows], _f64(v_cache)[blocks, rows]]
     options = dict(softcap=2.0, alibi_slopes=_f64(slopes))
-    ref_out, _ = reference.attention_forward_varlen(*args, cu_q_host, cu_k_host, 0.3, True, **options)
+    ref_out, ref_lse = reference.attention_forward_varlen(*args, cu_q_host, cu_k_host, 0.3, True, **options)
     ref_dq, ref_dk, ref_dv = reference.attention_backward_varlen(_f64(dout), *args, cu_q_host, cu_k_host, 0.3, True,
                                                                  **options)
     want_dk, want_dv = numpy.zeros(k_cache.shape), numpy.zeros(v_cache.shape)
@@ -126,6 +126,9 @@ def test_cpu_varlen_over_a_paged_cache_matches_the_packed_reference_with_gradien
     for what, got, ref in (("out", out, ref_out), ("dq", dq, ref_dq), ("dk_cache", dk_cache, want_dk),
                            ("dv_cache", dv_cache, want_dv)):
         _assert_rounded(what, got, ref)
+    _, lse = varlen_forward_with_lse(q, k_cache, v_cache, cu_q, cu_k, 5, 33, 0.3, True, softcap=2.0,
+                                     alibi_slopes=slopes, block_table=table)
+    _assert_rounded("lse", lse, ref_lse)
 
 
 def test_cpu_varlen_over_a_paged_cache_traces_once_for_new_lengths_and_tables(on_cpu):

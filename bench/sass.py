@@ -10,8 +10,8 @@ tree compiles them with its own code (a process run from the tree) into one cach
 source as the package keys it (CUPYFLASH_CACHE_DIR, else .device_cache/, which device_trees.py
 fills). `diff` compares the instruction streams without addresses; a refactor that leaves them
 identical needs no device call to show it changed nothing. `loops` lists each backward branch
-spanning more than --min instructions: a main loop's instruction count predicted v44's two
-landed changes. nvdisasm comes from $NVDISASM or PATH (`pip download --no-deps
+spanning more than --min instructions (a main loop's instruction count predicted v44's two
+landed changes), and ptxas's coded messages (C7520: it serialised the kernel's wgmmas). nvdisasm comes from $NVDISASM or PATH (`pip download --no-deps
 nvidia-cuda-nvdisasm`, unzipped outside the checkout; not a dependency of the package).
 """
 
@@ -27,16 +27,19 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CUBINS = """
-import json, sys
+import json, re, sys
 from cupyflash import _compile, _kernels
 if __name__ == "__main__":
     dtype, filters = sys.argv[1], sys.argv[2:]
     jobs = [(arch, k) for arch, k in _kernels.compile_jobs() if arch.startswith("90") and k.dtype == dtype
             and not k.options and all(f in k.name for f in filters)]
     reports = _compile.compile_all(jobs)
-    print(json.dumps({"code": _compile.__file__,
-                      "kernels": {k.name: [str(_compile.compile_kernel(k, arch)[0]), r.registers, r.spills]
-                                  for arch, k, r in reports}}))
+    kernels = {}
+    for arch, k, r in reports:
+        cubin, log = _compile.compile_kernel(k, arch)
+        notes = sorted(set(re.findall(r"\\((C\\d{4})\\)", log)))
+        kernels[k.name] = [str(cubin), r.registers, r.spills, {code: log.count(f"({code})") for code in notes}]
+    print(json.dumps({"code": _compile.__file__, "kernels": kernels}))
 """
 INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;")
 LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -44,7 +47,7 @@ OPCODE = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
 def cubins(tree, dtype, filters):
-    """{kernel name: (cubin path, registers, spill bytes)} of `tree`'s kernels."""
+    """{kernel name: (cubin path, registers, spill bytes, {ptxas message code: count})} of `tree`'s kernels."""
     tree = tree.resolve()
     env = dict(os.environ, PYTHONPATH=str(tree))
     env.setdefault("CUPYFLASH_CACHE_DIR", str(REPO / ".device_cache"))
@@ -117,8 +120,10 @@ def main(argv):
         parser.error(f"{args.command} takes {count} tree(s)")
     kernels = [cubins(tree, args.dtype, filters) for tree in trees]
     if args.command == "loops":
-        for name, (cubin, registers, spills) in sorted(kernels[0].items()):
+        for name, (cubin, registers, spills, warnings) in sorted(kernels[0].items()):
             print(f"{name} ({registers} registers, {spills} spill bytes)")
+            if warnings:  # C7520: wgmmas serialised; C7519: warpgroup arrives injected
+                print("  ptxas: " + ", ".join(f"{code} x{n}" for code, n in warnings.items()))
             for size, ops in loops(listing(cubin), args.min):
                 print(f"  loop of {size}: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
         return
@@ -129,6 +134,8 @@ def main(argv):
             continue
         old, new = (instructions(listing(k[name][0])) for k in (a, b))
         registers = f", registers {a[name][1]} -> {b[name][1]}" if a[name][1] != b[name][1] else ""
+        if a[name][3] != b[name][3]:
+            registers += f", ptxas codes {a[name][3]} -> {b[name][3]}"
         if old == new:
             print(f"{name}: identical ({len(old)} instructions{registers})")
             continue

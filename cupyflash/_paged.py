@@ -26,7 +26,7 @@ def packed_from_pages(xp, k_cache, v_cache, varlen, block_table, alibi_slopes):
     step = min(longest, rows)  # an extra sequence's keys (int32 sums stay below 2 x rows)
     extra = -(-rows // step) if rows else 0
     ends = xp.minimum(cu_k[-1] + step * xp.arange(1, extra + 1, dtype=xp.int32), rows)
-    if alibi_slopes is not None and len(alibi_slopes.shape) == 2 and alibi_slopes.shape[0] == batch:
+    if len(getattr(alibi_slopes, "shape", ())) == 2 and alibi_slopes.shape[0] == batch:
         alibi_slopes = xp.concatenate([alibi_slopes, xp.zeros((extra, alibi_slopes.shape[1]), alibi_slopes.dtype)])
     return (k_cache[block, row], v_cache[block, row], xp.concatenate([cu_q, xp.broadcast_to(cu_q[-1:], (extra,))]),
             xp.concatenate([cu_k, ends]), alibi_slopes)

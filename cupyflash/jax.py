@@ -127,22 +127,24 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     block table's values and the lengths against it are checked where they are concrete (eager
     calls, on the host); traced, a block outside the cache reads a clamped one.
     """
-    if block_table is not None:
-        k, v, cu_seqlens_q, cu_seqlens_k, given = _packed_from_pages(
-            q, k, v, validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), block_table, given)
-    varlen = validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    k, v, varlen, given = _packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, given)
     static, operands = _prepare(q, k, v, softmax_scale, causal, given, "flash_attn_varlen", varlen)
     return _flash_attn(q, k, v, operands, static)
 
 
-def _packed_from_pages(q, k_cache, v_cache, varlen, block_table, given):
-    """(k, v, cu_seqlens_q, cu_seqlens_k, given) of a varlen call over a paged cache, gathered on the
-    device (_paged.packed_from_pages); the values are checked where they are concrete."""
-    validate.check_paged_varlen_shapes(q, k_cache, v_cache, varlen, block_table)
-    if not any(isinstance(x, jax.core.Tracer) for x in (varlen.cu_seqlens_k, block_table)):
-        validate.check_paged_varlen_values(numpy.asarray(varlen.cu_seqlens_k), numpy.asarray(block_table), k_cache)
-    *packed, slopes = _paged.packed_from_pages(jnp, k_cache, v_cache, varlen, block_table, given.get("alibi_slopes"))
-    return (*packed, given if slopes is None else dict(given, alibi_slopes=slopes))
+def _packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, given):
+    """(k, v, validate.Varlen, given) of a varlen call; with block_table, k and v are a paged cache
+    whose keys are gathered on the device (_paged.packed_from_pages), its values checked where they
+    are concrete."""
+    varlen = validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if block_table is None:
+        return k, v, varlen, given
+    validate.check_paged_varlen_shapes(q, k, v, varlen, block_table)
+    if not any(isinstance(x, jax.core.Tracer) for x in (cu_seqlens_k, block_table)):
+        validate.check_paged_varlen_values(numpy.asarray(cu_seqlens_k), numpy.asarray(block_table), k)
+    k, v, cu_q, cu_k, slopes = _paged.packed_from_pages(jnp, k, v, varlen, block_table, given.get("alibi_slopes"))
+    return (k, v, validate.Varlen(cu_q, cu_k, max_seqlen_q, max_seqlen_k),
+            given if slopes is None else dict(given, alibi_slopes=slopes))
 
 
 @_takes_options(varlen=False)
@@ -170,10 +172,7 @@ def varlen_forward_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                             causal=False, *, block_table=None, **given):
     """(out, lse) of flash_attn_varlen's forward, not differentiable: lse is (nheads, total_q) float32.
     block_table as flash_attn_varlen takes it."""
-    if block_table is not None:
-        k, v, cu_seqlens_q, cu_seqlens_k, given = _packed_from_pages(
-            q, k, v, validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), block_table, given)
-    varlen = validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    k, v, varlen, given = _packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, given)
     static, operands = _prepare(q, k, v, softmax_scale, causal, given, "varlen_forward_with_lse", varlen)
     return _forward(q, k, v, operands, static)
 

@@ -203,9 +203,10 @@ def check_lse(lse, shape, dtype):
 
 
 def check_last_dim_contiguous(name, array):
-    """The kernels read whole rows of the last dimension; the reference takes the same inputs."""
+    """The kernels read whole rows of the last dimension; the reference takes the same inputs. (An
+    array without elements has no rows to read: NumPy gives such arrays zero strides.)"""
     strides = _arrays.element_strides(array)
-    if strides is not None and array.shape[-1] > 1 and strides[-1] != 1:
+    if strides is not None and array.shape[-1] > 1 and strides[-1] != 1 and 0 not in tuple(array.shape):
         raise ValueError(f"{name} must be contiguous in its last dimension (headdim), got strides {strides} "
                          f"(in elements)")
 

@@ -348,6 +348,55 @@ def test_the_device_gather_of_a_paged_cache_packs_the_host_gathers_rows_then_key
         np.testing.assert_array_equal(x, y)
 
 
+def test_the_device_gather_agrees_across_array_modules_on_random_packings():
+    """Random packings (empty sequences, all of them empty, slack in max_seqlen_k and in the table):
+    the gather in NumPy gives the exact call's out and lse, and in torch and jax.numpy (where
+    installed) the same packed arrays as in NumPy."""
+    from cupyflash import _paged
+    from cupyflash.validate import Varlen
+    modules = [("numpy", np, np.asarray, np.asarray)]
+    try:
+        import torch
+        modules.append(("torch", _paged.TorchCalls("cpu"), torch.from_numpy, lambda x: x.numpy()))
+    except ImportError:
+        pass
+    try:
+        import jax
+        import jax.numpy as jnp
+        cpu = jax.devices("cpu")[0]
+        modules.append(("jax", jnp, lambda x: jax.device_put(jnp.asarray(x), cpu), np.asarray))
+    except ImportError:
+        pass
+    rng = np.random.default_rng(11)
+    for trial in range(30):
+        batch, page = int(rng.integers(1, 5)), int(rng.choice([16, 32]))
+        lengths_k = np.where(rng.random(batch) < 0.3, 0, rng.integers(0, 70, batch))
+        lengths_q = rng.integers(0, 6, batch)
+        pages = max(1, -(-int(lengths_k.max()) // page)) + int(rng.integers(0, 2))
+        blocks = batch * pages + int(rng.integers(0, 4))
+        table = rng.permutation(blocks)[:batch * pages].reshape(batch, pages).astype(np.int32)
+        k_cache, v_cache = (rng.standard_normal((blocks, page, 2, 8)).astype(np.float32) for _ in range(2))
+        q = rng.standard_normal((int(lengths_q.sum()), 4, 8)).astype(np.float32)
+        cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+        max_q, max_k = int(lengths_q.max()), int(lengths_k.max()) + int(rng.integers(0, 5))
+        slopes = rng.uniform(0.05, 0.5, (batch, 4)).astype(np.float32)
+        packed = {}
+        for name, xp, to, back in modules:
+            got = _paged.packed_from_pages(xp, to(k_cache), to(v_cache), Varlen(to(cu_q), to(cu_k), max_q, max_k),
+                                           to(table), to(slopes))
+            packed[name] = [back(x) for x in got]
+            for what, x, y in zip(("k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes"), packed[name],
+                                  packed["numpy"]):
+                np.testing.assert_array_equal(x, y, err_msg=f"trial {trial}: {name} {what}")
+        k, v, pcu_q, pcu_k, pslopes = packed["numpy"]
+        want = cupyflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max_q, max_k, block_table=table,
+                                                causal=True, alibi_slopes=slopes, return_lse=True)
+        got = cupyflash.flash_attn_varlen_func(q, k, v, pcu_q, pcu_k, max_q, max_k, causal=True, alibi_slopes=pslopes,
+                                               return_lse=True)
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(x, y, err_msg=f"trial {trial}")
+
+
 def test_bad_paged_varlen_input_names_the_argument():
     q, k, v, cu_q, cu_k, table, (k_cache, v_cache) = paged_varlen_case(np.random.default_rng(5))
     arguments = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=33,

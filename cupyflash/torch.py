@@ -326,7 +326,7 @@ _DENSE_SCALARS = ("softmax_scale", "causal", "dropout_p", "window_size", "softca
 
 def _dense(q, k, v, alibi_slopes, attn_bias, scalars):
     """(out, lse) of a dense drop-in call; `scalars` are its _DENSE_SCALARS."""
-    if _eager(q, k, v, alibi_slopes, attn_bias) and q.is_cuda:
+    if _eager(q, k, v, alibi_slopes, attn_bias) and q is not None and q.is_cuda:
         resolved = _resolution(q, k, v, alibi_slopes, attn_bias, scalars)
         if resolved:
             result = resolved(q, k, v, alibi_slopes, attn_bias)
@@ -588,6 +588,9 @@ def _op_arguments(tensors, softmax_scale, causal, given, varlen=False):
 def _checked_arguments(tensors, softmax_scale, causal, given, varlen=False):
     """_op_arguments without a seed. The checked scalars are cached per distinct call, since a
     model makes the same call many times."""
+    for name in ("q", "k", "v"):
+        if not isinstance(tensors[name], torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensors[name]).__name__}")
     q = tensors["q"]
     scalars = (varlen, q.shape[-1], softmax_scale, causal, *[given.get(n) for n in _SCALAR_OPTIONS])
     try:

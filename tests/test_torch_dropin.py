@@ -45,6 +45,9 @@ def test_bad_options_are_refused_with_their_names():
     for error, match, options in cases:
         with pytest.raises(error, match=match):
             cft.flash_attn_func(q, k, v, **options)
+    for name, value in (("q", None), ("k", 3), ("v", numpy.zeros((1, 8, 2, 16), numpy.float32))):
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor, got"):
+            cft.flash_attn_func(**dict(dict(q=q, k=k, v=v), **{name: value}))
 
 
 def test_options_at_their_defaults_are_accepted():

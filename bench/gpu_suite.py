@@ -30,11 +30,14 @@ def collect(paths, markers="gpu"):
 def parts(ids, count):
     """`ids` cut into `count` contiguous runs of about equal length, each cut moved to the nearest file
     boundary within SLACK tests."""
+    if not 1 <= count <= len(ids):
+        raise SystemExit(f"{len(ids)} tests cannot make {count} parts")
     starts = [0]
     for i in range(1, count):
-        cut = round(i * len(ids) / count)
-        boundaries = [j for j in range(max(cut - SLACK, starts[-1] + 1), min(cut + SLACK, len(ids)) + 1)
-                      if j == len(ids) or ids[j].split("::")[0] != ids[j - 1].split("::")[0]]
+        low, high = starts[-1] + 1, len(ids) - (count - i)  # every part keeps a test
+        cut = min(max(round(i * len(ids) / count), low), high)
+        boundaries = [j for j in range(max(cut - SLACK, low), min(cut + SLACK, high) + 1)
+                      if ids[j].split("::")[0] != ids[j - 1].split("::")[0]]
         starts.append(min(boundaries, key=lambda j: abs(j - cut)) if boundaries else cut)
     return [ids[a:b] for a, b in zip(starts, starts[1:] + [len(ids)])]
 

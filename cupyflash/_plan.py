@@ -579,7 +579,10 @@ def _add_dbias(call, params, outputs, bias):
     bias_dtype, bias_shape, caller = _arrays.dtype_name(bias), tuple(bias.shape), call.caller
     direct = bias4 == full
     dbias_shape = full if direct or call.needs("deterministic") else bias4
-    strides = options.broadcast_strides(dbias_shape, _contiguous_strides(dbias_shape))
+    # Stride 0 (atomics in the kernel) along the dimensions the bias is broadcast over, and only
+    # there: a size-1 dimension of the call itself keeps its stride (one writer, and no zeroing).
+    strides = tuple(0 if size < want else stride
+                    for size, want, stride in zip(dbias_shape, full, _contiguous_strides(dbias_shape)))
     params["dbias_batch_stride"], params["dbias_head_stride"], params["dbias_row_stride"] = strides[:3]
     params["dbias_is_float32"] = int(not direct or bias_dtype == "float32")
     if direct:

@@ -172,9 +172,9 @@ def _check_bias(bias, call):
     s = call.shape
     full = (s.batch, s.nheads, s.seqlen_q, s.seqlen_k)
     shape = tuple(bias.shape)
-    if not 2 <= len(shape) <= 4 or shape[-2:] != full[2:] or any(
-            size not in (1, want) for size, want in zip(shape[-4:-2][::-1], full[1::-1])):
-        raise ValueError(f"attn_bias must broadcast from (batch or 1, nheads or 1, seqlen_q, seqlen_k) = "
+    if not 2 <= len(shape) <= 4 or shape[-1] != full[3] or any(
+            size not in (1, want) for size, want in zip(shape[-2::-1], full[2::-1])):
+        raise ValueError(f"attn_bias must broadcast from (batch or 1, nheads or 1, seqlen_q or 1, seqlen_k) = "
                          f"{full}, got shape {shape}")
     return bias
 
@@ -288,7 +288,8 @@ def _example_alibi(rng, sizes, form):
 
 def _example_bias(rng, sizes, form):
     batch, nheads, seqlen_q, seqlen_k = sizes
-    shape = {"full": sizes, "heads": (nheads, seqlen_q, seqlen_k), "keys": (seqlen_q, seqlen_k)}[form]
+    shape = {"full": sizes, "heads": (nheads, seqlen_q, seqlen_k), "keys": (seqlen_q, seqlen_k),
+             "padding": (batch, 1, 1, seqlen_k)}[form]
     return rng.standard_normal(shape).astype(numpy.float32)
 
 
@@ -308,9 +309,10 @@ OPTIONS = (
            _check_alibi, _fill_alibi, kernels="alibi", passes=("fwd", "bwd", "kvcache"), example=_example_alibi,
            forms=("batch", "heads")),
     Option("attn_bias", "array", None,
-           "an additive bias broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k), float32 or q's "
-           "dtype; its gradient is dbias",
-           _check_bias, _fill_bias, kernels="bias", varlen=False, example=_example_bias, forms=("full", "heads", "keys"),
+           "an additive bias broadcastable from (batch or 1, nheads or 1, seqlen_q or 1, seqlen_k) (a key "
+           "padding mask is (batch, 1, 1, seqlen_k)), float32 or q's dtype; its gradient is dbias",
+           _check_bias, _fill_bias, kernels="bias", varlen=False, example=_example_bias,
+           forms=("full", "heads", "keys", "padding"),
            gradient=True),
     Option("dropout_p", "real", 0.0,
            "probability of dropping an attention probability, in [0, 1), applied as a multiple of 2**-8 "

@@ -660,7 +660,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Options as in flash_attn: dropout_p (its seed is drawn by draw_dropout_seed), window_size,
     softcap, alibi_slopes (float32 (nheads,) or (batch, nheads), no gradient), deterministic (the
     backward adds dq in a fixed order). cupyflash's own: attn_bias, an additive score bias
-    broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k), float32 or q's dtype, added
+    broadcastable from (batch or 1, nheads or 1, seqlen_q or 1, seqlen_k), float32 or q's dtype, added
     after softcap and with ALiBi; its gradient is computed when it requires grad.
     """
     out, lse = _dense(q, k, v, alibi_slopes, attn_bias,

@@ -23,6 +23,7 @@ GPU_CASES = [
     Case(113, 150, 64, "bfloat16", False, attn_bias="full"),
     Case(113, 150, 64, "float16", True, nheads=4, nheads_k=2, attn_bias="heads"),
     Case(113, 150, 128, "bfloat16", False, batch=3, attn_bias="keys", deterministic=True),
+    Case(150, 113, 64, "bfloat16", True, nheads=4, nheads_k=2, attn_bias="padding"),
     Case(113, 200, 64, "float16", True, nheads=4, nheads_k=2, dropout_p=0.17),
     Case(200, 113, 128, "bfloat16", False, deterministic=True),
     Case(257, 300, 128, "bfloat16", True, window_size=(100, 20), softcap=3.0, alibi_slopes=True, attn_bias="full", dropout_p=0.1,

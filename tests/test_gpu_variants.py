@@ -37,7 +37,8 @@ SINGLE = [Case(sq, sk, d, dtype, causal, nheads=4, nheads_k=hk, **fields)
 PAIRS = [Case(113 + 8 * i, 150, 72 if i % 2 else 128, ("float16", "bfloat16")[i % 2], bool(i // 2 % 2),
               nheads=4, nheads_k=(4, 2, 1)[i % 3], **a, **b)
          for i, (a, b) in enumerate((OPTIONS[x], OPTIONS[y]) for x, y in itertools.combinations(OPTIONS, 2))]
-# Windows at their edges; bias shapes that broadcast (and a bias in q's dtype: 'heads').
+# Windows at their edges; bias shapes that broadcast (and a bias in q's dtype: 'heads'), a float32
+# bias of the call's own shape with one batch entry and head.
 EDGES = [Case(113, 113, 64, "bfloat16", False, window_size=(0, 0)),
          Case(200, 113, 64, "float16", False, window_size=(-1, 0)),     # the same mask as causal
          Case(113, 200, 64, "float16", True, window_size=(5, -1)),      # causal with a left window
@@ -46,6 +47,9 @@ EDGES = [Case(113, 113, 64, "bfloat16", False, window_size=(0, 0)),
          Case(113, 150, 64, "bfloat16", True, attn_bias="heads", nheads=4, nheads_k=2),
          Case(113, 150, 160, "float16", False, attn_bias="keys", batch=3),
          Case(113, 150, 64, "bfloat16", True, attn_bias="keys", deterministic=True),
+         Case(113, 150, 64, "bfloat16", True, attn_bias="padding", nheads=4, nheads_k=2),  # rows broadcast
+         Case(200, 113, 128, "float16", False, attn_bias="padding", batch=3, deterministic=True),
+         Case(113, 150, 96, "bfloat16", False, attn_bias="full", batch=1, nheads=1, nheads_k=1),  # float32, one writer each
          Case(1, 1, 64, "float16", False, softcap=0.5, alibi_slopes=True, attn_bias="full", dropout_p=0.5),
          Case(257, 1000, 256, "bfloat16", True, softcap=3.0, alibi_slopes=True, dropout_p=0.1, window_size=(100, 20))]
 # Varlen, with empty sequences on either side, alone and with each option but attn_bias.

@@ -16,7 +16,7 @@ Options (flash_attn's names and meaning; every default means "off"):
                   which is the same as right = 0.
     softcap       > 0 squashes the scores into (-softcap, softcap) with tanh
     alibi_slopes  (nheads,) or (batch, nheads): head h adds -slope[h] * |i + seqlen_k - seqlen_q - j|
-    attn_bias     additive bias broadcastable from (batch or 1, nheads or 1, seqlen_q, seqlen_k)
+    attn_bias     additive bias broadcastable from (batch or 1, nheads or 1, seqlen_q or 1, seqlen_k)
     dropout_p     > 0 drops probabilities after the softmax and rescales the kept ones by
                   1 / (1 - dropout_p), both with 1 - dropout_p rounded to a multiple of 2**-8
                   (dropout_rescale); the mask comes from a counter-based Philox RNG keyed by

@@ -568,7 +568,8 @@ def _add_dbias(call, params, outputs, bias):
     A bias that is not broadcast gets its gradient straight from the kernel, in its own dtype: each
     element has one writer (zeroed first only where a causal or window mask skips blocks). A
     broadcast one's dS goes into a zeroed float32 array with stride 0 along the broadcast
-    dimensions, added by atomics; where a deterministic backward would have them collide, the
+    dimensions, added by atomics; where a deterministic backward would have them collide, or only
+    the rows are broadcast (the kernels add by atomics along a zero batch or head stride), the
     kernel writes the full (batch, nheads, seqlen_q, seqlen_k) instead, summed afterwards in a fixed
     order (common/score.cuh, BiasGradient)."""
     if bias is None:
@@ -578,9 +579,10 @@ def _add_dbias(call, params, outputs, bias):
     bias4 = (1,) * (4 - len(bias.shape)) + tuple(bias.shape)
     bias_dtype, bias_shape, caller = _arrays.dtype_name(bias), tuple(bias.shape), call.caller
     direct = bias4 == full
-    dbias_shape = full if direct or call.needs("deterministic") else bias4
-    # Stride 0 (atomics in the kernel) along the dimensions the bias is broadcast over, and only
-    # there: a size-1 dimension of the call itself keeps its stride (one writer, and no zeroing).
+    rows_alone = bias4[2] < full[2] and bias4[:2] == full[:2]
+    dbias_shape = full if direct or rows_alone or call.needs("deterministic") else bias4
+    # Stride 0 along the dimensions the bias is broadcast over, and only there: a size-1 dimension of
+    # the call itself keeps its stride (one writer per element, and the output is not zeroed).
     strides = tuple(0 if size < want else stride
                     for size, want, stride in zip(dbias_shape, full, _contiguous_strides(dbias_shape)))
     params["dbias_batch_stride"], params["dbias_head_stride"], params["dbias_row_stride"] = strides[:3]

@@ -242,9 +242,9 @@ __device__ __forceinline__ bool added_as_words(float (&s)[MT][NT][4], const Bias
 
 // dbias of a (batch, head), where the call asks for it. A bias that is not broadcast gets its
 // gradient in its own dtype, one writer per element, stored; otherwise dS goes to an fp32 matrix,
-// stored where it has a matrix per (batch, head) (a deterministic call's), else (a zero batch, head
-// or row stride: the dimensions the bias is broadcast over) added by atomics, and the host sums it
-// over the broadcast dimensions.
+// stored where it has a matrix per (batch, head) (a deterministic call's, or one whose bias is
+// broadcast over the rows alone), else (a zero batch or head stride, and the row stride 0 where the
+// rows are broadcast too) added by atomics, and the host sums it over the broadcast dimensions.
 template <bool BF16>
 struct BiasGradient {
     void* matrix;  // null where the call returns no dbias
@@ -252,8 +252,7 @@ struct BiasGradient {
     bool shared, fp32;
     __device__ __forceinline__ BiasGradient(const FlashParams& p, int batch, int head)
         : matrix(p.dbias), row_stride(p.dbias_row_stride),
-          shared(p.dbias_batch_stride == 0 || p.dbias_head_stride == 0 || p.dbias_row_stride == 0),
-          fp32(p.dbias_is_float32 != 0) {
+          shared(p.dbias_batch_stride == 0 || p.dbias_head_stride == 0), fp32(p.dbias_is_float32 != 0) {
         const long long offset = batch * p.dbias_batch_stride + head * p.dbias_head_stride;
         if (matrix != nullptr)
             matrix = fp32 ? static_cast<void*>(static_cast<float*>(matrix) + offset)

@@ -6,7 +6,7 @@ The options are keyword arguments declared in options.py; each function's signat
 docstring list those it takes.
 """
 
-from . import _arrays, _kvcache, _paged, _plan, options, reference, validate
+from . import _kvcache, _paged, _plan, options, reference, validate
 from .validate import Varlen
 
 
@@ -76,32 +76,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def paged_rows(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table):
     """(the Caller, blocks, rows) of a varlen call over a paged cache, after its checks: NumPy
     arrays giving the cache block and row of each packed key (read on the host with the lengths)."""
-    caller, lengths, table = validate.check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
+    caller, lengths, table = validate.check_paged_varlen(q, k_cache, v_cache, Varlen(cu_seqlens_q, cu_seqlens_k, 0, 0),
                                                          block_table)
+    return (caller, *_rows_of_pages(lengths, table, k_cache.shape[1]))
+
+
+def _rows_of_pages(lengths, table, page):
+    """(blocks, rows): the cache block and row of each packed key, from the key lengths and the block
+    table on the host."""
     import numpy
     sequence = numpy.repeat(numpy.arange(len(lengths)), lengths)  # of each packed key
     position = numpy.arange(len(sequence)) - numpy.repeat(numpy.cumsum(lengths) - lengths, lengths)  # in its sequence
-    page = k_cache.shape[1]
-    return caller, table[sequence, position // page].astype(numpy.int64), position % page
+    return table[sequence, position // page].astype(numpy.int64), position % page
 
 
 def _from_pages(q, k_cache, v_cache, varlen, block_table, given):
     """(k, v, cu_seqlens_q, cu_seqlens_k, given) of a varlen call over a paged cache, packed as the
-    varlen kernels take them: NumPy arrays exactly, on the host (paged_rows); GPU arrays on their
+    varlen kernels take them: NumPy arrays exactly, on the host (_rows_of_pages); GPU arrays on their
     device with no host read (_paged.packed_from_pages, extra key-only sequences after the last), so
     under no_host_sync and in a graph capture, their values checked on the host everywhere else."""
     slopes = given.get("alibi_slopes")
-    caller = validate.caller_of(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=varlen.cu_seqlens_q,
-                                cu_seqlens_k=varlen.cu_seqlens_k, block_table=block_table,
-                                **({} if slopes is None else dict(alibi_slopes=slopes)))
+    caller, lengths, table = validate.check_paged_varlen(q, k_cache, v_cache, varlen, block_table, slopes)
     if caller.kind == "numpy":
-        _, blocks, rows = paged_rows(q, k_cache, v_cache, varlen.cu_seqlens_q, varlen.cu_seqlens_k, block_table)
+        blocks, rows = _rows_of_pages(lengths, table, k_cache.shape[1])
         return k_cache[blocks, rows], v_cache[blocks, rows], varlen.cu_seqlens_q, varlen.cu_seqlens_k, given
-    validate.check_paged_varlen_shapes(q, k_cache, v_cache, varlen, block_table)
-    if validate.reads_device_values(caller):
-        import numpy
-        validate.check_paged_varlen_values(_arrays.to_host(varlen.cu_seqlens_k, caller),
-                                           numpy.asarray(_arrays.to_host(block_table, caller)), k_cache)
     if caller.kind == "torch":
         packed = _paged.packed_from_pages(_paged.TorchCalls(k_cache.device), k_cache, v_cache, varlen, block_table,
                                           slopes)

@@ -574,15 +574,19 @@ def _check_kvcache_values(call, cache, rows):
                              f"{last - 1} are rotated (cache_seqlens + the new tokens, or + seqlen_q for q)")
 
 
-def check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table):
+def check_paged_varlen(q, k_cache, v_cache, varlen, block_table, alibi_slopes=None):
     """(the Caller, the key lengths, the block table on the host) of a varlen call whose k and v are a
     paged cache read through block_table (the varlen checks follow on the gathered arrays); the
-    lengths and the block table are read on the host."""
-    caller = caller_of(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                       block_table=block_table)
-    check_paged_varlen_shapes(q, k_cache, v_cache, Varlen(cu_seqlens_q, cu_seqlens_k, 0, 0), block_table)
+    lengths and the block table are read on the host, or are None where the call may not read them
+    (reads_device_values)."""
+    caller = caller_of(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=varlen.cu_seqlens_q,
+                       cu_seqlens_k=varlen.cu_seqlens_k, block_table=block_table,
+                       **({} if alibi_slopes is None else dict(alibi_slopes=alibi_slopes)))
+    check_paged_varlen_shapes(q, k_cache, v_cache, varlen, block_table)
+    if not reads_device_values(caller):
+        return caller, None, None
     table = numpy.asarray(_arrays.to_host(block_table, caller))
-    lengths = check_paged_varlen_values(_arrays.to_host(cu_seqlens_k, caller), table, k_cache)
+    lengths = check_paged_varlen_values(_arrays.to_host(varlen.cu_seqlens_k, caller), table, k_cache)
     return caller, lengths, table
 
 

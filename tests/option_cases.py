@@ -33,6 +33,9 @@ GPU_CASES = [
                 alibi_slopes=True, dropout_p=0.2),
     Case.packed((1000, 17), (113, 1000), 128, "bfloat16", True, nheads=4, nheads_k=4, softcap=1.5,
                 deterministic=True),
+    # no query rows at all, and no key rows at all: the results without elements come back empty
+    Case.packed((0, 0), (3, 40), 64, "bfloat16", True, nheads=4, nheads_k=2),
+    Case.packed((3, 40), (0, 0), 128, "float16", False, nheads=4, nheads_k=2, alibi_slopes=True),
 ]
 
 # The bitwise-repeatability cases of both adapters' deterministic backward.

@@ -58,6 +58,11 @@ VARLEN = [Case.packed(lq, lk, d, dtype, causal, nheads=4, nheads_k=hk, **fields)
               [((0, 1, 17, 113, 5), (3, 0, 17, 200, 5)), ((1000, 17), (113, 1000))],
               [("bfloat16", 64, 2), ("float16", 128, 4)], (False, True),
               [{}] + [f for f in OPTIONS.values() if all(options.by_name(n).varlen for n in f)])]
+# No query rows at all, or no key rows at all (the NumPy path takes them: so must every kernel family).
+VARLEN += [Case.packed(lq, lk, d, dtype, causal, nheads=4, nheads_k=2, **fields)
+           for (lq, lk), (dtype, d), causal, fields in itertools.product(
+               [((0, 0), (3, 40)), ((3, 40), (0, 0))], [("bfloat16", 64), ("float16", 128)], (False, True),
+               [{}, dict(softcap=1.5, alibi_slopes=True, dropout_p=0.2, deterministic=True)])]
 
 
 @pytest.mark.parametrize("case", SINGLE + PAIRS + EDGES + VARLEN, ids=str)

@@ -66,6 +66,26 @@ def test_cpu_varlen_cu_seqlens_are_operands(on_cpu):
     assert len(traces) == 1
 
 
+@pytest.mark.parametrize("total", ["no_queries", "no_keys"])
+def test_cpu_varlen_without_query_or_key_rows_has_gradients(on_cpu, total):
+    """A packing whose every sequence lacks queries (or keys): empty results (out, dq, or dk and dv)
+    come back empty, the others as the reference has them (zeros where no key is seen)."""
+    lengths_q, lengths_k = ((0, 0), (3, 1)) if total == "no_queries" else ((4, 2), (0, 0))
+    q, dout = (_random((sum(lengths_q), 2, 8), n) for n in (40, 41))
+    k, v = (_random((sum(lengths_k), 1, 8), n) for n in (42, 43))
+    cu_q, cu_k = (numpy.cumsum((0,) + lengths).astype(numpy.int32) for lengths in (lengths_q, lengths_k))
+    attention = lambda q, k, v: flash_attn_varlen(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k),  # noqa: E731
+                                                  max(max(lengths_q), 1), max(max(lengths_k), 1), 0.3, True)
+    out, vjp = jax.vjp(attention, q, k, v)
+    grads = vjp(dout)
+    args = [_f64(x) for x in (q, k, v)]
+    ref_out, _ = reference.attention_forward_varlen(*args, cu_q, cu_k, 0.3, True)
+    ref_grads = reference.attention_backward_varlen(_f64(dout), *args, cu_q, cu_k, 0.3, True)
+    for what, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        assert got.shape == ref.shape, what
+        _assert_rounded(what, got, ref)
+
+
 def test_cpu_varlen_bad_packing_is_refused(on_cpu):
     q = jnp.zeros((9, 2, 16), jnp.float32)
     good = jnp.asarray([0, 4, 9], jnp.int32)

@@ -100,9 +100,10 @@ def settings(varlen=False, every_form=True):
 # (q's), causal, and `checked`, the options checked so far (in table order).
 
 def _real(name, value, rule):
-    """value as a float, ValueError naming `name` and `rule` unless it is a real number."""
+    """value as a float; TypeError naming `name` and `rule` unless it is a real number (as the drop-ins
+    and softmax_scale refuse a value that is not a number)."""
     if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be {rule}, got {value!r}")
+        raise TypeError(f"{name} must be {rule}, got {value!r}")
     return float(value)
 
 

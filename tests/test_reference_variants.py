@@ -185,9 +185,9 @@ def test_dropout_p_zero_is_exactly_no_dropout():
     ({"dropout_p": 1.0, "seed": 1}, ValueError, r"dropout_p must be a real number in \[0, 1\), got 1.0"),
     ({"dropout_p": -0.1, "seed": 1}, ValueError, r"dropout_p must be .* got -0.1"),
     ({"dropout_p": float("nan"), "seed": 1}, ValueError, r"dropout_p must be .* got nan"),
-    ({"dropout_p": True, "seed": 1}, ValueError, r"dropout_p must be .* got True"),
-    ({"dropout_p": "0.1", "seed": 1}, ValueError, r"dropout_p must be .* got '0.1'"),
-    ({"dropout_p": None}, ValueError, r"dropout_p must be .* got None"),
+    ({"dropout_p": True, "seed": 1}, TypeError, r"dropout_p must be .* got True"),
+    ({"dropout_p": "0.1", "seed": 1}, TypeError, r"dropout_p must be .* got '0.1'"),
+    ({"dropout_p": None}, TypeError, r"dropout_p must be .* got None"),
 ])
 def test_rejects_bad_dropout_arguments(options, error, message):
     q, k, v, dout = random_inputs(12, 1, 5, 6, 2, 2, 8)

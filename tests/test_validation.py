@@ -117,6 +117,9 @@ def test_mixed_kinds_are_refused():
     (dict(window_size=5), ValueError, r"window_size must be a pair"),
     (dict(softcap=-1.0), ValueError, r"softcap must be a finite number >= 0 .* got -1.0"),
     (dict(softcap=float("inf")), ValueError, r"softcap must be"),
+    (dict(softcap="big"), TypeError, r"softcap must be a finite number >= 0 .* got 'big'"),
+    (dict(softcap=True), TypeError, r"softcap must be a finite number >= 0 .* got True"),
+    (dict(dropout_p=None, seed=1), TypeError, r"dropout_p must be a real number in \[0, 1\), got None"),
     (dict(alibi_slopes=numpy.ones(3, numpy.float32)), ValueError, r"alibi_slopes must have shape \(nheads,\) = \(4,\) "
                                                                    r"or \(batch, nheads\) = \(2, 4\), got \(3,\)"),
     (dict(alibi_slopes=numpy.ones(4, numpy.float64)), TypeError, r"alibi_slopes must have dtype float32, got float64"),

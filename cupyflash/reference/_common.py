@@ -178,7 +178,7 @@ def _check_options(q_shape, seqlen_k, causal, window_size, softcap, alibi_slopes
     try:
         softcap = float(softcap)
     except (TypeError, ValueError):
-        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap!r}") from None
+        raise TypeError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap!r}") from None
     if not (math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap!r}")
     if alibi_slopes is not None:

@@ -189,7 +189,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     semantics. The caches are the custom call's results aliased to its operands: under jax.jit with
     them donated (donate_argnums) XLA writes them in place. CPU arrays run the NumPy reference, GPU
     arrays the core's GPU path (cupyflash/_kvcache.py) on XLA's stream."""
-    if cache_seqlens is not None and not hasattr(cache_seqlens, "shape"):
+    if validate.seqlens_given_as_int(cache_seqlens):
         cache_seqlens = jnp.full((q.shape[0],), validate.check_seqlens_int(cache_seqlens), jnp.int32)
     given = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     call, cache = validate.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,

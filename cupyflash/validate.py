@@ -392,7 +392,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         if value is not None:
             arrays[name] = value
     seqlens_int = None
-    if cache_seqlens is not None and not _is_array(cache_seqlens):
+    if seqlens_given_as_int(cache_seqlens):
         seqlens_int, cache_seqlens = check_seqlens_int(cache_seqlens), None
     elif cache_seqlens is not None:
         arrays["cache_seqlens"] = cache_seqlens
@@ -499,6 +499,12 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     if not traced and reads_device_values(caller):
         _check_kvcache_values(call, cache, rows)
     return call, cache
+
+
+def seqlens_given_as_int(cache_seqlens):
+    """Whether cache_seqlens is one length for every sequence: an int (a NumPy integer scalar too),
+    or anything else that is not an array (check_seqlens_int names it)."""
+    return cache_seqlens is not None and (isinstance(cache_seqlens, numbers.Integral) or not _is_array(cache_seqlens))
 
 
 def check_seqlens_int(cache_seqlens):

@@ -71,6 +71,9 @@ def test_an_int_length_and_no_new_tokens():
                                              cache_seqlens=20)
     np.testing.assert_array_equal(np.asarray(out), want)
     np.testing.assert_array_equal(np.asarray(k_after), inputs["k_cache"])
+    for length in (np.int32(20), np.int64(20)):  # a NumPy integer is an int, as in the core
+        np.testing.assert_array_equal(np.asarray(cfj.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=length)[0]),
+                                      want)
 
 
 @pytest.mark.usefixtures("on_cpu")

@@ -228,6 +228,9 @@ def test_an_int_length_an_empty_sequence_and_a_full_cache():
     full = cupyflash.flash_attn_with_kvcache(case["q"], case["k_cache"], case["v_cache"])
     np.testing.assert_array_equal(full, cupyflash.flash_attn_with_kvcache(
         case["q"], case["k_cache"], case["v_cache"], cache_seqlens=70))
+    for length in (np.int32(70), np.int64(70)):  # a NumPy integer is an int, as in the drop-ins
+        np.testing.assert_array_equal(full, cupyflash.flash_attn_with_kvcache(
+            case["q"], case["k_cache"], case["v_cache"], cache_seqlens=length))
 
 
 def test_low_precision_caches_hold_the_rounded_appended_keys():

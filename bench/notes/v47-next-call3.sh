@@ -1,6 +1,6 @@
 #!/bin/bash
 # v48 call 3 (prepared in v47): the forced mma.sync family's GPU files that v46 did not reach, and
-# its memcheck, on main (HEAD). About 290 s.
+# its memcheck, on main (HEAD); v48 added the variants' packings without query or key rows. About 300 s.
 cd "$(dirname "$0")/.."
 mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
 export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -13,6 +13,10 @@ CUPYFLASH_FAMILY=mma_sync PYTHONPATH=. timeout 200 python -m pytest -m gpu -n 12
   $(ls tests/test_*.py | grep -v -e test_gpu.py -e test_head_dims.py -e test_gpu_variants.py -e test_bench_context_parallel.py) \
   > $OUT/forced_rest.log 2>&1
 echo "rc $? ($(date +%T))" >> $L; tail -1 $OUT/forced_rest.log >> $L; grep -E "FAILED|ERROR" $OUT/forced_rest.log | head -20 >> $L
+echo "== main, forced mma_sync: v48's varlen cases without query or key rows ($(date +%T))" >> $L
+CUPYFLASH_FAMILY=mma_sync PYTHONPATH=. timeout 60 python -m pytest -m gpu -n 12 -v -p no:cacheprovider -p no:warnings \
+  tests/test_gpu_variants.py -k "sq0 or sk0" > $OUT/forced_empty.log 2>&1
+echo "rc $? ($(date +%T))" >> $L; tail -1 $OUT/forced_empty.log >> $L; grep -E "FAILED|ERROR" $OUT/forced_empty.log | head -20 >> $L
 echo "== main, forced mma_sync: memcheck ($(date +%T))" >> $L
 CUPYFLASH_FAMILY=mma_sync PYTHONPATH=. timeout 80 compute-sanitizer --tool memcheck python tests/sanitize_run.py 2>&1 | tail -2 >> $L
 cd $S/..

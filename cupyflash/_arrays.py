@@ -225,16 +225,6 @@ class Caller:
                                  bfloat16_dtype() if dtype == "bfloat16" else numpy.dtype(dtype))
         return lambda inputs: make()
 
-    def from_host(self, array):
-        """A copy of a NumPy array on the caller's device: a torch tensor for torch callers, else a
-        CuPy array (the launch path's kinds)."""
-        if self.allocates_with_torch:
-            import torch
-            return torch.as_tensor(array, device=torch.device("cuda", self.device_id))
-        import cupy
-        with self.device():
-            return cupy.asarray(array)
-
     def zeros(self, shape, dtype):
         """A new zero-filled GPU array (torch's allocator for torch callers, CuPy's otherwise), on
         the caller's stream."""

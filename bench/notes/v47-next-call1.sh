@@ -1,5 +1,5 @@
 #!/bin/bash
-# v48 call 1 (prepared in v47, a session without a device): the decode experiments with their tests.
+# Next call 1 (prepared in v47, kept through v48: sessions without a device): the decode experiments with their tests.
 #   main = HEAD, small = + v46-decode-small-tile-for-clusters.experiment.patch,
 #   mw = + v47-decode-cluster-merge-weights-once.patch, smallmw = both (trees in .device_scratch,
 #   every sm_90 variant of each in cache.tar.xz, spill-free). test_kvcache_gpu.py holds v47's new

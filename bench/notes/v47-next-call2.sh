@@ -1,5 +1,5 @@
 #!/bin/bash
-# v48 call 2 (prepared in v47): v46's half-P-V forward (half = HEAD + v46-fwd-half-diagonal-pv.patch):
+# Next call 2 (prepared in v47, kept through v48: sessions without a device): v46's half-P-V forward (half = HEAD + v46-fwd-half-diagonal-pv.patch):
 # its LOCAL tests and an A/B beside main; then why the options table's varlen row reads 1.16-1.21x
 # the plain forward: the same equal-length call with and without no_host_sync (its cu_seqlens
 # check reads them on the host each call) beside the plain one. About 330 s.

@@ -1,5 +1,5 @@
 #!/bin/bash
-# v48 call 3 (prepared in v47): the forced mma.sync family's GPU files that v46 did not reach, and
+# Next call 3 (prepared in v47, kept through v48: sessions without a device): the forced mma.sync family's GPU files that v46 did not reach, and
 # its memcheck, on main (HEAD); v48 added the variants' packings without query or key rows. About 300 s.
 cd "$(dirname "$0")/.."
 mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1

@@ -3,7 +3,8 @@
 #   main = HEAD, small = + v46-decode-small-tile-for-clusters.experiment.patch,
 #   mw = + v47-decode-cluster-merge-weights-once.patch, smallmw = both (trees in .device_scratch,
 #   every sm_90 variant of each in cache.tar.xz, spill-free). test_kvcache_gpu.py holds v47's new
-#   paged varlen tests too (JAX under jit, torch captured in a graph). About 300 s.
+#   paged varlen tests too (JAX under jit, torch captured in a graph). corr (v48's softmax patch, which
+#   changes the decode kernel too) joins the decode A/B; its tests are in call 2. About 340 s.
 # Copy into .device_scratch/ and run as `bash .device_scratch/next_call1.sh`.
 cd "$(dirname "$0")/.."
 mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
@@ -21,8 +22,8 @@ for t in mw smallmw; do
   echo "rc $? ($(date +%T))" >> $L; tail -1 $OUT/tests_$t.log >> $L; grep -E "FAILED|ERROR" $OUT/tests_$t.log | head -10 >> $L
 done
 cd $S/..
-echo "== ab decode main small mw smallmw: few-CTA short caches, and cells that merge in clusters on main ($(date +%T))" >> $L
+echo "== ab decode main small mw smallmw corr: few-CTA short caches, and cells that merge in clusters on main ($(date +%T))" >> $L
 C=1:1024:32:32:64:dense,1:1024:32:8:64:dense,1:1024:32:8:128:dense,1:1024:8:1:64:dense,1:1024:8:1:128:dense,4:1024:32:8:64:dense,4:4096:8:1:128:dense,16:1024:8:1:64:dense,16:1024:8:1:64:paged256,4:1024:32:32:128:dense,1:4096:32:8:128:dense,4:4096:32:8:64:dense,16:4096:8:1:128:dense,1:4096:8:1:64:dense,128:1024:8:1:64:dense,1:1024:32:8:128:paged16,64:1024:8:1:128:paged16,4:1024:8:1:128:paged16
-timeout 150 python /tmp/ab.py --pass decode --rounds 3 --cells $C $S/main $S/small $S/mw $S/smallmw >> $L 2>&1
+timeout 190 python /tmp/ab.py --pass decode --rounds 3 --cells $C $S/main $S/small $S/mw $S/smallmw $S/corr >> $L 2>&1
 find /tmp/pcache -newer /tmp/t0 -type f | tar -cJf $OUT/newcache.tar.xz -T - 2>/dev/null
 echo "done ($(date +%T))" >> $L

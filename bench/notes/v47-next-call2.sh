@@ -1,8 +1,14 @@
 #!/bin/bash
-# Next call 2 (prepared in v47, kept through v48: sessions without a device): v46's half-P-V forward (half = HEAD + v46-fwd-half-diagonal-pv.patch):
-# its LOCAL tests and an A/B beside main; then why the options table's varlen row reads 1.16-1.21x
-# the plain forward: the same equal-length call with and without no_host_sync (its cu_seqlens
-# check reads them on the host each call) beside the plain one. About 330 s.
+# Next call 2 (prepared in v47, v48's experiments added; sessions without a device): the forward's
+# softmax schedule beside FA4's (v48 note: FA4's hd64 loop interleaves every exp with other work;
+# ours issues runs of 33 exps behind a branch):
+#   half = HEAD + v46-fwd-half-diagonal-pv.patch (LOCAL forwards: P V on half a causal diagonal),
+#   corr = HEAD + v48-softmax-corrections-when-moved.patch (the corrections' exps only where a
+#          row's maximum moved: 64 exps a block, not 66; ptxas then waits for P V after the exps),
+#   flat = HEAD + v48-softmax-rescale-without-branch.patch (the wgmma forward rescales O every
+#          block without a branch: one basic block, every exp interleaved, as FA4's).
+# An A/B of main, half, corr and flat first, then corr's and flat's forward tests side by side
+# (half's are in call 2b). About 360 s.
 cd "$(dirname "$0")/.."
 mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
 export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -10,32 +16,20 @@ touch /tmp/t0
 cp bench/ab.py /tmp/
 S=$PWD/.device_scratch
 L=$OUT/log.txt
-echo "== half: LOCAL forward tests ($(date +%T))" > $L
-cd $S/half
-PYTHONPATH=. timeout 130 python -m pytest -m gpu -p no:cacheprovider -n 12 -q -p no:warnings tests/test_gpu.py tests/test_head_dims.py \
-  -k "causal or local or window or tile_table or forward" > $OUT/tests_half.log 2>&1
-echo "rc $? ($(date +%T))" >> $L; tail -1 $OUT/tests_half.log >> $L; grep -E "FAILED|ERROR" $OUT/tests_half.log | head -10 >> $L
-cd $S/..
-echo "== ab fwd main half ($(date +%T))" >> $L
-timeout 100 python /tmp/ab.py --pass fwd --rounds 5 $S/main $S/half >> $L 2>&1
-echo "== varlen (equal lengths) against plain, hd128 bf16, ms per call ($(date +%T))" >> $L
-cd $S/main
-PYTHONPATH=. timeout 80 python - >> $L 2>&1 <<'PY'
-import torch, cupyflash
-from cupyflash.benchmark import BatchTimer, median_ms
-for batch, seqlen in ((4, 4096), (1, 16384)):
-    q, k, v = (torch.randn(batch, seqlen, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device="cuda", dtype=torch.int32)
-    packed = [x.reshape(batch * seqlen, 16, 128) for x in (q, k, v)]
-    def quiet():
-        with cupyflash.no_host_sync():
-            return cupyflash.flash_attn_varlen_func(*packed, cu, cu, seqlen, seqlen)
-    calls = {"plain": lambda: cupyflash.flash_attn_func(q, k, v),
-             "varlen": lambda: cupyflash.flash_attn_varlen_func(*packed, cu, cu, seqlen, seqlen),
-             "varlen, no_host_sync": quiet}
-    times = median_ms({name: BatchTimer(fn) for name, fn in calls.items()}, reps=7)
-    print(batch, seqlen, {name: round(ms, 3) for name, ms in times.items()})
-PY
+echo "== ab fwd main half corr flat ($(date +%T))" > $L
+timeout 210 python /tmp/ab.py --pass fwd --rounds 5 $S/main $S/half $S/corr $S/flat >> $L 2>&1
+echo "== corr (forward and decode tests) and flat (forward tests), side by side ($(date +%T))" >> $L
+(cd $S/corr && PYTHONPATH=. timeout 140 python -m pytest -m gpu -p no:cacheprovider -n 6 -q -p no:warnings \
+  tests/test_gpu.py tests/test_head_dims.py tests/test_kvcache_gpu.py \
+  -k "causal or local or window or tile_table or forward or dense_decode or splits" \
+  > $OUT/tests_corr.log 2>&1; echo "corr rc $?" >> $OUT/tests_corr.log) &
+(cd $S/flat && PYTHONPATH=. timeout 140 python -m pytest -m gpu -p no:cacheprovider -n 6 -q -p no:warnings \
+  tests/test_gpu.py tests/test_head_dims.py -k "causal or local or window or tile_table or forward" \
+  > $OUT/tests_flat.log 2>&1; echo "flat rc $?" >> $OUT/tests_flat.log) &
+wait
+for t in corr flat; do
+  echo "-- $t ($(date +%T))" >> $L; tail -2 $OUT/tests_$t.log >> $L; grep -E "FAILED|ERROR" $OUT/tests_$t.log | head -10 >> $L
+done
 cd $S/..
 find /tmp/pcache -newer /tmp/t0 -type f | tar -cJf $OUT/newcache.tar.xz -T - 2>/dev/null
 echo "done ($(date +%T))" >> $L

@@ -15,7 +15,7 @@ S=$PWD/.device_scratch
 L=$OUT/log.txt
 echo "== dqf: backward tests ($(date +%T))" > $L
 cd $S/dqf
-PYTHONPATH=. timeout 120 python -m pytest -m gpu -p no:cacheprovider -n 12 -q -p no:warnings tests/test_gpu.py \
+PYTHONPATH=. timeout 140 python -m pytest -m gpu -p no:cacheprovider -n 12 -q -p no:warnings tests/test_gpu.py \
   tests/test_head_dims.py tests/test_torch_cuda.py -k "backward or full or forward_backward or every_tile_table or head_dim or options" \
   > $OUT/tests_dqf.log 2>&1
 echo "rc $? ($(date +%T))" >> $L; tail -1 $OUT/tests_dqf.log >> $L; grep -E "FAILED|ERROR" $OUT/tests_dqf.log | head -10 >> $L

@@ -5,7 +5,7 @@
 # flash_bwd_convert_dq reading it back, flash_bwd_dot zeroing whole blocks; the consumer index
 # warp-uniform there too: step loop 783 -> 545 instructions, FA4's 463). Its backward tests, racecheck
 # and memcheck of the sanitizer cases (the 80-row backward among them), then an A/B of the backward
-# beside main. About 330 s.
+# beside main. About 360 s.
 cd "$(dirname "$0")/.."
 mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
 export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -38,6 +38,6 @@ PYTHONPATH=. timeout 60 compute-sanitizer --tool racecheck --racecheck-report ha
 PYTHONPATH=. timeout 45 compute-sanitizer --tool memcheck python /tmp/dqsan.py 2>&1 | tail -5 >> $L
 cd $S/..
 echo "== ab bwd main dqf ($(date +%T))" >> $L
-timeout 80 python /tmp/ab.py --pass bwd --rounds 5 --cells 128:1024:0,128:4096:0,128:16384:0,64:4096:0,128:4096:1 $S/main $S/dqf >> $L 2>&1
+timeout 100 python /tmp/ab.py --pass bwd --rounds 5 --cells 128:1024:0,128:4096:0,128:16384:0,64:4096:0,128:4096:1 $S/main $S/dqf >> $L 2>&1
 find /tmp/pcache -newer /tmp/t0 -type f | tar -cJf $OUT/newcache.tar.xz -T - 2>/dev/null
 echo "done ($(date +%T))" >> $L

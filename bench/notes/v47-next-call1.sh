@@ -7,12 +7,7 @@
 #   changes the decode kernel too) joins the decode A/B; its tests are in call 2. About 340 s.
 # Copy into .device_scratch/ and run as `bash .device_scratch/next_call1.sh`.
 cd "$(dirname "$0")/.."
-mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
-export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
-touch /tmp/t0
-cp bench/ab.py /tmp/
-S=$PWD/.device_scratch
-L=$OUT/log.txt
+source bench/device_call.sh
 : > $L
 for t in mw smallmw; do
   echo "== $t: KV-cache GPU tests ($(date +%T))" >> $L
@@ -25,5 +20,5 @@ cd $S/..
 echo "== ab decode main small mw smallmw corr: few-CTA short caches, and cells that merge in clusters on main ($(date +%T))" >> $L
 C=1:1024:32:32:64:dense,1:1024:32:8:64:dense,1:1024:32:8:128:dense,1:1024:8:1:64:dense,1:1024:8:1:128:dense,4:1024:32:8:64:dense,4:4096:8:1:128:dense,16:1024:8:1:64:dense,16:1024:8:1:64:paged256,4:1024:32:32:128:dense,1:4096:32:8:128:dense,4:4096:32:8:64:dense,16:4096:8:1:128:dense,1:4096:8:1:64:dense,128:1024:8:1:64:dense,1:1024:32:8:128:paged16,64:1024:8:1:128:paged16,4:1024:8:1:128:paged16
 timeout 190 python /tmp/ab.py --pass decode --rounds 3 --cells $C $S/main $S/small $S/mw $S/smallmw $S/corr >> $L 2>&1
-find /tmp/pcache -newer /tmp/t0 -type f | tar -cJf $OUT/newcache.tar.xz -T - 2>/dev/null
+save_new_kernels
 echo "done ($(date +%T))" >> $L

@@ -10,12 +10,7 @@
 # An A/B of main, half, corr and flat first, then corr's and flat's forward tests side by side
 # (half's are in call 2b). About 360 s.
 cd "$(dirname "$0")/.."
-mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
-export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
-touch /tmp/t0
-cp bench/ab.py /tmp/
-S=$PWD/.device_scratch
-L=$OUT/log.txt
+source bench/device_call.sh
 echo "== ab fwd main half corr flat ($(date +%T))" > $L
 timeout 210 python /tmp/ab.py --pass fwd --rounds 5 $S/main $S/half $S/corr $S/flat >> $L 2>&1
 echo "== corr (forward and decode tests) and flat (forward tests), side by side ($(date +%T))" >> $L
@@ -31,5 +26,5 @@ for t in corr flat; do
   echo "-- $t ($(date +%T))" >> $L; tail -2 $OUT/tests_$t.log >> $L; grep -E "FAILED|ERROR" $OUT/tests_$t.log | head -10 >> $L
 done
 cd $S/..
-find /tmp/pcache -newer /tmp/t0 -type f | tar -cJf $OUT/newcache.tar.xz -T - 2>/dev/null
+save_new_kernels
 echo "done ($(date +%T))" >> $L

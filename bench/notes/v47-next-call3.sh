@@ -2,11 +2,7 @@
 # Next call 3 (prepared in v47, kept through v48: sessions without a device): the forced mma.sync family's GPU files that v46 did not reach, and
 # its memcheck, on main (HEAD); v48 added the variants' packings without query or key rows. About 300 s.
 cd "$(dirname "$0")/.."
-mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
-export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
-touch /tmp/t0
-S=$PWD/.device_scratch
-L=$OUT/log.txt
+source bench/device_call.sh
 echo "== main, forced mma_sync: the GPU files v46 did not reach ($(date +%T))" > $L
 cd $S/main
 CUPYFLASH_FAMILY=mma_sync PYTHONPATH=. timeout 200 python -m pytest -m gpu -n 12 -v -p no:cacheprovider -p no:warnings \
@@ -20,5 +16,5 @@ echo "rc $? ($(date +%T))" >> $L; tail -1 $OUT/forced_empty.log >> $L; grep -E "
 echo "== main, forced mma_sync: memcheck ($(date +%T))" >> $L
 CUPYFLASH_FAMILY=mma_sync PYTHONPATH=. timeout 80 compute-sanitizer --tool memcheck python tests/sanitize_run.py 2>&1 | tail -2 >> $L
 cd $S/..
-find /tmp/pcache -newer /tmp/t0 -type f | tar -cJf $OUT/newcache.tar.xz -T - 2>/dev/null
+save_new_kernels
 echo "done ($(date +%T))" >> $L

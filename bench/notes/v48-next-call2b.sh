@@ -4,10 +4,7 @@
 # equal-length call with and without no_host_sync (its cu_seqlens check reads them on the host each
 # call) beside the plain one. About 200 s.
 cd "$(dirname "$0")/.."
-mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
-export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
-S=$PWD/.device_scratch
-L=$OUT/log.txt
+source bench/device_call.sh
 echo "== half: LOCAL forward tests ($(date +%T))" > $L
 cd $S/half
 PYTHONPATH=. timeout 130 python -m pytest -m gpu -p no:cacheprovider -n 12 -q -p no:warnings tests/test_gpu.py tests/test_head_dims.py \

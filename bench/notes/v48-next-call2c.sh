@@ -7,12 +7,7 @@
 # and memcheck of the sanitizer cases (the 80-row backward among them), then an A/B of the backward
 # beside main. About 360 s.
 cd "$(dirname "$0")/.."
-mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
-export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
-touch /tmp/t0
-cp bench/ab.py /tmp/
-S=$PWD/.device_scratch
-L=$OUT/log.txt
+source bench/device_call.sh
 echo "== dqf: backward tests ($(date +%T))" > $L
 cd $S/dqf
 PYTHONPATH=. timeout 140 python -m pytest -m gpu -p no:cacheprovider -n 12 -q -p no:warnings tests/test_gpu.py \
@@ -39,5 +34,5 @@ PYTHONPATH=. timeout 45 compute-sanitizer --tool memcheck python /tmp/dqsan.py 2
 cd $S/..
 echo "== ab bwd main dqf ($(date +%T))" >> $L
 timeout 100 python /tmp/ab.py --pass bwd --rounds 5 --cells 128:1024:0,128:4096:0,128:16384:0,64:4096:0,128:4096:1 $S/main $S/dqf >> $L 2>&1
-find /tmp/pcache -newer /tmp/t0 -type f | tar -cJf $OUT/newcache.tar.xz -T - 2>/dev/null
+save_new_kernels
 echo "done ($(date +%T))" >> $L

@@ -5,7 +5,7 @@ change altered, and the sizes of their loops, before any device call.
     python bench/sass.py loops TREE [FILTER ...]            # per kernel: its loops' sizes and opcodes
 
 A TREE is a directory holding one version's cupyflash/ and cuda_src/ (as bench/ab.py's), or `.`.
-The kernels are the sm_90 ones of `--dtype` without options whose names hold every FILTER; each
+The kernels are the sm_90 ones of `--dtype` (without options unless `--options`) whose names hold every FILTER; each
 tree compiles them with its own code (a process run from the tree) into one cache, keyed by the
 source as the package keys it (CUPYFLASH_CACHE_DIR, else .device_cache/, which device_trees.py
 fills). `diff` compares the instruction streams without addresses; a refactor that leaves them
@@ -30,9 +30,9 @@ CUBINS = """
 import json, re, sys
 from cupyflash import _compile, _kernels
 if __name__ == "__main__":
-    dtype, filters = sys.argv[1], sys.argv[2:]
+    dtype, with_options, filters = sys.argv[1], sys.argv[2] == "1", sys.argv[3:]
     jobs = [(arch, k) for arch, k in _kernels.compile_jobs() if arch.startswith("90") and k.dtype == dtype
-            and not k.options and all(f in k.name for f in filters)]
+            and (with_options or not k.options) and all(f in k.name for f in filters)]
     reports = _compile.compile_all(jobs)
     kernels = {}
     for arch, k, r in reports:
@@ -46,12 +46,12 @@ LABEL = re.compile(r"^(\.L_x_\d+):")
 OPCODE = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def cubins(tree, dtype, filters):
+def cubins(tree, dtype, filters, with_options=False):
     """{kernel name: (cubin path, registers, spill bytes, {ptxas message code: count})} of `tree`'s kernels."""
     tree = tree.resolve()
     env = dict(os.environ, PYTHONPATH=str(tree))
     env.setdefault("CUPYFLASH_CACHE_DIR", str(REPO / ".device_cache"))
-    done = subprocess.run([sys.executable, "-c", CUBINS, dtype, *filters], cwd=tree, env=env, check=True,
+    done = subprocess.run([sys.executable, "-c", CUBINS, dtype, str(int(with_options)), *filters], cwd=tree, env=env, check=True,
                           capture_output=True, text=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if not pathlib.Path(result["code"]).resolve().is_relative_to(tree):
@@ -112,13 +112,14 @@ def main(argv):
     parser.add_argument("command", choices=("diff", "loops"))
     parser.add_argument("trees_and_filters", nargs="+", help="diff: TREE_A TREE_B [FILTER ...]; loops: TREE [FILTER ...]")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--options", action="store_true", help="the option kernels too (softcap, alibi, ...)")
     parser.add_argument("--min", type=int, default=150, help="loops: the shortest loop listed (instructions)")
     args = parser.parse_args(argv)
     count = 2 if args.command == "diff" else 1
     trees, filters = [pathlib.Path(t) for t in args.trees_and_filters[:count]], args.trees_and_filters[count:]
     if len(trees) < count:
         parser.error(f"{args.command} takes {count} tree(s)")
-    kernels = [cubins(tree, args.dtype, filters) for tree in trees]
+    kernels = [cubins(tree, args.dtype, filters, args.options) for tree in trees]
     if args.command == "loops":
         for name, (cubin, registers, spills, warnings) in sorted(kernels[0].items()):
             print(f"{name} ({registers} registers, {spills} spill bytes)")

@@ -37,17 +37,20 @@ class Case:
     varlen: tuple    # per-sequence lengths (q, k), or ()
     key_scale: tuple  # k's rows scaled from key_scale[0] (first key) to key_scale[1] (last), geometrically:
                       # scores that grow or shrink along the keys move a row's running maximum block after block
+    score_shift: float  # every score of an even query row raised by about this much (in softmax units,
+                        # scale q . k), every score of an odd row lowered: q and k share a direction.
+                        # Far past softcap, every capped score of a row is near +cap or near -cap
     options: tuple   # ((name, setting), ...) in the options table's order, those that are on
 
     def __init__(self, seqlen_q, seqlen_k, headdim, dtype="bfloat16", causal=False, batch=2, nheads=2, nheads_k=2,
-                 layout="separate", varlen=(), key_scale=(1.0, 1.0), **settings):
+                 layout="separate", varlen=(), key_scale=(1.0, 1.0), score_shift=0.0, **settings):
         for name in settings:
             options.by_name(name)  # KeyError for a name that is no option
         on = tuple((o.name, o.forms[0] if settings[o.name] is True and o.forms else settings[o.name])
                    for o in options.OPTIONS if settings.get(o.name) not in (None, False, "", 0, o.default))
         for field, value in dict(seqlen_q=seqlen_q, seqlen_k=seqlen_k, headdim=headdim, dtype=dtype, causal=causal,
                                  batch=batch, nheads=nheads, nheads_k=nheads_k, layout=layout, varlen=tuple(varlen),
-                                 key_scale=tuple(key_scale), options=on).items():
+                                 key_scale=tuple(key_scale), score_shift=float(score_shift), options=on).items():
             object.__setattr__(self, field, value)
 
     def setting(self, name):
@@ -60,6 +63,7 @@ class Case:
         extras = [f"{name}={value}" for name, value in self.options]
         extras += [f"varlen{self.varlen}"] * bool(self.varlen)
         extras += [f"key_scale{self.key_scale}"] * (self.key_scale != (1.0, 1.0))
+        extras += [f"score_shift={self.score_shift:g}"] * bool(self.score_shift)
         return " ".join([text] + extras)
 
     @staticmethod
@@ -111,6 +115,11 @@ def random_inputs(case, seed):
     if case.key_scale != (1.0, 1.0):
         ramp = numpy.geomspace(*case.key_scale, shapes["k"][-3], dtype=numpy.float32)
         inputs["k"] *= ramp[:, None, None]
+    if case.score_shift:
+        # A direction e with scale |e|^2 = 1 at scale = d^-1/2; q's rows gain +-sqrt(shift) e, k's +sqrt(shift) e.
+        e = numpy.full(d, d ** -0.25, dtype=numpy.float32) * numpy.float32(case.score_shift ** 0.5)
+        inputs["q"] += numpy.where(numpy.arange(shapes["q"][-3]) % 2, -1, 1).astype(numpy.float32)[:, None, None] * e
+        inputs["k"] += e
     inputs = {name: reference.round_to(x, case.dtype) for name, x in inputs.items()}
     sizes = (b, h, sq, sk)
     for name, setting in case.options:

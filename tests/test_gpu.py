@@ -37,7 +37,21 @@ RESCALE_CASES = [Case(1000, 1000, d, dtype, causal, batch=1, key_scale=key_scale
                      [(64, "bfloat16"), (128, "float16"), (256, "bfloat16")], [(0.25, 4.0), (4.0, 0.25)], (False, True))]
 
 
-@pytest.mark.parametrize("case", HEADDIM_CASES + SEQLEN_CASES + GQA_CASES + PACKED_CASES + RESCALE_CASES, ids=str)
+# Softcap's scores at the ends of its range: a shift far past the cap puts every capped score of a row
+# near +cap or near -cap, so P's exponents span up to 2 cap log2(e) (caps 30 to 100: 87 to 289).
+SOFTCAP_RANGE_CASES = [Case(sq, sk, d, dtype, causal, softcap=cap, score_shift=shift)
+                       for sq, sk, d, dtype, causal, cap, shift in [
+                           (113, 1000, 128, "bfloat16", False, 30.0, 400.0),
+                           (1000, 1000, 64, "bfloat16", True, 50.0, 400.0),
+                           (113, 1000, 256, "bfloat16", True, 55.0, 400.0),
+                           (1000, 1000, 128, "bfloat16", False, 50.0, 30.0),
+                           (1000, 113, 128, "bfloat16", False, 60.0, 400.0),
+                           (113, 1000, 64, "bfloat16", False, 100.0, 400.0),
+                           (113, 1000, 128, "float16", True, 30.0, 400.0)]]
+
+
+@pytest.mark.parametrize("case", HEADDIM_CASES + SEQLEN_CASES + GQA_CASES + PACKED_CASES + RESCALE_CASES
+                         + SOFTCAP_RANGE_CASES, ids=str)
 def test_forward_backward(case):
     _assert_ok(_check.run_gpu_case(case, _seed(case)))
 

@@ -144,3 +144,15 @@ def test_lowp_score_transform_rounds_every_step():
                                  bias=bias, return_tanh=True)
     assert s64.dtype == np.float64 and 0 < rel_error(t, t64) < 2e-3
     assert 0 < rel_error(s[:, :, mask], s64[:, :, mask]) < 2e-3
+
+
+def test_the_checks_score_shift_raises_every_score_of_even_rows_and_lowers_odd_rows():
+    """_check.Case(score_shift=...): the GPU checks' inputs for softcap's far ends (tests/test_gpu.py)."""
+    from cupyflash import _check
+    case = _check.Case(17, 113, 40, "bfloat16", False, batch=1, nheads=2, nheads_k=1, score_shift=400.0, softcap=30.0)
+    inputs = _check.random_inputs(case, 7)
+    q, k = (inputs[name].astype(np.float64) for name in "qk")
+    assert all(np.array_equal(x, ref.round_to(x, "bfloat16")) for x in (q, k))
+    scores = np.einsum("bqhd,bkd->bhqk", q, k[:, :, 0]) * 40 ** -0.5
+    assert (scores[:, :, 0::2] > 300).all() and (scores[:, :, 1::2] < -300).all()
+    assert np.tanh(np.abs(scores) / 30).min() > 0.999  # every capped score near +-cap

@@ -63,28 +63,34 @@ def parse_decode_cell(text):
     return batch, cache, nheads, nheads_k, hd, page
 
 
-def compile_jobs(pass_, dtype):
+def compile_jobs(pass_, dtype, given):
     """(arch, kernel) of this process's cupyflash that the H200 runs for `pass_` at `dtype`, plain and
-    causal: the forward's wgmma kernels where the version has them, else its sm_90 mma.sync ones;
-    for decode the KV cache's kernels (not causal). (With --options, the options' kernels compile on
-    the GPU machine, in the untimed first calls.)"""
-    from cupyflash import _kernels
+    causal: the forward's wgmma kernels where the version has them, else its sm_90 mma.sync ones,
+    with the features of the options `given`; for decode the KV cache's kernels (not causal). (The
+    backward's options' kernels, of other tiles, compile on the GPU machine, in the untimed first calls.)"""
+    import dataclasses
+    from cupyflash import _kernels, options
     jobs = [(arch, k) for arch, k in _kernels.compile_jobs()
             if arch.startswith("90") and k.dtype == dtype and not k.options]
     if pass_ == "decode":
         return [(arch, k) for arch, k in jobs if k.pass_ in _kernels.KVCACHE_PASSES and not k.local]
     if pass_ == "fwd":
+        features = tuple(f for f in _kernels.FEATURES if any(options.by_name(name).kernels == f for name in given))
         wgmma = [(arch, k) for arch, k in jobs if k.pass_ == "fwd" and getattr(k, "wgmma", False)]
-        return wgmma or [(arch, k) for arch, k in jobs if k.pass_ == "fwd"]
+        return [(arch, dataclasses.replace(k, features=features))
+                for arch, k in wgmma or [(arch, k) for arch, k in jobs if k.pass_ == "fwd"]]
     return [(arch, k) for arch, k in jobs if k.pass_ != "fwd" and k.pass_ not in _kernels.KVCACHE_PASSES]
 
 
-def worker_compile(pass_, dtype):
+def worker_compile(pass_, dtype, given):
+    """Compiles compile_jobs(...); prints the count, those that spill and the cache files they are
+    (bench/device_trees.py packs those)."""
     from cupyflash import _compile
-    jobs = compile_jobs(pass_, dtype)
+    jobs = compile_jobs(pass_, dtype, given)
     reports = _compile.compile_all(jobs)
     unclean = [k.name for _, k, report in reports if not report.clean]
-    print(json.dumps({"kernels": len(jobs), "unclean": unclean}))
+    files = [_compile.compile_kernel(k, arch)[0].name for arch, k in jobs]  # (compiled: the cache's paths)
+    print(json.dumps({"kernels": len(jobs), "unclean": unclean, "files": files}))
 
 
 def worker_time(pass_, dtype, cells, given):
@@ -205,7 +211,7 @@ def main(argv):
     for cell in args.cells:
         (parse_decode_cell if decode else parse_cell)(cell)
     if args.worker_compile:
-        return worker_compile(args.pass_, args.dtype)
+        return worker_compile(args.pass_, args.dtype, args.options)
     if args.worker_time:
         return worker_decode(args.cells) if decode else worker_time(args.pass_, args.dtype, args.cells, args.options)
     trees = [tree.resolve() for tree in args.trees]
@@ -214,7 +220,8 @@ def main(argv):
             parser.error(f"{tree} holds no cupyflash/ and cuda_src/")
     if args.compile:
         for tree in trees:
-            print(tree, run_tree(tree, "--worker-compile", args), flush=True)
+            result = run_tree(tree, "--worker-compile", args)
+            print(tree, result and {key: value for key, value in result.items() if key != "files"}, flush=True)
         return
     results = {}  # (cell, column) -> [TFLOP/s per round]
     columns = [f"{i}:{tree.name}" for i, tree in enumerate(trees)]

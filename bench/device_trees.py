@@ -2,14 +2,16 @@
 for all of them, packed to travel as `carry` (bench/DEVICE.md says how a call uses them).
 
     python bench/device_trees.py DIR main=HEAD pdl=HEAD+bench/notes/x.patch [--kernels ab|all]
+                                 [--options '{"softcap": 30.0}' ...]
 
 A version is NAME=REV[+PATCH...]: `git archive REV` of cupyflash/, cuda_src/, tests/ and
 setup.cfg into DIR/NAME, then each patch applied with `patch -p1`. The kernels compile here with
 NVRTC (no GPU), each version with its own code, into .device_cache/ (git-ignored, kept between
-runs: an unchanged kernel compiles once for every version), which DIR/cache.tar.xz then holds, so
-that DIR alone travels (well under the 64 MiB a call carries): `ab` (default) the
-kernels bench/ab.py times (bf16: the plain and causal fwd and bwd, and decode), `all` every sm_90
-variant of the compile checks (about 4 minutes a version on two cores).
+runs: an unchanged kernel compiles once for every version); DIR/cache.tar.xz then holds the
+versions' kernels (not the rest of that cache), so that DIR alone travels (well under the 64 MiB a
+call carries): `ab` (default) the kernels bench/ab.py times (bf16: the plain and causal fwd and bwd,
+and decode), `all` every sm_90 variant of the compile checks (about 4 minutes a version on two
+cores), and with each --options the forwards bench/ab.py times with those options.
 """
 
 import argparse
@@ -24,11 +26,13 @@ import tarfile
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PATHS = ("cupyflash", "cuda_src", "tests", "setup.cfg")
 COMPILE_ALL = """
+import json
 from cupyflash import _compile, _kernels
 if __name__ == "__main__":
     jobs = [(arch, k) for arch, k in _kernels.compile_jobs() if arch.startswith("90")]
     unclean = [k.name for _, k, report in _compile.compile_all(jobs) if not report.clean]
-    print({"kernels": len(jobs), "unclean": unclean, "code": _compile.__file__})
+    files = [_compile.compile_kernel(k, arch)[0].name for arch, k in jobs]  # (compiled: the cache's paths)
+    print(json.dumps({"kernels": len(jobs), "unclean": unclean, "code": _compile.__file__, "files": files}))
 """
 
 
@@ -49,19 +53,23 @@ def make_tree(directory, spec):
     return tree
 
 
-def compile_kernels(tree, cache, which):
+def compile_kernels(tree, cache, which, options):
+    """Compiles the tree's kernels into `cache`; returns the names of the cache files they are."""
     env = dict(os.environ, PYTHONPATH=str(tree), CUPYFLASH_CACHE_DIR=str(cache))
-    if which == "all":
-        commands = [[sys.executable, "-c", COMPILE_ALL]]
-    else:
-        commands = [[sys.executable, str(REPO / "bench" / "ab.py"), "--compile", "--pass", pass_, str(tree)]
-                    for pass_ in ("fwd", "bwd", "decode")]
+    ab = [sys.executable, str(REPO / "bench" / "ab.py"), "--worker-compile"]
+    commands = [[sys.executable, "-c", COMPILE_ALL]] if which == "all" else [
+        [*ab, "--pass", pass_] for pass_ in ("fwd", "bwd", "decode")]
+    commands += [[*ab, "--pass", "fwd", "--options", given] for given in options]
+    files = set()
     for command in commands:
         # (from the tree: `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH)
         done = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"{tree.name}: compiling failed\n{done.stderr[-2000:]}")
-        print(tree.name, done.stdout.strip().splitlines()[-1], flush=True)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        files.update(result.pop("files"))
+        print(tree.name, result, flush=True)
+    return {name for cubin in files for name in (cubin, cubin.removesuffix(".cubin") + ".log")}
 
 
 def main(argv):
@@ -69,16 +77,20 @@ def main(argv):
     parser.add_argument("directory", type=pathlib.Path, help="where the trees and the cache go (git-ignored)")
     parser.add_argument("versions", nargs="+", help="NAME=REV[+PATCH...]")
     parser.add_argument("--kernels", choices=("ab", "all"), default="ab")
+    parser.add_argument("--options", action="append", default=[],
+                        help="JSON options of a forward A/B (bench/ab.py --options) whose kernels to add; repeatable")
     args = parser.parse_args(argv)
     directory = args.directory.resolve()
     cache = REPO / ".device_cache"
     cache.mkdir(parents=True, exist_ok=True)
+    files = set()
     for spec in args.versions:
-        compile_kernels(make_tree(directory, spec), cache, args.kernels)
+        files |= compile_kernels(make_tree(directory, spec), cache, args.kernels, args.options)
     with tarfile.open(directory / "cache.tar.xz", "w:xz") as archive:
-        archive.add(cache, arcname="cache")
-    print(json.dumps({"trees": [s.partition("=")[0] for s in args.versions],
-                      "cache files": len(list(cache.iterdir())), "carry": os.path.relpath(directory, REPO)}))
+        for name in sorted(files):
+            archive.add(cache / name, arcname=f"cache/{name}")
+    print(json.dumps({"trees": [s.partition("=")[0] for s in args.versions], "cache files": len(files),
+                      "carry": os.path.relpath(directory, REPO)}))
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def test_the_ab_script_reads_decode_cells_and_compiles_the_kvcache_kernels():
                 "1:1024:8:1:96:dense", "1:1024:8:1:64:tiled", "0:1024:8:1:64:dense"):
         with pytest.raises(ValueError, match="a decode cell is"):
             ab.parse_decode_cell(bad)
-    passes = {k.pass_ for _, k in ab.compile_jobs("decode", "bfloat16")}
+    passes = {k.pass_ for _, k in ab.compile_jobs("decode", "bfloat16", {})}
     assert passes == {"decode", "decode_combine", "kvcache_append"}
 
 
@@ -126,10 +126,13 @@ def test_the_ab_script_reads_cells_and_picks_the_kernels_the_h200_runs():
     for bad in ("128:1000:1", "128:4096:2", "100:4096:0"):
         with pytest.raises(ValueError, match="a cell is hd:seqlen:causal"):
             ab.parse_cell(bad)
-    fwd = ab.compile_jobs("fwd", "bfloat16")  # the wgmma forward's plain and causal kernels, no others
+    fwd = ab.compile_jobs("fwd", "bfloat16", {})  # the wgmma forward's plain and causal kernels, no others
     assert {(arch, k.tile.headdim, k.local) for arch, k in fwd} == {
-        ("90a", hd, local) for hd in (64, 128, 256) for local in (False, True)}
-    bwd = ab.compile_jobs("bwd", "float16")
+        ("90a", hd, local) for hd in (64, 128, 256) for local in (False, True)} and not any(k.options for _, k in fwd)
+    with_options = ab.compile_jobs("fwd", "bfloat16", {"softcap": 30.0, "dropout_p": 0.1, "seed": 1})
+    assert [(arch, k.tile, k.local) for arch, k in with_options] == [(arch, k.tile, k.local) for arch, k in fwd]
+    assert {k.features for _, k in with_options} == {("softcap", "dropout")}
+    bwd = ab.compile_jobs("bwd", "float16", {})
     assert bwd and all(k.pass_ != "fwd" and k.dtype == "float16" and not k.options for _, k in bwd)
 
 

@@ -3,6 +3,7 @@ change altered, and the sizes of their loops, before any device call.
 
     python bench/sass.py diff TREE_A TREE_B [FILTER ...]   # per kernel: identical, or what moved
     python bench/sass.py loops TREE [FILTER ...]            # per kernel: its loops' sizes and opcodes
+    python bench/sass.py blocks TREE [FILTER ...]           # per kernel: its step loops' basic blocks
 
 A TREE is a directory holding one version's cupyflash/ and cuda_src/ (as bench/ab.py's), or `.`.
 The kernels are the sm_90 ones of `--dtype` (without options unless `--options`) whose names hold every FILTER; each
@@ -11,8 +12,13 @@ source as the package keys it (CUPYFLASH_CACHE_DIR, else .device_cache/, which d
 fills). `diff` compares the instruction streams without addresses; a refactor that leaves them
 identical needs no device call to show it changed nothing. `loops` lists each backward branch
 spanning more than --min instructions (a main loop's instruction count predicted v44's two
-landed changes), and ptxas's coded messages (C7520: it serialised the kernel's wgmmas). nvdisasm comes from $NVDISASM or PATH (`pip download --no-deps
-nvidia-cuda-nvdisasm`, unzipped outside the checkout; not a dependency of the package).
+landed changes), and ptxas's coded messages (C7520: it serialised the kernel's wgmmas). `blocks`
+splits the step loops (the innermost ones with exps, MUFU.EX2) into basic blocks, each with
+its size, label, closing branch and opcodes: which blocks a step skips (a mask, O's rescale) says
+how many instructions it executes, and an option's executed count over the plain kernel's predicted
+its cost (v49). `--options` takes the option kernels too. nvdisasm comes from $NVDISASM or PATH
+(`pip download --no-deps nvidia-cuda-nvdisasm`, unzipped outside the checkout; not a dependency of
+the package).
 """
 
 import argparse
@@ -91,35 +97,82 @@ def opcodes(texts):
     return collections.Counter(OPCODE.match(text).group(1) for text in texts)
 
 
-def loops(lines, shortest):
-    """[(instruction count, opcode Counter)] of each backward branch over at least `shortest` instructions."""
-    where, count, found, texts = {}, 0, [], []
+def loop_spans(lines, shortest):
+    """[(first, end)] instruction indices of each backward branch over at least `shortest` instructions."""
+    where, count, found = {}, 0, []
     for label, text in lines:
         if label:
             where[label] = count
             continue
-        texts.append(text)
         count += 1
         target = re.search(r"`\((\.L_x_\d+)\)", text)
         if "BRA" in text and target and target.group(1) in where and count - where[target.group(1)] >= shortest:
-            body = texts[where[target.group(1)]:count]
-            found.append((len(body), opcodes(body)))
+            found.append((where[target.group(1)], count))
     return found
+
+
+def loops(lines, shortest):
+    """[(instruction count, opcode Counter)] of each backward branch over at least `shortest` instructions."""
+    texts = instructions(lines)
+    return [(end - first, opcodes(texts[first:end])) for first, end in loop_spans(lines, shortest)]
+
+
+def basic_blocks(lines, first, end):
+    """[(first, end, labels, closing branch or None)] of instructions first:end: a block starts at a
+    label or after a branch."""
+    labels, count = {}, 0
+    for label, text in lines:
+        if label:
+            labels.setdefault(count, []).append(label)
+        else:
+            count += 1
+    texts, blocks, start = instructions(lines), [], first
+    for i in range(first, end):
+        if i in labels and i != start:
+            blocks.append((start, i, labels.get(start, []), None))
+            start = i
+        if OPCODE.match(texts[i]).group(1) == "BRA":
+            blocks.append((start, i + 1, labels.get(start, []), texts[i]))
+            start = i + 1
+    if start < end:
+        blocks.append((start, end, labels.get(start, []), None))
+    return blocks
+
+
+def step_loops(lines, shortest):
+    """[(first, end)] of the innermost loops over `shortest` instructions that hold exps (MUFU.EX2):
+    a forward's steps over key blocks (one loop per masking where the kernel has several)."""
+    texts = instructions(lines)
+    spans = [(a, b) for a, b in loop_spans(lines, shortest) if any("MUFU.EX2" in t for t in texts[a:b])]
+    return [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
 
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("diff", "loops"))
-    parser.add_argument("trees_and_filters", nargs="+", help="diff: TREE_A TREE_B [FILTER ...]; loops: TREE [FILTER ...]")
+    parser.add_argument("command", choices=("diff", "loops", "blocks"))
+    parser.add_argument("trees_and_filters", nargs="+",
+                        help="diff: TREE_A TREE_B [FILTER ...]; loops, blocks: TREE [FILTER ...]")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--options", action="store_true", help="the option kernels too (softcap, alibi, ...)")
     parser.add_argument("--min", type=int, default=150, help="loops: the shortest loop listed (instructions)")
     args = parser.parse_args(argv)
-    count = 2 if args.command == "diff" else 1
+    count = 2 if args.command == "diff" else 1  # trees
     trees, filters = [pathlib.Path(t) for t in args.trees_and_filters[:count]], args.trees_and_filters[count:]
     if len(trees) < count:
         parser.error(f"{args.command} takes {count} tree(s)")
     kernels = [cubins(tree, args.dtype, filters, args.options) for tree in trees]
+    if args.command == "blocks":
+        for name, (cubin, registers, spills, warnings) in sorted(kernels[0].items()):
+            lines = listing(cubin)
+            texts = instructions(lines)
+            print(name)
+            for span in step_loops(lines, args.min):
+                print(f"  loop of {span[1] - span[0]}")
+                for first, end, labels, branch in basic_blocks(lines, *span):
+                    ops = ", ".join(f"{op} {n}" for op, n in opcodes(texts[first:end]).most_common(6))
+                    print(f"    [{first - span[0]:4d}, {end - span[0]:4d}) {end - first:4d} {','.join(labels):14s}"
+                          f" {branch or '':28s} {ops}")
+        return
     if args.command == "loops":
         for name, (cubin, registers, spills, warnings) in sorted(kernels[0].items()):
             print(f"{name} ({registers} registers, {spills} spill bytes)")

@@ -34,3 +34,13 @@ def test_loops_are_backward_branches_with_their_opcodes():
     size, ops = found[0]
     assert size == 4 and ops == {"FFMA": 2, "MUFU": 1, "BRA": 1}
     assert sass.loops(sass.parse(LISTING), shortest=5) == []
+
+
+def test_blocks_split_the_main_loop_at_labels_and_branches():
+    lines = sass.parse(LISTING)
+    assert sass.step_loops(lines, shortest=2) == [(1, 5)]  # the loop of .L_x_0, which holds an exp
+    blocks = sass.basic_blocks(lines, 1, 5)
+    assert blocks == [(1, 5, [".L_x_0"], "@P1 BRA `(.L_x_0)")]
+    assert sass.basic_blocks(lines, 0, 7) == [(0, 1, [], None), (1, 5, [".L_x_0"], "@P1 BRA `(.L_x_0)"),
+                                              (5, 6, [".L_x_1"], "BRA `(.L_x_2)"), (6, 7, [".L_x_2"], None)]
+    assert sass.step_loops(lines, shortest=5) == []

@@ -170,11 +170,14 @@ _CHECKED_FLAGS = {"fwd": (((), False), (FEATURES, False)), "bwd": (((), False),)
                   "decode_few": (((), False), (DECODE_FEATURES, False))}
 _SINGLE_FLAGS = {"fwd": tuple(((f,), False) for f in FEATURES),
                  "bwd_options": tuple(((f,), False) for f in FEATURES)}
+# Softcap alone: bfloat16 forwards then subtract a fixed maximum (cuda_src/common/score.cuh,
+# score_bound), code that the kernel with every feature does not hold.
+_BOUNDED_FLAGS = {"fwd": ((("softcap",), False),)}
 
 
 def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
     """The kernel variants the compile checks build for these GPU families' tile tables of a kernel
-    family (_CHECKED_FLAGS, _SINGLE_FLAGS; the row kernels with the mma.sync family; never even_k for
+    family (_CHECKED_FLAGS, _SINGLE_FLAGS, _BOUNDED_FLAGS; the row kernels with the mma.sync family; never even_k for
     wgmma or decode; a wgmma forward table's tile only where _config.forward_table gives it)."""
     wgmma = kernel_family == _config.WGMMA
     kernels = [] if wgmma else [Kernel(pass_, dtype) for pass_ in ROW_KERNELS for dtype in DTYPES]
@@ -190,6 +193,8 @@ def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
         flags = _CHECKED_FLAGS.get(table) or _CHECKED_FLAGS[_config.kernel_pass(table)]
         if tile.headdim == 128 and dtype == DTYPES[0] and local and not even_k:
             flags += _SINGLE_FLAGS.get(table, ())
+        if dtype == "bfloat16":
+            flags += _BOUNDED_FLAGS.get(_config.kernel_pass(table), ())
         for features, deterministic in flags:
             kernels.append(Kernel(_config.kernel_pass(table), dtype, tile, local, even_k, features, deterministic))
     return list(dict.fromkeys(kernels))  # (a tile in two tables of one pass is one kernel)
@@ -212,7 +217,8 @@ def representative_jobs(jobs):
     one variant per tile of its own family's tables, so every head dim and block shape of each pass,
     with the heaviest flags (local masking, column bounds, the options); every flag of one forward
     tile; the other dtype once; the row kernels; one variant per table for each older arch; and
-    the KV cache's kernels once each (every decode tile with its heaviest flags).
+    the KV cache's kernels once each (every decode tile with its heaviest flags); and softcap alone
+    at hd128 in bfloat16 (_BOUNDED_FLAGS), once per family.
     (What a user of a CPU-only machine runs is the NumPy reference: no kernel would be theirs.)"""
     primary = max((arch for arch, k in jobs if not k.wgmma), key=int)
 
@@ -238,6 +244,9 @@ def representative_jobs(jobs):
         return not k.wgmma and plain is not None and k.tile != _config.Tile(k.tile.headdim, *plain)
 
     def keep(arch, k):
+        if k.features == ("softcap",) and k.dtype == "bfloat16":  # the fixed maximum's code (_BOUNDED_FLAGS)
+            return k.tile.headdim == 128 and k.local and not k.even_k and (k.wgmma or (arch == primary
+                                                                                      and native(arch, k)))
         if k.features not in ((), FEATURES, DECODE_FEATURES) or (
                 k.deterministic and not k.features and not own_deterministic_tile(arch, k)):
             return False  # (the sweep's single features: their code is the full set's, less)

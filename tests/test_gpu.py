@@ -39,6 +39,9 @@ RESCALE_CASES = [Case(1000, 1000, d, dtype, causal, batch=1, key_scale=key_scale
 
 # Softcap's scores at the ends of its range: a shift far past the cap puts every capped score of a row
 # near +cap or near -cap, so P's exponents span up to 2 cap log2(e) (caps 30 to 100: 87 to 289).
+# bfloat16 forwards subtract a fixed maximum up to a cap of about 55 (1 up to about 41, lower past it,
+# exponents down to -120) and the running one past that and in float16 (cuda_src/common/score.cuh,
+# score_bound).
 SOFTCAP_RANGE_CASES = [Case(sq, sk, d, dtype, causal, softcap=cap, score_shift=shift)
                        for sq, sk, d, dtype, causal, cap, shift in [
                            (113, 1000, 128, "bfloat16", False, 30.0, 400.0),

@@ -61,6 +61,8 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[MT][NT][4], const Sc
 // asynchronously can exponentiate while it runs and rescale O after it; softmax_step does all three.
 // A row with nothing visible yet keeps max = -inf; its offset is 0 so every p is 0, not NaN.
 // A RowShift (common/score.cuh) adds its rows' terms to the block's maxima and to the exponents.
+// A `bound` other than 0 (common/score.cuh, score_bound) is every row's maximum from the start: no
+// block maxima, and O is never rescaled.
 // A row's maximum moves only when a block's is more than kSlack above it (in the exponent):
 // till then p may reach 2^kSlack = 256, harmless in the fp32 sums and in 16-bit P, and O
 // keeps its scale. O is rescaled only when a row of the warp moved, rare after the first blocks.
@@ -73,9 +75,21 @@ struct SoftmaxStep {
 template <int MT, int NT, typename Shift = NoRowShift>
 __device__ __forceinline__ SoftmaxStep<MT> new_row_max(const float (&s)[MT][NT][4], float (&row_max)[MT][2],
                                                        float (&row_sum)[MT][2], const FlashParams& p, float unit,
-                                                       const Shift& shift = Shift()) {
+                                                       const Shift& shift = Shift(), float bound = 0.f) {
     constexpr float kSlack = 8.f;
     SoftmaxStep<MT> step;
+    if (bound != 0.f) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                row_max[mt][half] = bound;
+                step.offset[mt][half] = bound * unit * p.scale_log2;
+                step.correction[mt][half] = 1.f;
+            }
+        step.max_moved = false;
+        return step;
+    }
     bool max_moved = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -122,8 +136,8 @@ __device__ __forceinline__ void exponentiate(float (&s)[MT][NT][4], float (&row_
 template <int MT, int NT, int DT, typename Shift = NoRowShift>
 __device__ __forceinline__ void softmax_step(float (&s)[MT][NT][4], float (&acc_o)[MT][DT][4], float (&row_max)[MT][2],
                                              float (&row_sum)[MT][2], const FlashParams& p, float unit,
-                                             const Shift& shift = Shift()) {
-    const SoftmaxStep<MT> step = new_row_max(s, row_max, row_sum, p, unit, shift);
+                                             const Shift& shift = Shift(), float bound = 0.f) {
+    const SoftmaxStep<MT> step = new_row_max(s, row_max, row_sum, p, unit, shift, bound);
     rescale(acc_o, step);
     exponentiate(s, row_sum, step, p, unit, shift);
 }

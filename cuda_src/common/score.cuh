@@ -61,6 +61,20 @@ template <int FEATURES>
 __device__ __forceinline__ float score_unit(const FlashParams& p) {
     return softcap_folds<FEATURES>() && p.softcap_inner != 0.f ? p.softcap_outer : 1.f;
 }
+// Folded, the scores are tanh values t in [-1, 1], so the forward's softmax can subtract a fixed
+// maximum instead of a running one: no row maxima, no corrections, no rescale of O. Its exponents
+// are (t - bound) * span, span = softcap * log2(e); the bound keeps them in [-120, 40]: 2^-120 is
+// a normal float32 and bfloat16, so no probability is flushed or coarsened, and 2^40 leaves O's
+// float32 sums room. 1 (P at most 1) up to a span of 60, lower up to 80 (softcap about 55); past
+// that, and for float16 P (normal down to 2^-14 only), 0: the running maximum.
+template <int FEATURES, bool BF16>
+__device__ __forceinline__ float score_bound(const FlashParams& p) {
+    if constexpr (softcap_folds<FEATURES>() && BF16) {
+        const float span = p.softcap_outer * p.scale_log2;
+        if (p.softcap_inner != 0.f && span <= 80.f) return span <= 60.f ? 1.f : __fdividef(120.f, span) - 1.f;
+    }
+    return 0.f;
+}
 
 // 0 <= n < 2^23 as a float, on the full-rate integer and FMA pipes: n added to the bits of 2^23,
 // whose last mantissa bit is worth 1, minus 2^23. An int-to-float conversion runs at the

@@ -93,6 +93,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         cp_async_commit();
     }
     const ScoreMods<BF16, FEATURES> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
+    const float bound = score_bound<FEATURES, BF16>(p);
 
     auto needs_mask = [&](int n_block) {
         return block_needs_mask<LOCAL>(p, seq, row0, n_block * BLOCK_N, BLOCK_M, BLOCK_N);
@@ -147,7 +148,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         }
         if (warp_skips) return;
 
-        softmax_step(s, acc_o, row_max, row_sum, p, score_unit<FEATURES>(p), shift);
+        softmax_step(s, acc_o, row_max, row_sum, p, score_unit<FEATURES>(p), shift, bound);
 
         uint32 p_frag[BLOCK_N / 16][MT][4];
 #pragma unroll

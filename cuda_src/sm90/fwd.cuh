@@ -242,6 +242,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     auto take_turn = [&]() { if (T::kPingPong) consumers_sync(my_turn); };
     auto pass_turn = [&]() { if (T::kPingPong) consumers_arrive(next_turn); };
 
+    const float bound = score_bound<FEATURES, BF16>(p);  // (here: in the loop ptxas works it out every block)
     float acc_o[1][DT][4];
     uint32 p_frag[BLOCK_N / 16][4];  // the previous block's P, whose P V is issued with the next Q K^T
     // The options' kernels of three consumers (160 registers each) are serial, short of registers:
@@ -404,7 +405,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             typename RowShiftFor<1, (FEATURES & feature::alibi) != 0 && !kSerial>::type shift = {};
             if constexpr (OPTIONS) apply_score_mods<T::kBiasWords>(s, mods, row0 + warp_row0, key0, shift);
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
-            const SoftmaxStep<1> step = new_row_max(s, row_max, row_sum, p, score_unit<FEATURES>(p), shift);
+            const SoftmaxStep<1> step = new_row_max(s, row_max, row_sum, p, score_unit<FEATURES>(p), shift, bound);
             exponentiate(s, row_sum, step, p, score_unit<FEATURES>(p), shift);
             if (!first || CARRY_IN) complete_pv();
             if constexpr (CARRY_IN) {

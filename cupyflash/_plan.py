@@ -534,6 +534,8 @@ def _backward_plan(call, inputs, return_dbias):
             head_groups = shape.nheads_k // heads
             grid = (heads, grid[1], shape.batch * head_groups)
     params = _param_block(call, tile, strides, inputs, block_major, semaphore_blocks, head_groups)
+    if table == "bwd_full" and kernel.wgmma:  # dQ transposed (Sm90BwdTile::kDQTransposed): dq_accum in its order
+        params["dq_accum_fragment_rows"] = tile.block_m
     if not (call.local or kernel.options or kernel.deterministic or varlen or kernel.wgmma):  # those that may split (sm80/bwd.cuh, kMaySplit)
         grid = _split_last_wave(kernel, call.caller.device(), shape, grid, params, outputs)
     if return_dbias:

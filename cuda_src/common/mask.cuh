@@ -53,6 +53,17 @@ __device__ __forceinline__ long long dq_accum_index(long long row, int col, int 
     return (row & ~7LL) * width + (col & ~7) * 8 + (row & 7) * 8 + (col & 7);
 }
 
+// The 80-row wgmma backward (sm90/bwd.cuh, kDQTransposed: dQ^T = K^T dS^T, each consumer 64 of
+// dQ's 128 columns) leaves a query block's `rows` x 128 floats of dq_accum (the same span of the
+// buffer) in its accumulators' register order instead, so that a thread's four floats of an
+// 8-query tile are one 16-byte store: consumer, 8-query tile, thread, element. (Column m of a
+// consumer's 64 is the fragment row 16 warp + lane / 4 + 8 (element / 2); query row r its column
+// 8 tile + 2 (lane % 4) + element % 2.) p.dq_accum_fragment_rows says the convert reads it so.
+__device__ __forceinline__ int dq_accum_fragment_index(int row, int col, int rows) {
+    const int m = col % 64, thread = 32 * (m / 16) + 4 * (m % 8) + (row % 8) / 2;
+    return (((col / 64) * (rows / 8) + row / 8) * 128 + thread) * 4 + (m % 16) / 8 * 2 + row % 2;
+}
+
 // The deterministic backward's counter of (batch, head, query block): how many of the key blocks
 // that the query block sees have added their dQ (they add in key-block order).
 __device__ __forceinline__ int* dq_turn_counter(const FlashParams& p, int batch, int head, int q_block) {

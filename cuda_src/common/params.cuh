@@ -114,6 +114,7 @@ struct FlashParams {
     float dropout_scale;            // 1 / the kept fraction; 0 disables dropout
     int* dq_semaphore;              // DETERMINISTIC backward: one zeroed counter per (batch, head, query block)
     int dq_semaphore_blocks;        // query blocks per (batch, head)
+    int dq_accum_fragment_rows;     // 80-row wgmma backward: dq_accum by dq_accum_fragment_index in blocks of these rows; else 0
 
     // The plain backward's last partial wave (TailSplit in sm80/bwd_schedule.cuh): the last tail_units
     // CTAs of the (blocks, nheads_k, batch) grid are done by tail_parts pieces each, CTAs of the

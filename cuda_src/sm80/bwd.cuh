@@ -314,7 +314,11 @@ __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
         }
     }
     // dq_accum stores 8 rows together, so the block's rows (rounded up to 8) are one contiguous range.
-    const int rows = ceil_div(min(RowKernel::kRows, seq.seqlen_q - rk.row0), 8) * 8;
+    // In blocks of p.dq_accum_fragment_rows (dq_accum_fragment_index) any float of the sequence's
+    // last block may hold one of its rows: the last row block zeroes through that block's end.
+    const int unit = p.dq_accum_fragment_rows != 0 ? p.dq_accum_fragment_rows : 8;
+    const int rows = (rk.row0 + RowKernel::kRows < seq.seqlen_q ? rk.row0 + RowKernel::kRows
+                                                                  : ceil_div(seq.seqlen_q, unit) * unit) - rk.row0;
     float4* accum = reinterpret_cast<float4*>(p.dq_accum + (seq.padded_row0(p, batch, head) + rk.row0) * p.headdim_padded);
     for (int i = threadIdx.x; i < rows * p.headdim_padded / 4; i += RowKernel::kThreads)
         accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -331,9 +335,20 @@ __device__ __forceinline__ void flash_bwd_convert_dq(const FlashParams& p) {
     uint16* dq = static_cast<uint16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride
                  + seq.first_row_q * p.dq_row_stride + rk.col();
     const int row_end = min(rk.row0 + RowKernel::kRows, seq.seqlen_q);
+    const int block_rows = p.dq_accum_fragment_rows;
     for (int row = rk.first_row(); row < row_end; row += rk.rows_per_step()) {
-        const float4* chunk = reinterpret_cast<const float4*>(p.dq_accum + dq_accum_index(accum_row0 + row, rk.col(), p.headdim_padded));
-        const float4 lo = chunk[0], hi = chunk[1];
+        float4 lo, hi;
+        if (block_rows != 0) {  // the 8 floats of the chunk, 16 floats apart (dq_accum_fragment_index)
+            const int block = row / block_rows, r = row - block * block_rows;
+            const float* v = p.dq_accum + (accum_row0 + block * block_rows) * p.headdim_padded
+                             + dq_accum_fragment_index(r, rk.col(), block_rows);
+            lo = make_float4(v[0], v[16], v[32], v[48]);
+            hi = make_float4(v[64], v[80], v[96], v[112]);
+        } else {
+            const float4* chunk = reinterpret_cast<const float4*>(p.dq_accum + dq_accum_index(accum_row0 + row, rk.col(), p.headdim_padded));
+            lo = chunk[0];
+            hi = chunk[1];
+        }
         const float c = p.softmax_scale;
         *reinterpret_cast<uint4*>(dq + row * p.dq_row_stride) =
             make_uint4(pack_pair<BF16>(lo.x * c, lo.y * c), pack_pair<BF16>(lo.z * c, lo.w * c),

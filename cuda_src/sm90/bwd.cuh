@@ -18,9 +18,10 @@
 // MN-major: at hd128 each consumer computes half of dQ's columns, at hd64 on 128-row steps half of
 // its rows, over all BLOCK_N keys (after a barrier of the two); on hd64's 64-row steps (the
 // options') all of dQ over its own 64 keys. The products go out as three groups, dV, dQ, dK, so
-// that dQ is stored while dK runs. The consumers leave dQ in shared memory in dq_accum's layout,
-// and a second producer thread adds it to dq_accum by bulk reductions (the copy engine's, off the
-// consumers' path). Rows past a sequence's end have lse_log2 = +inf (flash_bwd_dot pads them), so
+// that dQ is stored while dK runs. The consumers leave dQ in shared memory in dq_accum's layout
+// (the 80-row step's in its accumulators' order, common/mask.cuh dq_accum_fragment_index, which
+// flash_bwd_convert_dq reads back), and a second producer thread adds it to dq_accum by bulk
+// reductions (the copy engine's, off the consumers' path). Rows past a sequence's end have lse_log2 = +inf (flash_bwd_dot pads them), so
 // their P is 0 and no query-side mask is needed; keys past its end and causal or window edges are
 // masked.
 #pragma once
@@ -335,9 +336,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     setmaxnreg_inc<T::kConsumerRegisters>();
     // Broadcast from lane 0, the compiler knows it is the same across the warp and keeps what derives
     // from it (the wgmma descriptors, shared-memory bases) in uniform registers: about 100 fewer
-    // instructions a step at 64 rows. At 80 rows the consumers then spill (their 240 registers are
-    // full), so those keep threadIdx's.
-    const int consumer = T::kDQTransposed ? warpgroup - 1 : __shfl_sync(0xffffffffu, warpgroup - 1, 0);
+    // instructions a step at 64 rows, and at 80 (whose registers are free for it since dQ^T leaves
+    // in its fragments' order).
+    const int consumer = __shfl_sync(0xffffffffu, warpgroup - 1, 0);
     if constexpr (!T::kSplitKeys) {
         // hd256: both consumers on all BLOCK_N keys, consumer c owning dK's and dV's columns
         // [128 c, 128 c + 128). Per step, consumer 1 computes dP^T and leaves it in shared memory
@@ -671,20 +672,19 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             fence_operands(flat(dq));
 
             // dQ into shared memory in dq_accum's layout (dq_accum_index: each warp's pair stores fill
-            // 256 contiguous bytes), once the adder has read the last step's.
+            // 256 contiguous bytes; the transposed kernel's: dq_accum_fragment_index, each thread's
+            // four floats of a tile 16 contiguous bytes), once the adder has read the last step's.
             if (step > 0) mbarrier_wait(dq_empty, (step - 1) & 1);
             // Each address is the thread's first plus a constant (dq_accum_index(r + 8 i, c + 8 j, W) is
             // dq_accum_index(r, c, W) + 8 i W + 64 j), written into the instruction: built by the
-            // compiler, the addresses took ~90 instructions a step at hd128. (Not in the transposed
-            // stores: 112 fewer instructions there measured 1-2% slower on the H200.)
-            if constexpr (T::kDQTransposed) {  // a thread's pairs are two query rows of one column
-                const int col = consumer * 64 + fragment_row(threadIdx.x / 32 % 4, 0);
-#pragma unroll
-                for (int nt = 0; nt < BLOCK_M / 8; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(s_dq + 4 * uint32(dq_accum_index(
-                                         fragment_col(nt, e), col + 8 * (e / 2), HEADDIM))), "f"(dq[0][nt][e]) : "memory");
+            // compiler, the addresses took ~90 instructions a step at hd128.
+            if constexpr (T::kDQTransposed) {  // a tile's four floats, the warpgroup's threads side by side
+                const uint32 first = s_dq + 16 * uint32(consumer * (BLOCK_M / 8) * 128 + threadIdx.x % 128);
+                static_for<BLOCK_M / 8>([&](auto nt_) {
+                    constexpr int nt = decltype(nt_)::value;
+                    asm volatile("st.shared.v4.f32 [%0+%5], {%1, %2, %3, %4};\n" :: "r"(first), "f"(dq[0][nt][0]),
+                                 "f"(dq[0][nt][1]), "f"(dq[0][nt][2]), "f"(dq[0][nt][3]), "n"(16 * 128 * nt) : "memory");
+                });
             } else {
                 const int q_row = (T::kSplitDQRows ? 64 * consumer : 0) + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
                 const int col0 = (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0);

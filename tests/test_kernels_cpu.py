@@ -307,6 +307,14 @@ def test_every_kernel_feature_is_an_option_and_a_bit_of_the_kernels():
     assert "feature::alibi | feature::dropout" in kernel.source() and kernel.name.endswith("_alibi_dropout")
 
 
+def test_the_decode_cluster_merge_holds_every_split_a_cluster_launch_may_have():
+    """The decode kernel's cluster merge weighs up to kClusterSplits splits a row; _kvcache merges in a
+    cluster only up to _launch.MAX_CLUSTER splits, so the two must agree."""
+    from cupyflash import _launch
+    held = re.search(r"kClusterSplits = (\d+);", _sources.translation_unit("sm80/decode.cuh")).group(1)
+    assert int(held) == _launch.MAX_CLUSTER
+
+
 def test_score_modifiers_are_defined_once():
     """Each score modifier's parameters are read only by its functor in common/score.cuh, which the
     forward and the backward both call: no kernel writes a modifier's math again."""

@@ -118,8 +118,12 @@ struct DecodeTile {
     static constexpr int kThreads = WARPS * 32;
     static constexpr int kWarpElements = STAGES * 2 * WARP_N * TileLayout<HEADDIM>::kStride;  // (K, V) x STAGES buffers
     static constexpr int kSmemBytes = TileLayout<HEADDIM>::template bytes<kRows>() + WARPS * 2 * kWarpElements;
-    // The warps' merge reuses their buffers: a 16 x HEADDIM fp32 O each, then per-row statistics.
-    static constexpr int kMergeBytes = WARPS * kRows * HEADDIM * 4 + 2 * WARPS * kRows * 4 + 2 * kRows * 4;
+    // The most splits a cluster holds: _launch.MAX_CLUSTER, the portable cluster size (a CPU test checks).
+    static constexpr int kClusterSplits = 8;
+    // The warps' merge reuses their buffers: a 16 x HEADDIM fp32 O each, then per-row statistics,
+    // then the weights of a cluster's splits.
+    static constexpr int kMergeBytes = WARPS * kRows * HEADDIM * 4 + 2 * WARPS * kRows * 4 + 2 * kRows * 4
+                                       + kRows * kClusterSplits * 4;
     static_assert(kMergeBytes <= kSmemBytes - TileLayout<HEADDIM>::template bytes<kRows>(),
                   "the merge fits in the warps' buffers");
     static_assert(WARP_N % 16 == 0 && HEADDIM % 32 == 0, "tiles are built of 16-wide mma steps");
@@ -128,37 +132,58 @@ struct DecodeTile {
 
 // The splits of a query block, a cluster's CTAs (rank = split), merged: O and lse of each row
 // from every split's (in its CTA's shared memory, s_o and s_lse), weighted by exp(lse_split - lse),
-// as flash_decode_combine does from global memory. Each CTA writes a share of the rows' columns.
-template <bool BF16, int HEADDIM, int ROWS, int THREADS>
+// as flash_decode_combine does from global memory. Each CTA weighs every row's splits once (a thread
+// a row, into s_weights), then writes a share of the rows' columns; a thread's remote reads are
+// issued together, so that each phase waits for the cluster's shared memory once.
+template <bool BF16, int HEADDIM, int ROWS, int THREADS, int MAX_SPLITS>
 __device__ __forceinline__ void merge_splits_in_cluster(const FlashParams& p, const float* s_o, const float* s_lse,
-                                                        int split, int row0, int rows, int group, int head_k, int batch) {
+                                                        float* s_weights, int split, int row0, int rows, int group,
+                                                        int head_k, int batch) {
+    static_assert(ROWS <= THREADS, "a thread per row weighs the splits");
     cluster_sync();  // every split's O and lse are in its shared memory
     const uint32 o_address = smem_address(s_o), lse_address = smem_address(s_lse);
+    if (threadIdx.x < ROWS) {
+        const int r = threadIdx.x;
+        float weight[MAX_SPLITS];
+        float max = -CUPYFLASH_INF;
+#pragma unroll
+        for (int s = 0; s < MAX_SPLITS; ++s) {
+            weight[s] = s < p.num_splits ? ld_cluster_f32(lse_address + 4 * r, s) : -CUPYFLASH_INF;
+            max = fmaxf(max, weight[s]);
+        }
+        float sum = 0.f;
+#pragma unroll
+        for (int s = 0; s < MAX_SPLITS; ++s) {  // a split that saw no key weighs nothing
+            weight[s] = weight[s] == -CUPYFLASH_INF ? 0.f : __expf(weight[s] - max);
+            sum += weight[s];
+        }
+        const float scale = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+        for (int s = 0; s < MAX_SPLITS; ++s) s_weights[r * MAX_SPLITS + s] = weight[s] * scale;
+        const int packed = row0 + r;
+        if (split == 0 && packed < rows)
+            p.lse[(static_cast<long long>(batch) * p.nheads + head_k * group + packed % group) * p.seqlen_q
+                  + packed / group] = sum > 0.f ? max + logf(sum) : -CUPYFLASH_INF;
+    }
+    __syncthreads();
     for (int c = split + p.num_splits * threadIdx.x; c < ROWS * HEADDIM / 4; c += p.num_splits * THREADS) {
         const int r = c / (HEADDIM / 4), col = 4 * (c % (HEADDIM / 4)), packed = row0 + r;
         if (packed >= rows || col >= p.headdim) continue;
-        float max = -CUPYFLASH_INF;
-        for (int s = 0; s < p.num_splits; ++s) max = fmaxf(max, ld_cluster_f32(lse_address + 4 * r, s));
-        float sum = 0.f;
+        float4 x[MAX_SPLITS];
+#pragma unroll
+        for (int s = 0; s < MAX_SPLITS; ++s)
+            if (s < p.num_splits) x[s] = ld_cluster_f32x4(o_address + 4 * (r * HEADDIM + col), s);
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (max != -CUPYFLASH_INF) {
-            for (int s = 0; s < p.num_splits; ++s) {
-                const float lse_s = ld_cluster_f32(lse_address + 4 * r, s);
-                const float weight = lse_s == -CUPYFLASH_INF ? 0.f : __expf(lse_s - max);
-                const float4 x = ld_cluster_f32x4(o_address + 4 * (r * HEADDIM + col), s);
-                sum += weight;
-                o.x += weight * x.x; o.y += weight * x.y; o.z += weight * x.z; o.w += weight * x.w;
+#pragma unroll
+        for (int s = 0; s < MAX_SPLITS; ++s)
+            if (s < p.num_splits) {
+                const float w = s_weights[r * MAX_SPLITS + s];
+                o.x += w * x[s].x; o.y += w * x[s].y; o.z += w * x[s].z; o.w += w * x[s].w;
             }
-        }
-        const float scale = sum > 0.f ? 1.f / sum : 0.f;
         const int query_row = packed / group, head = head_k * group + packed % group;
         uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + query_row * p.out_row_stride
                       + head * p.out_head_stride + col;
-        *reinterpret_cast<uint2*>(out) = make_uint2(pack_pair<BF16>(o.x * scale, o.y * scale),
-                                                    pack_pair<BF16>(o.z * scale, o.w * scale));
-        if (col == 0)
-            p.lse[(static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + query_row] =
-                sum > 0.f ? max + logf(sum) : -CUPYFLASH_INF;
+        *reinterpret_cast<uint2*>(out) = make_uint2(pack_pair<BF16>(o.x, o.y), pack_pair<BF16>(o.z, o.w));
     }
     cluster_sync();  // no CTA leaves while another reads its shared memory
 }
@@ -347,6 +372,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     float* s_sum = s_max + WARPS * T::kRows;                               // [WARPS][kRows]
     float* s_weight = s_sum + WARPS * T::kRows;                            // [kRows]: 1 / sum, then lse
     float* s_lse = s_weight + T::kRows;
+    float* s_split_weights = s_lse + T::kRows;                             // [kRows][kClusterSplits]
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         float sum = row_sum[0][half];
@@ -403,8 +429,8 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         }
     }
     if (p.merge_in_cluster)
-        merge_splits_in_cluster<BF16, HEADDIM, T::kRows, T::kThreads>(p, s_o, s_lse, split, row0, rows, group, head_k,
-                                                                      batch);
+        merge_splits_in_cluster<BF16, HEADDIM, T::kRows, T::kThreads, T::kClusterSplits>(
+            p, s_o, s_lse, s_split_weights, split, row0, rows, group, head_k, batch);
 }
 
 // A CTA's reduction of one value per thread (op: fmaxf or a sum), its result in every thread.

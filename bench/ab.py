@@ -5,6 +5,7 @@
     python bench/ab.py --options '{"dropout_p": 0.1, "seed": 1}' TREE ...   # calls with options
     python bench/ab.py --options '{"alibi_slopes": "random"}' TREE ...       # slopes drawn per cell
     python bench/ab.py --pass decode TREE ...    # flash_attn_with_kvcache steps, TB/s of K and V read
+    python bench/ab.py --pass decode --decode-step append TREE ...   # each step appends a token first
 
 A TREE is a directory holding one version's cupyflash/ and cuda_src/ (for a commit:
 `mkdir DIR && git archive REV cupyflash cuda_src | tar -x -C DIR`), or `.` for this checkout. Each
@@ -16,7 +17,8 @@ hidden 2048; each timing spans 10 calls back to back between CUDA events (the ho
 stays hidden), median of 7. Decode cells are batch:cache:nheads:nheads_k:hd:layout (layout dense or
 pagedN, N-row pages in a random order), the cache full, one query row, bf16; each timing is a
 replay of a CUDA graph of 20 steps (as a serving loop runs them: no host time between steps),
-median of 15, in TB/s of K and V read.
+median of 15, in TB/s of K and V read; `--decode-step append` gives each step a new token (k and v,
+the last cache row), `between` queues another kernel after each step.
 """
 
 import argparse
@@ -162,19 +164,34 @@ def graph_step_ms(step, stream, steps=20, replays=15):
     return statistics.median(times)
 
 
-def worker_decode(cells):
+# What a timed decode step is: the attention alone, back to back (as the decode grid times it);
+# with one new token appended first (a serving loop's call: k and v given); or with another
+# kernel queued between steps (a model's own kernels come between its attention calls).
+DECODE_STEPS = ("bare", "append", "between")
+
+
+def worker_decode(cells, kind="bare"):
     import cupy
     from cupyflash import flash_attn_with_kvcache
     result = {}
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
+        other = cupy.zeros(1024, cupy.float32)
         for text in cells:
             batch, cache, nheads, nheads_k, hd, page = parse_decode_cell(text)
             q, k_cache, v_cache, table, lengths = decode_inputs(batch, cache, nheads, nheads_k, hd, page)
+            new = {}
+            if kind == "append":  # the new token fills the cache's last row
+                lengths -= 1
+                new = dict(k=q[:, :, :nheads_k].copy(), v=q[:, :, :nheads_k].copy())
             stream.synchronize()
-            step = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)  # noqa: E731
+
+            def step():
+                flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, **new)
+                if kind == "between":
+                    cupy.add(other, 1, out=other)
             result[text] = 2 * batch * cache * nheads_k * hd * 2 / graph_step_ms(step, stream) / 1e9
-            del q, k_cache, v_cache, table
+            del q, k_cache, v_cache, table, new
     print(json.dumps(result))
 
 
@@ -182,7 +199,7 @@ def run_tree(tree, mode, args):
     """Runs this script's worker `mode` with `tree`'s cupyflash; returns its JSON result or None."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     command = [sys.executable, __file__, mode, "--pass", args.pass_, "--dtype", args.dtype,
-               "--cells", ",".join(args.cells), "--options", json.dumps(args.options)]
+               "--cells", ",".join(args.cells), "--options", json.dumps(args.options), "--decode-step", args.decode_step]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         print(f"{tree}: {mode} failed\n{done.stderr[-2000:]}", flush=True)
@@ -202,6 +219,8 @@ def main(argv):
     parser.add_argument("--options", type=json.loads, default={},
                         help='keyword options of every call, as JSON (e.g. \'{"softcap": 30.0}\')')
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode-step", choices=DECODE_STEPS, default="bare",
+                        help="decode: the attention alone, with a new token appended, or with a kernel between steps")
     parser.add_argument("--worker-compile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-time", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -213,7 +232,7 @@ def main(argv):
     if args.worker_compile:
         return worker_compile(args.pass_, args.dtype, args.options)
     if args.worker_time:
-        return worker_decode(args.cells) if decode else worker_time(args.pass_, args.dtype, args.cells, args.options)
+        return worker_decode(args.cells, args.decode_step) if decode else worker_time(args.pass_, args.dtype, args.cells, args.options)
     trees = [tree.resolve() for tree in args.trees]
     for tree in trees:
         if not (tree / "cupyflash").is_dir() or not (tree / "cuda_src").is_dir():
@@ -230,7 +249,7 @@ def main(argv):
             for cell, value in (run_tree(tree, "--worker-time", args) or {}).items():
                 results.setdefault((cell, column), []).append(value)
     if decode:
-        print(f"decode bfloat16 TB/s of K and V, median of {args.rounds} rounds")
+        print(f"decode bfloat16 TB/s of K and V ({args.decode_step} steps), median of {args.rounds} rounds")
     else:
         print(f"{args.pass_} {args.dtype} {json.dumps(args.options)} TFLOP/s, median of {args.rounds} rounds")
     width = 30 if decode else 24

@@ -11,7 +11,8 @@ runs: an unchanged kernel compiles once for every version); DIR/cache.tar.xz the
 versions' kernels (not the rest of that cache), so that DIR alone travels (well under the 64 MiB a
 call carries): `ab` (default) the kernels bench/ab.py times (bf16: the plain and causal fwd and bwd,
 and decode), `all` every sm_90 variant of the compile checks (about 4 minutes a version on two
-cores), and with each --options the forwards bench/ab.py times with those options.
+cores), `kvcache` ab's and every sm_90 variant of the KV cache's kernels (what its GPU tests run),
+and with each --options the forwards bench/ab.py times with those options.
 """
 
 import argparse
@@ -26,10 +27,12 @@ import tarfile
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PATHS = ("cupyflash", "cuda_src", "tests", "setup.cfg")
 COMPILE_ALL = """
-import json
+import json, sys
 from cupyflash import _compile, _kernels
 if __name__ == "__main__":
-    jobs = [(arch, k) for arch, k in _kernels.compile_jobs() if arch.startswith("90")]
+    kvcache_only = sys.argv[1:] == ["kvcache"]
+    jobs = [(arch, k) for arch, k in _kernels.compile_jobs()
+            if arch.startswith("90") and (not kvcache_only or k.pass_ in _kernels.KVCACHE_PASSES)]
     unclean = [k.name for _, k, report in _compile.compile_all(jobs) if not report.clean]
     files = [_compile.compile_kernel(k, arch)[0].name for arch, k in jobs]  # (compiled: the cache's paths)
     print(json.dumps({"kernels": len(jobs), "unclean": unclean, "code": _compile.__file__, "files": files}))
@@ -59,6 +62,8 @@ def compile_kernels(tree, cache, which, options):
     ab = [sys.executable, str(REPO / "bench" / "ab.py"), "--worker-compile"]
     commands = [[sys.executable, "-c", COMPILE_ALL]] if which == "all" else [
         [*ab, "--pass", pass_] for pass_ in ("fwd", "bwd", "decode")]
+    if which == "kvcache":
+        commands.append([sys.executable, "-c", COMPILE_ALL, "kvcache"])
     commands += [[*ab, "--pass", "fwd", "--options", given] for given in options]
     files = set()
     for command in commands:
@@ -76,7 +81,7 @@ def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=pathlib.Path, help="where the trees and the cache go (git-ignored)")
     parser.add_argument("versions", nargs="+", help="NAME=REV[+PATCH...]")
-    parser.add_argument("--kernels", choices=("ab", "all"), default="ab")
+    parser.add_argument("--kernels", choices=("ab", "all", "kvcache"), default="ab")
     parser.add_argument("--options", action="append", default=[],
                         help="JSON options of a forward A/B (bench/ab.py --options) whose kernels to add; repeatable")
     args = parser.parse_args(argv)

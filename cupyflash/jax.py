@@ -137,6 +137,13 @@ def _packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bl
     whose keys are gathered on the device (_paged.packed_from_pages), its values checked where they
     are concrete."""
     varlen = validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if q.shape[0] == 0 and block_table is None and _concrete_on_the_cpu(cu_seqlens_q, cu_seqlens_k):
+        # XLA skips a call whose results have no elements, and the CPU handler's check of the
+        # packing with it: the same check here, where the values are at hand.
+        for side, total in (("q", 0), ("k", k.shape[0])):
+            cu = validate.check_cu_seqlens(f"cu_seqlens_{side}", numpy.asarray(getattr(varlen, f"cu_seqlens_{side}")),
+                                           None, total)
+            validate.check_max_seqlen(f"max_seqlen_{side}", getattr(varlen, f"max_seqlen_{side}"), cu)
     if block_table is None:
         return k, v, varlen, given
     validate.check_paged_varlen_shapes(q, k, v, varlen, block_table)
@@ -383,6 +390,13 @@ def _custom_call(target, results, operands, attrs, signature=None, scratch=()):
     outputs = jax.ffi.ffi_call(target, (*results, *workspaces), vmap_method="sequential")(*operands, **attrs)
     axes = frozenset().union(*(varying_axes(x) for x in operands))
     return type(outputs)(varying(x, axes) for x in outputs[:len(results)])
+
+
+def _concrete_on_the_cpu(*arrays):
+    """Whether these arrays have values now (an eager call's), all on XLA's CPU backend, which runs
+    the NumPy reference and checks what it does (the GPU's kernels read a packing unchecked)."""
+    return all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+               and all(d.platform == "cpu" for d in x.devices()) for x in arrays)
 
 
 def _trace_device(operands):

@@ -105,6 +105,12 @@ def test_cpu_varlen_bad_packing_is_refused(on_cpu):
     with pytest.raises(Exception, match="cu_seqlens_k must end at the packed length 9"):
         jax.block_until_ready(jax.jit(flash_attn_varlen, static_argnums=(5, 6))(
             q, q, q, good, jnp.asarray([0, 4, 8], jnp.int32), 5, 5))
+    # A packing of no query rows that claims some: XLA runs no call for an empty result, so an eager
+    # call's values are checked before it (traced ones cannot be).
+    with pytest.raises(ValueError, match="cu_seqlens_q must end at the packed length 0"):
+        flash_attn_varlen(q[:0], q, q, good, good, 5, 5)
+    with pytest.raises(ValueError, match="max_seqlen_k must be >= the longest sequence"):
+        flash_attn_varlen(q[:0], q, q, jnp.zeros(3, jnp.int32), good, 0, 4)
 
 
 # --------------------------------------------------------------------------------------------

@@ -140,10 +140,7 @@ def _packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bl
     if q.shape[0] == 0 and block_table is None and _concrete_on_the_cpu(cu_seqlens_q, cu_seqlens_k):
         # XLA skips a call whose results have no elements, and the CPU handler's check of the
         # packing with it: the same check here, where the values are at hand.
-        for side, total in (("q", 0), ("k", k.shape[0])):
-            cu = validate.check_cu_seqlens(f"cu_seqlens_{side}", numpy.asarray(getattr(varlen, f"cu_seqlens_{side}")),
-                                           None, total)
-            validate.check_max_seqlen(f"max_seqlen_{side}", getattr(varlen, f"max_seqlen_{side}"), cu)
+        validate.check_packing(varlen, numpy.asarray(cu_seqlens_q), numpy.asarray(cu_seqlens_k), 0, k.shape[0])
     if block_table is None:
         return k, v, varlen, given
     validate.check_paged_varlen_shapes(q, k, v, varlen, block_table)

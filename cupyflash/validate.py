@@ -290,9 +290,15 @@ def check_varlen_values(varlen, arrays, caller):
     reads_device_values says no."""
     if not reads_device_values(caller):
         return
-    for side in ("q", "k"):
-        host = _arrays.to_host(getattr(varlen, f"cu_seqlens_{side}"), caller)
-        check_cu_seqlens(f"cu_seqlens_{side}", host, None, arrays[side].shape[0])
+    check_packing(varlen, _arrays.to_host(varlen.cu_seqlens_q, caller), _arrays.to_host(varlen.cu_seqlens_k, caller),
+                  arrays["q"].shape[0], arrays["k"].shape[0])
+
+
+def check_packing(varlen, cu_seqlens_q, cu_seqlens_k, total_q, total_k):
+    """A varlen packing's values, its cu_seqlens given as host arrays: each non-decreasing from 0 to
+    its packed total, max_seqlen at least every length."""
+    for side, host, total in (("q", cu_seqlens_q, total_q), ("k", cu_seqlens_k, total_k)):
+        check_cu_seqlens(f"cu_seqlens_{side}", host, None, total)
         check_max_seqlen(f"max_seqlen_{side}", getattr(varlen, f"max_seqlen_{side}"), host)
 
 

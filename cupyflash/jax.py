@@ -137,18 +137,19 @@ def _packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bl
     whose keys are gathered on the device (_paged.packed_from_pages), its values checked where they
     are concrete."""
     varlen = validate.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if q.shape[0] == 0 and block_table is None and _concrete_on_the_cpu(cu_seqlens_q, cu_seqlens_k):
+    if block_table is not None:
+        validate.check_paged_varlen_shapes(q, k, v, varlen, block_table)
+        if not any(isinstance(x, jax.core.Tracer) for x in (cu_seqlens_k, block_table)):
+            validate.check_paged_varlen_values(numpy.asarray(cu_seqlens_k), numpy.asarray(block_table), k)
+        k, v, cu_q, cu_k, slopes = _paged.packed_from_pages(jnp, k, v, varlen, block_table, given.get("alibi_slopes"))
+        varlen = validate.Varlen(cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+        given = given if slopes is None else dict(given, alibi_slopes=slopes)
+    if q.shape[0] == 0 and _concrete_on_the_cpu(varlen.cu_seqlens_q, varlen.cu_seqlens_k):
         # XLA skips a call whose results have no elements, and the CPU handler's check of the
         # packing with it: the same check here, where the values are at hand.
-        validate.check_packing(varlen, numpy.asarray(cu_seqlens_q), numpy.asarray(cu_seqlens_k), 0, k.shape[0])
-    if block_table is None:
-        return k, v, varlen, given
-    validate.check_paged_varlen_shapes(q, k, v, varlen, block_table)
-    if not any(isinstance(x, jax.core.Tracer) for x in (cu_seqlens_k, block_table)):
-        validate.check_paged_varlen_values(numpy.asarray(cu_seqlens_k), numpy.asarray(block_table), k)
-    k, v, cu_q, cu_k, slopes = _paged.packed_from_pages(jnp, k, v, varlen, block_table, given.get("alibi_slopes"))
-    return (k, v, validate.Varlen(cu_q, cu_k, max_seqlen_q, max_seqlen_k),
-            given if slopes is None else dict(given, alibi_slopes=slopes))
+        validate.check_packing(varlen, numpy.asarray(varlen.cu_seqlens_q), numpy.asarray(varlen.cu_seqlens_k), 0,
+                               k.shape[0])
+    return k, v, varlen, given
 
 
 @_takes_options(varlen=False)

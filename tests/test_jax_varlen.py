@@ -182,3 +182,6 @@ def test_cpu_bad_paged_varlen_input_names_the_argument(on_cpu):
     for changes, error, message in paged_varlen_refusals(table_host, numpy.asarray(k_cache), numpy.asarray(v_cache)):
         with pytest.raises(error, match=message):
             flash_attn_varlen(**dict(arguments, **{name: jnp.asarray(x) for name, x in changes.items()}))
+    # No query rows where cu_seqlens_q claims some: checked before the call, which XLA skips (as unpaged)
+    with pytest.raises(ValueError, match="cu_seqlens_q must end at the packed length 0"):
+        flash_attn_varlen(**dict(arguments, q=q[:0]))

@@ -105,3 +105,21 @@ def test_decode_cells_are_timed_as_graph_replays_on_the_gpu():
     finally:
         del benchmark.DECODE_IMPLEMENTATIONS["uncapturable"]
     assert math.isnan(cells[0].ms) and "reads the device on the host" in cells[0].note, cells[0]
+
+
+def test_the_decode_profile_runs_each_implementation_once_checked_on_cpu(monkeypatch, capsys):
+    """bench/decode_profile.py (for ncu) on CPU tensors: each implementation's step is checked against
+    cupyflash's and named in the order its profiled range comes; one that disagrees stops it."""
+    pytest.importorskip("torch")
+    import os
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
+    import decode_profile
+    impls = ["cupyflash", "SDPA flash (FA2)"]
+    decode_profile.main(["--device", "cpu", "--impl", impls[0], "--impl", impls[1], "2:64:4:2:64:dense",
+                         "1:64:4:1:64:paged16"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"profiled: {label} {impl}" for label in ("b2 cache64 h4/2 d64 sq1 dense",
+                                                              "b1 cache64 h4/1 d64 sq1 paged16") for impl in impls]
+    monkeypatch.setitem(benchmark.DECODE_IMPLEMENTATIONS, "wrong", lambda shape, q, k, v, generator: lambda: q * 0 + 1)
+    with pytest.raises(SystemExit, match="wrong disagrees"):
+        decode_profile.main(["--device", "cpu", "--impl", "cupyflash", "--impl", "wrong", "2:64:4:2:64:dense"])

@@ -1,9 +1,9 @@
 #!/bin/bash
-# A device call (v52; about 400 s warm, no trees or kernel cache needed: a few decode kernels compile
+# A device call (v52, a of two; about 250 s warm, no trees or kernel cache needed: a few decode kernels compile
 # on first use): do long decode caches trail cuDNN because our CTAs leave 4 of the 132 SMs idle?
 # The grid's CTA counts are powers of two (128 units on 132 SMs, 256 on 264 slots): one wave of
 # 128 CTAs streams at 4.32-4.48 TB/s where cuDNN reads 4.50-4.54 (bench/notes/v52).
-# Run from the repository root: bash bench/notes/v52-next-call-decode-fill.sh
+# Run from the repository root: bash bench/notes/v52-next-call-decode-fill-a.sh
 cd "$(dirname "$0")/../.."
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 L=$OUT/log.txt
@@ -24,16 +24,4 @@ PYTHONPATH=.. timeout 200 python decode_splits.py --counts 1 2 4 32 33 66 --cell
   128:67584:8:1:64:dense 16:67584:32:8:64:dense 64:67584:32:8:64:dense 16:135168:32:32:64:dense \
   128:67584:32:8:64:dense 128:67584:8:1:128:paged256 \
   128:66528:8:1:128:paged16 16:66528:32:8:128:paged16 128:67584:8:1:64:paged16 >> $L 2>&1
-echo "rc $? done ($(date +%T))" >> $L
-# 3. v52-decode-splits-over-whole-waves.patch (the split count modelled where one CTA streams per
-# SM and whole waves of long streams sit partly idle): odd batches, against HEAD in turns, and the
-# forced counts around the rule's pick. The last two cells are controls the rule leaves alone.
-echo "== ab decode: HEAD against the whole-waves rule ($(date +%T))" >> $L
-rm -rf /tmp/ww && mkdir -p /tmp/ww && cp -r cupyflash cuda_src /tmp/ww/ \
-  && (cd /tmp/ww && git apply --include='cupyflash/*' $OLDPWD/bench/notes/v52-decode-splits-over-whole-waves.patch) >> $L 2>&1
-C=17:65536:32:8:128:dense,13:65536:32:8:128:dense,3:65536:32:32:128:dense,5:65536:32:32:128:dense,9:65536:32:8:128:dense,6:16384:32:8:128:dense,35:65536:8:1:128:dense,17:131072:8:1:128:paged256,15:65536:32:8:64:dense,16:65536:32:8:128:dense
-timeout 120 python bench/ab.py --pass decode --rounds 5 --cells $C . /tmp/ww >> $L 2>&1
-echo "== decode_splits in the patched tree ($(date +%T))" >> $L
-cp bench/ab.py bench/decode_splits.py /tmp/ww/
-(cd /tmp/ww && PYTHONPATH=. timeout 120 python decode_splits.py --counts 1 2 3 4 5 6 8 9 11 16 33 --cells ${C//,/ }) >> $L 2>&1
 echo "rc $? done ($(date +%T))" >> $L

@@ -1,0 +1,29 @@
+#!/bin/bash
+# A device call (v52, b of two; about 200 s warm, no trees or kernel cache needed): the split count
+# over whole waves (v52-decode-splits-over-whole-waves.patch) against HEAD on odd batches, and ncu
+# of long-cache steps beside cuDNN's (bench/notes/v52).
+# Run from the repository root: bash bench/notes/v52-next-call-decode-fill-b.sh
+cd "$(dirname "$0")/../.."
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+L=$OUT/log.txt
+: > $L
+# 3. v52-decode-splits-over-whole-waves.patch (the split count modelled where one CTA streams per
+# SM and whole waves of long streams sit partly idle): odd batches, against HEAD in turns, and the
+# forced counts around the rule's pick. The last two cells are controls the rule leaves alone.
+echo "== ab decode: HEAD against the whole-waves rule ($(date +%T))" >> $L
+rm -rf /tmp/ww && mkdir -p /tmp/ww && cp -r cupyflash cuda_src /tmp/ww/ \
+  && (cd /tmp/ww && git apply --include='cupyflash/*' $OLDPWD/bench/notes/v52-decode-splits-over-whole-waves.patch) >> $L 2>&1
+C=17:65536:32:8:128:dense,13:65536:32:8:128:dense,3:65536:32:32:128:dense,5:65536:32:32:128:dense,9:65536:32:8:128:dense,6:16384:32:8:128:dense,35:65536:8:1:128:dense,17:131072:8:1:128:paged256,15:65536:32:8:64:dense,16:65536:32:8:128:dense
+timeout 120 python bench/ab.py --pass decode --rounds 5 --cells $C . /tmp/ww >> $L 2>&1
+echo "== decode_splits in the patched tree ($(date +%T))" >> $L
+cp bench/ab.py bench/decode_splits.py /tmp/ww/
+(cd /tmp/ww && PYTHONPATH=. timeout 120 python decode_splits.py --counts 1 2 3 4 5 6 8 9 11 16 33 --cells ${C//,/ }) >> $L 2>&1
+echo "rc $? done ($(date +%T))" >> $L
+# 4. ncu of one step of each implementation (bench/decode_profile.py): do our SMs idle before the
+# step ends (sm__cycles_active avg against max), and at what DRAM rate do we and cuDNN read?
+echo "== ncu: decode steps beside cuDNN's ($(date +%T))" >> $L
+M=$(python -c "import sys; sys.path.insert(0, 'bench'); import decode_profile; print(decode_profile.METRICS)")
+PYTHONPATH=. timeout 150 ncu --profile-from-start off --clock-control none --csv --metrics $M \
+  python bench/decode_profile.py 128:65536:8:1:128:dense 132:65536:8:1:128:dense 16:65536:32:32:128:dense \
+  128:65536:32:8:64:dense 16:131072:32:32:64:dense > $OUT/ncu.csv 2> $OUT/ncu.err
+echo "rc $? ($(date +%T))" >> $L; grep -c '"' $OUT/ncu.csv >> $L; tail -3 $OUT/ncu.err >> $L

@@ -20,10 +20,12 @@ cp bench/ab.py bench/decode_splits.py /tmp/ww/
 (cd /tmp/ww && PYTHONPATH=. timeout 120 python decode_splits.py --counts 1 2 3 4 5 6 8 9 11 16 33 --cells ${C//,/ }) >> $L 2>&1
 echo "rc $? done ($(date +%T))" >> $L
 # 4. ncu of one step of each implementation (bench/decode_profile.py): do our SMs idle before the
-# step ends (sm__cycles_active avg against max), and at what DRAM rate do we and cuDNN read?
+# step ends (sm__cycles_active avg against max), and at what DRAM rate do we and cuDNN read? The
+# last three cells are small steps (6-12 us) that trail cuDNN by a fixed 1-3 us: kernel times apart.
 echo "== ncu: decode steps beside cuDNN's ($(date +%T))" >> $L
 M=$(python -c "import sys; sys.path.insert(0, 'bench'); import decode_profile; print(decode_profile.METRICS)")
 PYTHONPATH=. timeout 150 ncu --profile-from-start off --clock-control none --csv --metrics $M \
   python bench/decode_profile.py 128:65536:8:1:128:dense 132:65536:8:1:128:dense 16:65536:32:32:128:dense \
-  128:65536:32:8:64:dense 16:131072:32:32:64:dense > $OUT/ncu.csv 2> $OUT/ncu.err
+  128:65536:32:8:64:dense 16:131072:32:32:64:dense 1:1024:8:1:64:dense 4:4096:8:1:128:dense \
+  1:16384:8:1:128:dense > $OUT/ncu.csv 2> $OUT/ncu.err
 echo "rc $? ($(date +%T))" >> $L; grep -c '"' $OUT/ncu.csv >> $L; tail -3 $OUT/ncu.err >> $L

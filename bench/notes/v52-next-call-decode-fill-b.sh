@@ -1,6 +1,7 @@
 #!/bin/bash
-# A device call (v52, b of two; about 200 s warm, no trees or kernel cache needed): the split count
-# over whole waves (v52-decode-splits-over-whole-waves.patch) against HEAD on odd batches, and ncu
+# A device call (v52, b of two; about 260 s warm, no trees or kernel cache needed): the split count
+# over whole waves (v52-decode-splits-over-whole-waves.patch) against HEAD on odd batches, fewer
+# splits in clusters (v52-decode-fewer-splits-in-clusters.patch) on small cells, and ncu
 # of long-cache steps beside cuDNN's (bench/notes/v52).
 # Run from the repository root: bash bench/notes/v52-next-call-decode-fill-b.sh
 cd "$(dirname "$0")/../.."
@@ -19,6 +20,13 @@ echo "== decode_splits in the patched tree ($(date +%T))" >> $L
 cp bench/ab.py bench/decode_splits.py /tmp/ww/
 (cd /tmp/ww && PYTHONPATH=. timeout 120 python decode_splits.py --counts 1 2 3 4 5 6 8 9 11 16 33 --cells ${C//,/ }) >> $L 2>&1
 echo "rc $? done ($(date +%T))" >> $L
+# 3b. v52-decode-fewer-splits-in-clusters.patch (short steps whose clusters of splits would not fit
+# one wave take fewer splits whose clusters do, instead of the combine launch): small cells in turns.
+echo "== ab decode: HEAD against fewer splits in clusters ($(date +%T))" >> $L
+rm -rf /tmp/wc && mkdir -p /tmp/wc && cp -r cupyflash cuda_src /tmp/wc/ \
+  && (cd /tmp/wc && git apply --include='cupyflash/*' $OLDPWD/bench/notes/v52-decode-fewer-splits-in-clusters.patch) >> $L 2>&1
+C=16:1024:8:1:128:dense,4:1024:32:8:128:dense,1:1024:32:32:128:dense,4:1024:32:8:64:dense,16:2048:8:1:128:dense,16:4096:8:1:128:dense,32:1024:8:1:128:dense,16:1024:8:1:128:paged16,4:1024:32:8:128:paged16,16:1024:8:1:64:dense
+timeout 100 python bench/ab.py --pass decode --rounds 7 --cells $C . /tmp/wc >> $L 2>&1
 # 4. ncu of one step of each implementation (bench/decode_profile.py): do our SMs idle before the
 # step ends (sm__cycles_active avg against max), and at what DRAM rate do we and cuDNN read? The
 # last three cells are small steps (6-12 us) that trail cuDNN by a fixed 1-3 us: kernel times apart.

@@ -548,7 +548,7 @@ HOST_CALLS, HOST_REPS = 200, 15
 # At least 3 (CUDA graph trees record on the second call and replay from the third), and enough
 # back-to-back work for the GPU to leave its idle clocks, which would make tiny kernels the bound.
 HOST_WARMUP = 50
-HOST_SPIN_S = 2.0  # the host kept busy before the first cell (run_host)
+HOST_SPIN_S = 2.0  # the host and the GPU kept busy before the first cell (run_host_here)
 HOST_TARGETS = ("cupyflash.torch eager fwd+bwd <= 1.2x SDPA flash and fwd <= 1.3x SDPA flash; cupyflash core fwd "
                 "(CuPy) <= 20 us at 1x128x8x64; cupyflash.jax fwd+bwd <= 1.2x JAX cuDNN")
 
@@ -772,12 +772,22 @@ HOST_PROCESS_GROUPS = (("cupyflash.torch compiled", "cupyflash.torch reduce-over
                        ("cupyflash.jax jit", "JAX cuDNN"))
 
 
-def _busy(seconds):
-    """Keeps the host busy for `seconds`: its clocks rise under load, and the first cells timed
-    after an idle spell read high without it."""
+def _busy(seconds, device=None):
+    """Keeps the host busy for `seconds`, and the GPU `device` too where given: clocks rise under
+    load, and the first cells timed after an idle spell read high without it. (The table's first
+    shape read 1.2-1.4x slow whichever it was, v42-v45, after the host alone was kept busy; a GPU
+    left idle at low clocks makes its small calls' kernels the bound.)"""
     end = time.perf_counter() + seconds
+    if device is None:
+        while time.perf_counter() < end:
+            pass
+        return
+    import torch
+    x = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
     while time.perf_counter() < end:
-        pass
+        for _ in range(8):  # about 1 ms of products a round; the wait keeps the host busy too
+            torch.mm(x, x)
+        torch.cuda.synchronize(device)
 
 
 def _warm_up(call):
@@ -871,7 +881,7 @@ def run_host_here(shapes, calls, columns, profile=False, device="cuda", report=p
     run it on the CPU)."""
     import torch
     if device == "cuda":
-        _busy(HOST_SPIN_S)
+        _busy(HOST_SPIN_S, device)
     cells = []
     for shape in shapes:
         generator = torch.Generator(device=device).manual_seed(0)

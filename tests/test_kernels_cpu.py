@@ -40,6 +40,24 @@ def test_a_newer_gpu_with_less_shared_memory_falls_back_to_smaller_tiles(monkeyp
     assert tile == _config.Tile(256, *_config.TILES[_config.MMA_SYNC]["sm86"]["bwd"][256])
 
 
+@pytest.mark.parametrize("cc, smem_kib", [((10, 0), 227), ((12, 0), 99)])  # B200, RTX 50
+def test_blackwell_runs_the_mma_sync_kernels_its_tiles_pick_and_they_build(cc, smem_kib, monkeypatch):
+    """A Blackwell GPU runs the mma.sync family (the wgmma kernels are sm_90a's) on its own
+    architecture, which the compile checks do not sweep: each pass's kernel at hd128 with its heaviest
+    flags, as its tiles pick it, compiles there. (Some variants spill on it: bench/notes/v52.)"""
+    monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
+    monkeypatch.delenv("CUPYFLASH_FAMILY", raising=False)
+    arch, smem = f"{cc[0]}{cc[1]}", smem_kib * 1024
+    assert all(_config.kernel_family_for(t, cc, 128) == _config.MMA_SYNC for t in ("fwd", "bwd"))
+    kernels = [_kernels.Kernel(pass_, "bfloat16", _config.tile_for(table, 128, cc, smem), True, False, features)
+               for pass_, table, features in (("fwd", "fwd", _kernels.FEATURES), ("bwd", "bwd", ()),
+                                              ("bwd", "bwd_options", _kernels.FEATURES),
+                                              ("decode", "decode", _kernels.DECODE_FEATURES))]
+    kernels += [_kernels.Kernel(pass_, "bfloat16") for pass_ in _kernels.ROW_KERNELS]
+    reports = _compile.compile_all([(arch, k) for k in kernels])
+    assert len(reports) == len(kernels) and all(r.registers <= 255 for _, _, r in reports)
+
+
 def test_older_gpus_are_refused():
     with pytest.raises(RuntimeError, match=r"compute capability 8.0 or newer.*7.5"):
         _config.family_of((7, 5))

@@ -11,6 +11,7 @@ METRICS (bench/notes/v52): whether a step's SMs stay busy to its end (sm__cycles
 against max), its DRAM bytes and rate, and its instructions.
 """
 import argparse
+import os
 import sys
 
 METRICS = ",".join((
@@ -64,5 +65,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, __import__("os").path.dirname(__file__))
+    sys.path.insert(0, os.path.dirname(__file__))  # ab.py
     main()

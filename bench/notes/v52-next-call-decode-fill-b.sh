@@ -35,11 +35,12 @@ C=16:1024:8:1:128:dense,4:1024:32:8:128:dense,1:1024:32:32:128:dense,4:1024:32:8
 timeout 100 python bench/ab.py --pass decode --rounds 7 --cells $C . /tmp/wc >> $L 2>&1
 # 4. ncu of one step of each implementation (bench/decode_profile.py): do our SMs idle before the
 # step ends (sm__cycles_active avg against max), and at what DRAM rate do we and cuDNN read? The
-# last three cells are small steps (6-12 us) that trail cuDNN by a fixed 1-3 us: kernel times apart.
+# three after them are small steps (6-12 us) that trail cuDNN by a fixed 1-3 us: kernel times apart;
+# the last the paged16 twin of the fourth (9.5% below it in v45: what the pages cost in DRAM terms).
 echo "== ncu: decode steps beside cuDNN's ($(date +%T))" >> $L
 M=$(python -c "import sys; sys.path.insert(0, 'bench'); import decode_profile; print(decode_profile.METRICS)")
 PYTHONPATH=. timeout 150 ncu --profile-from-start off --clock-control none --csv --metrics $M \
   python bench/decode_profile.py 128:65536:8:1:128:dense 132:65536:8:1:128:dense 16:65536:32:32:128:dense \
   128:65536:32:8:64:dense 16:131072:32:32:64:dense 1:1024:8:1:64:dense 4:4096:8:1:128:dense \
-  1:16384:8:1:128:dense > $OUT/ncu.csv 2> $OUT/ncu.err
+  1:16384:8:1:128:dense 128:65536:32:8:64:paged16 > $OUT/ncu.csv 2> $OUT/ncu.err
 echo "rc $? ($(date +%T))" >> $L; grep -c '"' $OUT/ncu.csv >> $L; tail -3 $OUT/ncu.err >> $L

@@ -35,8 +35,8 @@ C=16:1024:8:1:128:dense,4:1024:32:8:128:dense,1:1024:32:32:128:dense,4:1024:32:8
 timeout 100 python bench/ab.py --pass decode --rounds 7 --cells $C . /tmp/wc >> $L 2>&1
 # 4. ncu of one step of each implementation (bench/decode_profile.py): do our SMs idle before the
 # step ends (sm__cycles_active avg against max), and at what DRAM rate do we and cuDNN read? The
-# three after them are small steps (6-12 us) that trail cuDNN by a fixed 1-3 us: kernel times apart;
-# the last the paged16 twin of the fourth (9.5% below it in v45: what the pages cost in DRAM terms).
+# first five cells are long caches; the next three small steps (6-12 us) that trail cuDNN by a fixed
+# 1-3 us (kernel times apart); the last the paged16 twin of the fourth (9.5% below it in v45).
 echo "== ncu: decode steps beside cuDNN's ($(date +%T))" >> $L
 M=$(python -c "import sys; sys.path.insert(0, 'bench'); import decode_profile; print(decode_profile.METRICS)")
 PYTHONPATH=. timeout 150 ncu --profile-from-start off --clock-control none --csv --metrics $M \

@@ -36,11 +36,7 @@ def main(argv=None):
     for batch, cache, nheads, nheads_k, headdim, page in args.cells:
         shape = benchmark.DecodeShape(batch, cache, nheads, nheads_k, headdim, args.seqlen_q,
                                       f"paged{page}" if page else "dense")
-        generator = torch.Generator(device=args.device).manual_seed(batch * 7 + cache)
-        draw = lambda *size: torch.randn(*size, generator=generator, device=args.device,  # noqa: E731
-                                         dtype=torch.bfloat16)
-        q = draw(batch, args.seqlen_q, nheads, headdim)
-        k, v = (draw(batch, nheads_k, cache, headdim) for _ in range(2))
+        generator, q, k, v = benchmark.decode_inputs(shape, args.device)
         steps, expected = {}, None
         for impl in impls:
             step = benchmark.DECODE_IMPLEMENTATIONS[impl](shape, q, k, v, generator)

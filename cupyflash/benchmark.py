@@ -1226,15 +1226,22 @@ def run_decode(shapes, impls=tuple(DECODE_IMPLEMENTATIONS), device="cuda", reps=
     return cells
 
 
-def _decode_shape(shape, impls, device, reps, report):
-    """run_decode's cells of one shape."""
+def decode_inputs(shape, device):
+    """(generator, q, k, v) of a decode cell, bf16, drawn on `device` (a 128k cache drawn on the host
+    took seconds per cell): q (batch, seqlen_q, nheads, headdim), k and v in SDPA's layout (batch,
+    nheads_k, cache, headdim); each implementation's step (DECODE_IMPLEMENTATIONS) takes them."""
     import torch
-    cells = []
-    # drawn where they are used: a 128k cache drawn on the host took seconds per cell
     generator = torch.Generator(device=device).manual_seed(shape.batch * 7 + shape.cache)
     draw = lambda *size: torch.randn(*size, generator=generator, device=device, dtype=torch.bfloat16)  # noqa: E731
     q = draw(shape.batch, shape.seqlen_q, shape.nheads, shape.headdim)
-    k, v = (draw(shape.batch, shape.nheads_k, shape.cache, shape.headdim) for _ in range(2))  # SDPA's layout
+    k, v = (draw(shape.batch, shape.nheads_k, shape.cache, shape.headdim) for _ in range(2))
+    return generator, q, k, v
+
+
+def _decode_shape(shape, impls, device, reps, report):
+    """run_decode's cells of one shape."""
+    cells = []
+    generator, q, k, v = decode_inputs(shape, device)
     steps, notes, expected = {}, {}, None
     for impl in impls:
         try:

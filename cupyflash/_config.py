@@ -2,11 +2,12 @@
 
 Two kernel families: the mma.sync kernels (cuda_src/sm80/, every pass, sm_80 and newer) and the
 wgmma kernels (cuda_src/sm90/, the forward and the backward, sm_90a: compute capability 9.0 exactly).
-TILES[kernel family] holds one table per GPU family (sm90, sm86, sm80), then per tile table
+TILES[kernel family] holds one table per GPU family (sm90, sm86, sm80; sm100 and sm120, Blackwell's,
+derived from them), then per tile table
 (TABLES; the wgmma forward also has 'fwd_short' and 'fwd_local': forward_table) and head dim.
 The kernels are templates over (head dim, block_m, block_n, warps, stages). A caller's head dim is
 rounded up to the next head dim of the table (the extra columns are zero-filled and never
-written). Setting CUPYFLASH_TILES=sm80|sm86|sm90 forces a GPU family's table on any GPU, and
+written). Setting CUPYFLASH_TILES to a GPU family (sm90, say) forces its table on any GPU, and
 CUPYFLASH_FAMILY=mma_sync the mma.sync family where wgmma would serve, so every table and family
 is tested on whatever card the tests run on.
 """
@@ -200,8 +201,8 @@ def decode_table(page_size, capacity, ctas, sms):
     return "decode_small" if 0 < page_size < DENSE_TILE_PAGE or capacity <= SHORT_CACHE else "decode"
 
 
-FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
-FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
+FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024, "sm100": 227 * 1024,
+                     "sm120": 99 * 1024}
 # The tile tables of each GPU family (see kernel_pass).
 TABLES = ("fwd", "bwd", "bwd_options", "bwd_deterministic", "decode", "decode_small", "decode_few")
 
@@ -272,14 +273,44 @@ def padded_headdim(headdim, headdims=HEADDIMS):
     return next(h for h in headdims if h >= headdim)
 
 
+# Blackwell runs the mma.sync family (the wgmma kernels are sm_90a's). Its tables are sm90's, on
+# sm120 (99 KiB) sm86's where sm90's does not fit, but where ptxas for sm_100 or sm_120 (NVRTC 13.0)
+# spills with them: there the nearest tile that compiles clean on both (bench/notes/v53; not timed).
+# Its decode has no hd192 tile (both of sm90's and sm86's spill); hd256's serves it.
+_BLACKWELL_CLEAN = {
+    "fwd": {64: (128, 32, 4, 2), 96: (64, 64, 4, 1), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)},
+    "bwd": {256: (64, 32, 8, 2)},
+    "bwd_deterministic": {128: (64, 64, 8, 2), 256: (64, 32, 8, 2)},
+}
+
+
+def _fitting(tables, fallback, smem_limit):
+    """Per tile table and head dim, `tables`' tile where its shared memory fits, else `fallback`'s."""
+    return {name: {hd: cfg if Tile(hd, *cfg).smem_bytes(name) <= smem_limit else fallback[name][hd]
+                   for hd, cfg in table.items()} for name, table in tables.items()}
+
+
+TILES[MMA_SYNC]["sm100"] = {
+    name: {hd: cfg for hd, cfg in {**table, **_BLACKWELL_CLEAN.get(name, {})}.items()
+           if not (kernel_pass(name) == "decode" and hd == 192)}
+    for name, table in TILES[MMA_SYNC]["sm90"].items()}
+TILES[MMA_SYNC]["sm120"] = _fitting(TILES[MMA_SYNC]["sm100"], TILES[MMA_SYNC]["sm86"], FAMILY_SMEM_LIMIT["sm120"])
+FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
+
+
 def family_of(compute_capability):
-    """The GPU family: 'sm90' for (9, 0) and newer, 'sm80' for (8, 0), 'sm86' for the other 8.x parts."""
+    """The GPU family: 'sm80' for 8.0, 'sm86' for the other 8.x parts, 'sm90' for 9.x, 'sm100' for
+    10.x and 11.x (B200, B300, Thor), 'sm120' for 12.x and newer (RTX 50, RTX PRO, DGX Spark)."""
     major, minor = compute_capability
     if major < 8:
         raise RuntimeError(
             f"cupyflash needs a GPU of compute capability 8.0 or newer (bf16/fp16 mma.sync); "
             f"this one is {major}.{minor}")
-    if major >= 9:
+    if major >= 12:
+        return "sm120"
+    if major >= 10:
+        return "sm100"
+    if major == 9:
         return "sm90"
     return "sm80" if minor == 0 else "sm86"
 
@@ -287,7 +318,8 @@ def family_of(compute_capability):
 def forced_family():
     forced = os.environ.get("CUPYFLASH_TILES", "").strip()
     if forced and forced not in FAMILIES:
-        raise ValueError(f"CUPYFLASH_TILES must be one of {sorted(FAMILIES)}, got {forced!r}")
+        raise ValueError(f"CUPYFLASH_TILES must be one of {sorted(FAMILIES, key=lambda f: int(f[2:]))}, "
+                         f"got {forced!r}")
     return forced or None
 
 
@@ -357,6 +389,8 @@ def all_tiles(families=FAMILIES, kernel_family=MMA_SYNC):
 
 
 # The architectures each kernel family is compiled and checked for, with the GPU families whose
-# tiles each builds: mma.sync for sm_90 every table (CUPYFLASH_TILES lets an H100 run the others)
-# and for sm_80 the tables of the A100 and RTX/L40 parts; wgmma for sm_90a.
-COMPILE_CHECKS = {MMA_SYNC: {"90": FAMILIES, "80": ("sm80", "sm86")}, WGMMA: {"90a": ("sm90",)}}
+# tiles each builds: mma.sync for sm_90 every table (CUPYFLASH_TILES lets an H100 run the others),
+# for sm_80 the tables of the A100 and RTX/L40 parts and for sm_100 and sm_120 Blackwell's; wgmma
+# for sm_90a.
+COMPILE_CHECKS = {MMA_SYNC: {"90": FAMILIES, "80": ("sm80", "sm86"), "100": ("sm100",), "120": ("sm120",)},
+                  WGMMA: {"90a": ("sm90",)}}

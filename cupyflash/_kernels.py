@@ -213,14 +213,15 @@ def representative_jobs(jobs):
 
     They cover every code path the sweep does, once (a kernel with one feature runs a subset of the
     code of the one with every feature): the wgmma kernels' tiles with their heaviest
-    flags and every flag at hd128; on the newest mma.sync arch (which builds every table),
+    flags and every flag at hd128; on the mma.sync arch that builds every table,
     one variant per tile of its own family's tables, so every head dim and block shape of each pass,
     with the heaviest flags (local masking, column bounds, the options); every flag of one forward
-    tile; the other dtype once; the row kernels; one variant per table for each older arch; and
+    tile; the other dtype once; the row kernels; one variant per table for each other arch; and
     the KV cache's kernels once each (every decode tile with its heaviest flags); and softcap alone
     at hd128 in bfloat16 (_BOUNDED_FLAGS), once per family.
     (What a user of a CPU-only machine runs is the NumPy reference: no kernel would be theirs.)"""
-    primary = max((arch for arch, k in jobs if not k.wgmma), key=int)
+    primary = next(arch for arch, families in _config.COMPILE_CHECKS[_config.MMA_SYNC].items()
+                   if families == _config.FAMILIES)
 
     def tables(k):
         if k.pass_ == "bwd":

@@ -6,7 +6,7 @@ import zlib
 import numpy
 import pytest
 
-from cupyflash import _check
+from cupyflash import _check, _config
 from cupyflash._check import Case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_allocations")]
@@ -194,16 +194,17 @@ def test_a_cached_wgmma_plan_reads_each_calls_arrays(monkeypatch):
     assert len(_plan._plans) == 1 and all(plan.maps is not None for plan in _plan._plans.values())
 
 
-@pytest.mark.parametrize("family", ["sm80", "sm86", "sm90"])
+@pytest.mark.parametrize("family", _config.FAMILIES)
 @pytest.mark.parametrize("case", [Case(300, 300, d, "bfloat16", causal, batch=1, nheads=4, nheads_k=2)
                                   for d in (32, 64, 96, 128, 160, 192, 224, 256) for causal in (False, True)], ids=str)
 def test_every_tile_table(family, case, monkeypatch):
-    """Each family's tiles (sm80: A100, sm86: RTX 30/40 and L40, sm90: H100/H200) run on this GPU."""
+    """Each family's tiles (sm80: A100, sm86: RTX 30/40 and L40, sm90: H100/H200, sm100 and sm120:
+    Blackwell) run on this GPU."""
     monkeypatch.setenv("CUPYFLASH_TILES", family)
     _assert_ok(_check.run_gpu_case(case, _seed(case) + len(family)))
 
 
-@pytest.mark.parametrize("family", ["sm80", "sm86", "sm90"])
+@pytest.mark.parametrize("family", _config.FAMILIES)
 @pytest.mark.parametrize("case", [Case(150, 170, d, "float16", causal, batch=1, nheads=2, nheads_k=1, dropout_p=0.2)
                                   for d in (64, 160, 256) for causal in (False, True)], ids=str)
 def test_dropout_on_every_tile_table(family, case, monkeypatch):

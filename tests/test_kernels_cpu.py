@@ -1,6 +1,6 @@
 """Without a GPU: tile selection, the shared params struct, the compile cache, and an NVRTC compile of
 every kernel variant with zero spill bytes in the ptxas report: all of them for sm_90, those of the
-A100 and RTX/L40 tables for sm_80 (_config.COMPILE_CHECKS)."""
+A100 and RTX/L40 tables for sm_80 and Blackwell's for sm_100 and sm_120 (_config.COMPILE_CHECKS)."""
 
 import itertools
 import os
@@ -20,6 +20,10 @@ from cupyflash import _compile, _config, _kernels, _params, _sources
     ((8, 6), 99, "sm86"),    # RTX 30
     ((8, 9), 99, "sm86"),    # RTX 40, L40
     ((9, 0), 227, "sm90"),   # H100, H200
+    ((10, 0), 227, "sm100"),  # B200
+    ((10, 3), 227, "sm100"),  # B300
+    ((12, 0), 99, "sm120"),   # RTX 50, RTX PRO
+    ((12, 1), 99, "sm120"),   # DGX Spark
 ])
 def test_each_device_gets_its_family_table(cc, smem_kib, family, monkeypatch):
     monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
@@ -36,26 +40,27 @@ def test_each_device_gets_its_family_table(cc, smem_kib, family, monkeypatch):
 def test_a_newer_gpu_with_less_shared_memory_falls_back_to_smaller_tiles(monkeypatch):
     monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
     assert _config.Tile(256, *_config.TILES[_config.MMA_SYNC]["sm90"]["bwd"][256]).smem_bytes("bwd") > 99 * 1024
-    tile = _config.tile_for("bwd", 256, (12, 0), 99 * 1024)       # consumer Blackwell: sm90 table, 99 KiB
+    tile = _config.tile_for("bwd", 256, (10, 0), 99 * 1024)       # a Blackwell part of 99 KiB
     assert tile == _config.Tile(256, *_config.TILES[_config.MMA_SYNC]["sm86"]["bwd"][256])
 
 
 @pytest.mark.parametrize("cc, smem_kib", [((10, 0), 227), ((12, 0), 99)])  # B200, RTX 50
-def test_blackwell_runs_the_mma_sync_kernels_its_tiles_pick_and_they_build(cc, smem_kib, monkeypatch):
-    """A Blackwell GPU runs the mma.sync family (the wgmma kernels are sm_90a's) on its own
-    architecture, which the compile checks do not sweep: each pass's kernel at hd128 with its heaviest
-    flags, as its tiles pick it, compiles there. (Some variants spill on it: bench/notes/v52.)"""
+def test_blackwell_runs_mma_sync_kernels_that_the_checks_build_for_its_architecture(cc, smem_kib, monkeypatch):
+    """A Blackwell GPU runs the mma.sync family (the wgmma kernels are sm_90a's) compiled for its own
+    architecture: every tile its tables pick is among the variants the spill checks build for it,
+    and its sm90-derived tables differ from sm90's only where sm90's spill there or do not fit."""
     monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
     monkeypatch.delenv("CUPYFLASH_FAMILY", raising=False)
-    arch, smem = f"{cc[0]}{cc[1]}", smem_kib * 1024
-    assert all(_config.kernel_family_for(t, cc, 128) == _config.MMA_SYNC for t in ("fwd", "bwd"))
-    kernels = [_kernels.Kernel(pass_, "bfloat16", _config.tile_for(table, 128, cc, smem), True, False, features)
-               for pass_, table, features in (("fwd", "fwd", _kernels.FEATURES), ("bwd", "bwd", ()),
-                                              ("bwd", "bwd_options", _kernels.FEATURES),
-                                              ("decode", "decode", _kernels.DECODE_FEATURES))]
-    kernels += [_kernels.Kernel(pass_, "bfloat16") for pass_ in _kernels.ROW_KERNELS]
-    reports = _compile.compile_all([(arch, k) for k in kernels])
-    assert len(reports) == len(kernels) and all(r.registers <= 255 for _, _, r in reports)
+    arch, family = f"{cc[0]}{cc[1]}", _config.family_of(cc)
+    checked = {k.tile for a, k in _kernels.compile_jobs() if a == arch}
+    for table in _config.TABLES:
+        assert _config.kernel_family_for(table, cc) == _config.MMA_SYNC
+        for hd in _config.HEADDIMS:
+            tile = _config.tile_for(table, hd, cc, smem_kib * 1024)
+            assert tile in checked, (table, hd, tile)
+            sm90 = _config.Tile(tile.headdim, *_config.TILES[_config.MMA_SYNC]["sm90"][table][tile.headdim])
+            assert tile == sm90 or (tile.headdim in _config._BLACKWELL_CLEAN.get(table, ())
+                                    or sm90.smem_bytes(table) > smem_kib * 1024), (table, hd)
 
 
 def test_older_gpus_are_refused():
@@ -67,7 +72,9 @@ def test_every_tile_fits_its_family():
     for family, table in _config.TILES[_config.MMA_SYNC].items():
         for name in _config.TABLES:  # every head dim, but the decode tables' hd224 (hd256 serves it)
             decode = _config.kernel_pass(name) == "decode"
-            assert sorted(table[name]) == [hd for hd in _config.HEADDIMS if not decode or hd != 224]
+            blackwell = family in ("sm100", "sm120")  # (whose hd192 decode spills)
+            assert set(_config.HEADDIMS) - set(table[name]) == ({224, 192} if decode and blackwell
+                                                                   else {224} if decode else set())
             for hd, cfg in table[name].items():
                 tile = _config.Tile(hd, *cfg)
                 assert tile.smem_bytes(name) <= _config.FAMILY_SMEM_LIMIT[family], (family, name, tile)

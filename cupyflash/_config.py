@@ -274,13 +274,14 @@ def padded_headdim(headdim, headdims=HEADDIMS):
 
 
 # Blackwell runs the mma.sync family (the wgmma kernels are sm_90a's). Its tables are sm90's, on
-# sm120 (99 KiB) sm86's where sm90's does not fit, but where ptxas for sm_100 or sm_120 (NVRTC 13.0)
-# spills with them: there the nearest tile that compiles clean on both (bench/notes/v53; not timed).
-# Its decode has no hd192 tile (both of sm90's and sm86's spill); hd256's serves it.
+# sm120 (99 KiB) sm86's where sm90's does not fit, but where ptxas for sm_100 or sm_120 spills with
+# them (NVRTC 13.0 or 12.9: Blackwell's CUDA 12 drivers take the cuda12 extra): there the nearest
+# tile that compiles clean on all four (bench/notes/v53; not timed). Its decode has no hd192 tile
+# (sm90's and sm86's spill); hd256's serves it.
 _BLACKWELL_CLEAN = {
-    "fwd": {64: (128, 32, 4, 2), 96: (64, 64, 4, 1), 128: (64, 64, 4, 2), 256: (64, 32, 4, 2)},
-    "bwd": {256: (64, 32, 8, 2)},
-    "bwd_deterministic": {128: (64, 64, 8, 2), 256: (64, 32, 8, 2)},
+    "fwd": {64: (128, 32, 4, 2), 96: (64, 64, 4, 1), 128: (64, 64, 4, 2), 256: (64, 32, 4, 1)},
+    "bwd": {64: (128, 64, 8, 2), 128: (64, 64, 8, 2), 256: (64, 32, 8, 2)},
+    "bwd_deterministic": {64: (128, 64, 8, 2), 96: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (64, 32, 8, 2)},
 }
 
 

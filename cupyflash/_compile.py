@@ -240,7 +240,7 @@ def spill_free(kernel, arch):
     limit is not monotone in the code, so a subset of the features can spill where the whole set
     does not; the compile checks keep every whole set clean, and its extra features stay off at run
     time (each tests its parameters: cuda_src/common/score.cuh). Where what runs still spills (an
-    NVRTC older than CLEAN_NVRTC), a warning says so."""
+    NVRTC other than the checks'), a warning says so."""
     cubin_path, log = compile_kernel(kernel, arch)
     report = resource_report(cubin_path.read_bytes(), log)
     whole = kernel.with_every_feature()
@@ -252,21 +252,17 @@ def spill_free(kernel, arch):
     return kernel, cubin_path
 
 
-# The NVRTC versions whose ptxas compiles every kernel variant without spills (CI's compile checks
-# run 13.0; bench/notes/v53 swept the 12.x releases).
-CLEAN_NVRTC = "12.8 or newer"
-
-
 def warn_unclean(kernel, arch, report):
-    """A warning, once per kernel and architecture, that an older NVRTC's ptxas spilled registers in
-    it (correct, but slower): the compile checks hold every variant spill-free on CLEAN_NVRTC only."""
+    """A warning that this NVRTC's ptxas spilled registers in a kernel a call runs (correct, but
+    slower): the compile checks hold every variant clean with NVRTC 13.0 (the README says which
+    other versions do)."""
     what = (f"{report.spills} bytes of register spills" if report.spills
             else f"a {report.stack_frame}-byte stack frame")
     version = ".".join(map(str, nvrtc_version()))
     warnings.warn(f"cupyflash: NVRTC {version} compiled {kernel.name} for sm_{arch} with {what}: it runs "
-                  f"correctly, but slower. NVRTC {CLEAN_NVRTC} compiles every cupyflash kernel without "
-                  f"(pip install -U nvidia-cuda-nvrtc-cu12, or cupyflash's cuda13 extra).", RuntimeWarning,
-                  stacklevel=2)
+                  f"correctly, but slower. NVRTC 13.0 (the cuda13 extra) compiles every cupyflash kernel "
+                  f"without; on a CUDA 12 driver, pip install -U nvidia-cuda-nvrtc-cu12 (README: NVRTC's "
+                  f"version).", RuntimeWarning)
 
 
 def load(kernel, device):

@@ -322,8 +322,8 @@ def test_a_kernel_whose_own_features_spill_runs_the_one_with_every_feature(spill
     # what runs still spilling (an older NVRTC's ptxas) is said, naming the kernel and the NVRTC
     assert [str(w.message) for w in caught] == ([] if "whole" not in spilling else [
         f"cupyflash: NVRTC 12.4 compiled {kernels['whole'].name} for sm_90 with 16 bytes of register spills: it "
-        f"runs correctly, but slower. NVRTC {_compile.CLEAN_NVRTC} compiles every cupyflash kernel without "
-        f"(pip install -U nvidia-cuda-nvrtc-cu12, or cupyflash's cuda13 extra)."])
+        f"runs correctly, but slower. NVRTC 13.0 (the cuda13 extra) compiles every cupyflash kernel without; on "
+        f"a CUDA 12 driver, pip install -U nvidia-cuda-nvrtc-cu12 (README: NVRTC's version)."])
     plain = _kernels.Kernel("bwd", "float16", tile)
     assert plain.with_every_feature() == plain
 

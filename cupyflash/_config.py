@@ -275,13 +275,14 @@ def padded_headdim(headdim, headdims=HEADDIMS):
 
 # Blackwell runs the mma.sync family (the wgmma kernels are sm_90a's). Its tables are sm90's, on
 # sm120 (99 KiB) sm86's where sm90's does not fit, but where ptxas for sm_100 or sm_120 spills with
-# them (NVRTC 13.0 or 12.9: Blackwell's CUDA 12 drivers take the cuda12 extra): there the nearest
-# tile that compiles clean on all four (bench/notes/v53; not timed). Its decode has no hd192 tile
+# them with any NVRTC that knows Blackwell (12.8, PyTorch 2.8's; 12.9; 13.0): there the nearest tile
+# that compiles clean with all three (bench/notes/v53; not timed). Its decode has no hd192 tile
 # (sm90's and sm86's spill); hd256's serves it.
+_BLACKWELL_BWD = {64: (128, 64, 8, 2), 96: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (64, 32, 8, 2)}
 _BLACKWELL_CLEAN = {
     "fwd": {64: (128, 32, 4, 2), 96: (64, 64, 4, 1), 128: (64, 64, 4, 2), 256: (64, 32, 4, 1)},
-    "bwd": {64: (128, 64, 8, 2), 128: (64, 64, 8, 2), 256: (64, 32, 8, 2)},
-    "bwd_deterministic": {64: (128, 64, 8, 2), 96: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (64, 32, 8, 2)},
+    "bwd": _BLACKWELL_BWD,
+    "bwd_deterministic": _BLACKWELL_BWD,
 }
 
 
@@ -296,6 +297,7 @@ TILES[MMA_SYNC]["sm100"] = {
            if not (kernel_pass(name) == "decode" and hd == 192)}
     for name, table in TILES[MMA_SYNC]["sm90"].items()}
 TILES[MMA_SYNC]["sm120"] = _fitting(TILES[MMA_SYNC]["sm100"], TILES[MMA_SYNC]["sm86"], FAMILY_SMEM_LIMIT["sm120"])
+TILES[MMA_SYNC]["sm120"]["bwd_deterministic"][256] = (32, 32, 8, 1)  # (sm86's 4 warps spill there with 12.8)
 FAMILIES = tuple(TILES[MMA_SYNC])          # GPU families
 
 

@@ -274,9 +274,9 @@ def padded_headdim(headdim, headdims=HEADDIMS):
 
 
 # Blackwell runs the mma.sync family (the wgmma kernels are sm_90a's). Its tables are sm90's, on
-# sm120 (99 KiB) sm86's where sm90's does not fit, but where ptxas for sm_100 or sm_120 spills with
-# them with any NVRTC that knows Blackwell (12.8, PyTorch 2.8's; 12.9; 13.0): there the nearest tile
-# that compiles clean with all three (bench/notes/v53; not timed). Its decode has no hd192 tile
+# sm120 (99 KiB) sm86's where sm90's does not fit, but where ptxas for sm_100 or sm_120 spills in
+# them under any NVRTC that knows Blackwell (12.8, PyTorch 2.8's; 12.9; 13.0): there the nearest tile
+# that compiles clean under all three (bench/notes/v53; not timed). Its decode has no hd192 tile
 # (sm90's and sm86's spill); hd256's serves it.
 _BLACKWELL_BWD = {64: (128, 64, 8, 2), 96: (64, 64, 8, 2), 128: (64, 64, 8, 2), 256: (64, 32, 8, 2)}
 _BLACKWELL_CLEAN = {

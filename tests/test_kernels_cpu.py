@@ -52,7 +52,7 @@ def test_blackwell_runs_mma_sync_kernels_that_the_checks_build_for_its_architect
     and its sm90-derived tables differ from sm90's only where sm90's spill there or do not fit."""
     monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
     monkeypatch.delenv("CUPYFLASH_FAMILY", raising=False)
-    arch, family = f"{cc[0]}{cc[1]}", _config.family_of(cc)
+    arch = f"{cc[0]}{cc[1]}"
     checked = {k.tile for a, k in _kernels.compile_jobs() if a == arch}
     for table in _config.TABLES:
         assert _config.kernel_family_for(table, cc) == _config.MMA_SYNC

@@ -57,7 +57,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v
     (int32 arrays of length batch + 1 on q's device; empty sequences are allowed). max_seqlen_* are
     the longest lengths (ints). lse is (nheads, total_q). Masks and ALiBi are per sequence.
-    The cu_seqlens are checked on the host, which waits for them to be computed.
+    The cu_seqlens are checked on the host, which waits for them to be computed (torch tensors
+    again only after torch writes them).
     With block_table (int32 (batch, pages per sequence)), k and v are a paged cache (num_blocks,
     page_size, nheads_k, headdim), page_size a multiple of 16: sequence b's key t is in block
     block_table[b, t // page_size] at row t % page_size, for t < cu_seqlens_k[b + 1] -

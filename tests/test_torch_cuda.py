@@ -67,6 +67,29 @@ def test_gpu_varlen_packed_forms_take_views():
             assert torch.equal(grad[:, i], separate[2 + i])
 
 
+@pytest.mark.gpu
+def test_gpu_varlen_reads_a_batchs_cu_seqlens_once(monkeypatch):
+    """A training step's varlen calls (forward and backward, here two layers) read their cu_seqlens
+    on the host once; a write through torch makes the next call read them again, and a bad value
+    so written is an error."""
+    from cupyflash import _arrays
+    reads = []
+    read = _arrays.to_host
+    monkeypatch.setattr(_arrays, "to_host", lambda array, caller: reads.append(array) or read(array, caller))
+    lengths = ((77, 3, 150), (60, 3, 200))
+    q, k, v, dout, cu_q, cu_k = _varlen_inputs(lengths, 4, 2, 64, torch.bfloat16, "cuda", seed=45)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    for _ in range(2):
+        out = cft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 150, 200, causal=True)
+        out = cft.flash_attn_varlen_func(out, k, v, cu_q, cu_k, 150, 200, causal=True)
+        torch.autograd.grad(out, (q, k, v), dout)
+    assert len(reads) == 2  # cu_seqlens_q and cu_seqlens_k, at the first call
+    cu_k[1] += 100  # (0, 160, 63, 263)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must be non-decreasing, got cu_seqlens_k\[1\] = 160"):
+        cft.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 150, 200, causal=True)
+    assert len(reads) == 4
+
+
 def _poison_torch_cache(shapes, copies=6):
     """Leave NaN in the blocks torch caches for the current stream, in the sizes about to be
     allocated, so that memory read before it is written shows up."""

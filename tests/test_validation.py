@@ -213,6 +213,44 @@ def test_varlen_layout_errors():
         flash_attn_varlen_backward(out, q, k, v, out, numpy.zeros((2, 4, 15), numpy.float32), cu_q, cu_k, 20, 25)
 
 
+def test_a_torch_packing_is_read_again_only_after_torch_writes_it(monkeypatch):
+    """A GPU varlen call's cu_seqlens (torch) are read on the host once, then again only where torch
+    has written either tensor since or the call's totals or maxima differ: a bad value written in
+    place is still an error. (The caller here is a stand-in: the tensors are on the CPU.)"""
+    import types
+    torch = pytest.importorskip("torch")
+    from cupyflash import _arrays, validate
+    reads = []
+    read = _arrays.to_host
+    monkeypatch.setattr(_arrays, "to_host", lambda array, caller: reads.append(array) or read(array, caller))
+    caller = types.SimpleNamespace(kind="torch", capturing=lambda: False)
+    cu_q, cu_k = torch.tensor([0, 10, 30], dtype=torch.int32), torch.tensor([0, 25, 40], dtype=torch.int32)
+    arrays = {"q": numpy.empty((30, 4, 8)), "k": numpy.empty((40, 2, 8))}
+    varlen = validate.Varlen(cu_q, cu_k, 20, 25)
+    validate.check_varlen_values(varlen, arrays, caller)
+    validate.check_varlen_values(varlen, arrays, caller)
+    assert len(reads) == 2
+    validate.check_varlen_values(validate.Varlen(cu_q, cu_k, 20, 30), arrays, caller)  # another maximum
+    validate.check_varlen_values(validate.Varlen(cu_q, cu_k.clone(), 20, 25), arrays, caller)  # another tensor
+    assert len(reads) == 6
+    cu_k[1] = 35  # 35 keys in the second sequence, above max_seqlen_k
+    with pytest.raises(ValueError, match=r"max_seqlen_k must be >= the longest sequence \(35\), got 25"):
+        validate.check_varlen_values(varlen, arrays, caller)
+    with validate.no_host_sync():  # (nothing read)
+        validate.check_varlen_values(varlen, arrays, caller)
+    assert len(reads) == 8
+    cupy_caller = types.SimpleNamespace(kind="cupy", capturing=lambda: False)  # no version counter: every call
+    good = validate.Varlen(numpy.asarray(cu_q), numpy.asarray([0, 25, 40], numpy.int32), 20, 25)
+    monkeypatch.setattr(_arrays, "to_host", lambda array, caller: reads.append(array) or array)
+    for _ in range(2):
+        validate.check_varlen_values(good, arrays, cupy_caller)
+    assert len(reads) == 12
+    key = id(cu_q)
+    del varlen, good, cu_q
+    reads.clear()
+    assert key not in validate._passed_packings  # (a tensor's entry leaves with it)
+
+
 def test_check_command_numpy_path():
     """`python -m cupyflash check` without a GPU: the public NumPy path, plain and with every option,
     equals the tiled reference."""

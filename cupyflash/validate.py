@@ -290,13 +290,13 @@ def check_varlen_values(varlen, arrays, caller):
     non-decreasing from 0 to its packed total, max_seqlen at least every length. Skipped where
     reads_device_values says no, and for torch tensors that passed with the same totals and maxima
     and that torch has not written since (their version counters): a training step's layers, forward
-    and backward, then wait once for a batch's cu_seqlens, not once a call. (CuPy arrays keep no
-    such count: they are read every call.)"""
+    and backward, then wait once for a batch's cu_seqlens, not once a call. (CuPy arrays and torch's
+    inference tensors keep no such count: they are read every call.)"""
     if not reads_device_values(caller):
         return
     cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
     passed = None
-    if caller.kind == "torch":
+    if caller.kind == "torch" and not (cu_q.is_inference() or cu_k.is_inference()):
         passed = (cu_q._version, cu_k._version, arrays["q"].shape[0], arrays["k"].shape[0], varlen.max_seqlen_q,
                   varlen.max_seqlen_k)
         before = _passed_packings.get(id(cu_q))

@@ -239,12 +239,18 @@ def test_a_torch_packing_is_read_again_only_after_torch_writes_it(monkeypatch):
     with validate.no_host_sync():  # (nothing read)
         validate.check_varlen_values(varlen, arrays, caller)
     assert len(reads) == 8
+    with torch.inference_mode():  # (inference tensors have no version counter: read every call)
+        inference_q = cu_q.clone()
+    cu_k[1] = 25
+    for _ in range(2):
+        validate.check_varlen_values(validate.Varlen(inference_q, cu_k, 20, 25), arrays, caller)
+    assert len(reads) == 12
     cupy_caller = types.SimpleNamespace(kind="cupy", capturing=lambda: False)  # no version counter: every call
     good = validate.Varlen(numpy.asarray(cu_q), numpy.asarray([0, 25, 40], numpy.int32), 20, 25)
     monkeypatch.setattr(_arrays, "to_host", lambda array, caller: reads.append(array) or array)
     for _ in range(2):
         validate.check_varlen_values(good, arrays, cupy_caller)
-    assert len(reads) == 12
+    assert len(reads) == 16
     key = id(cu_q)
     del varlen, good, cu_q
     reads.clear()

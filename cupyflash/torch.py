@@ -700,11 +700,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     per sequence, aligned to its own bottom-right corner. The cu_seqlens are checked on the host
     (for CUDA tensors that waits for them; a tensor that passed, again only after torch writes it).
     With block_table (int32 (batch, pages per sequence)), k and v are a paged cache (num_blocks,
-    page_size, nheads_k, headdim) (prefill from a paged cache, cupyflash.flash_attn_varlen_func has
-    the semantics): its keys are gathered into packed tensors by torch indexing on the caches' device (_packed_from_pages), so gradients reach the
-    caches, and the call compiles whole under torch.compile and captures in a CUDA graph; the
-    table's values are checked on the host where the lengths are (not when compiling or capturing,
-    nor under cupyflash.no_host_sync, where a block outside the cache reads a clamped one).
+    page_size, nheads_k, headdim) (prefill from a paged cache, cupyflash.flash_attn_varlen_func has the
+    semantics): its keys are gathered into packed tensors by torch indexing on the caches' device
+    (_packed_from_pages), so gradients reach the caches, and the call compiles whole under torch.compile
+    and captures in a CUDA graph; the table's values are checked on the host where the lengths are (not
+    when compiling or capturing, nor under cupyflash.no_host_sync, where a block outside the cache reads
+    a clamped one).
     """
     for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(value, torch.Tensor):

@@ -12,15 +12,15 @@ mkdir -p /tmp/pcache && tar -xJf .device_scratch2/cache.tar.xz -C /tmp/pcache --
 S=$PWD/.device_scratch2
 L=$OUT/varlen.txt
 echo "== vl80: varlen GPU tests ($(date +%T))" > $L
-(cd $S/vl80 && CUPYFLASH_CACHE_DIR=/tmp/pcache PYTHONPATH=. timeout 230 python -m pytest -m gpu -p no:cacheprovider -n 14 -q \
+(cd $S/vl80 && CUPYFLASH_CACHE_DIR=/tmp/pcache PYTHONPATH=. timeout 200 python -m pytest -m gpu -p no:cacheprovider -n 14 -q \
   -p no:warnings tests/ -k "varlen or packed or full_and_the_edged" > $OUT/tests_vl80.log 2>&1)
 echo "rc $? ($(date +%T))" >> $L; tail -1 $OUT/tests_vl80.log >> $L; grep -E "FAILED|ERROR" $OUT/tests_vl80.log | head -10 >> $L
 for tree in main vl80; do
   echo "== varlen cost, $tree ($(date +%T))" >> $L
-  CUPYFLASH_CACHE_DIR=/tmp/pcache PYTHONPATH=$S/$tree timeout 100 python bench/varlen_cost.py >> $L 2>&1
+  CUPYFLASH_CACHE_DIR=/tmp/pcache PYTHONPATH=$S/$tree timeout 90 python bench/varlen_cost.py >> $L 2>&1
 done
 echo "== varlen cost, the working tree (HEAD: cu_seqlens read once) ($(date +%T))" >> $L
-CUPYFLASH_CACHE_DIR=/tmp/pcache PYTHONPATH=$PWD timeout 100 python bench/varlen_cost.py --seqlens 4096 >> $L 2>&1
+CUPYFLASH_CACHE_DIR=/tmp/pcache PYTHONPATH=$PWD timeout 90 python bench/varlen_cost.py --seqlens 4096 >> $L 2>&1
 CUPYFLASH_CACHE_DIR=/tmp/pcache PYTHONPATH=. timeout 60 python -m pytest -m gpu -p no:cacheprovider -q -p no:warnings \
   tests/test_torch_cuda.py -k reads_a_batchs >> $L 2>&1
 echo "== vl80: memcheck of a varlen backward ($(date +%T))" >> $L

@@ -295,15 +295,14 @@ def check_varlen_values(varlen, arrays, caller):
     if not reads_device_values(caller):
         return
     cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
+    totals = (arrays["q"].shape[0], arrays["k"].shape[0])
     passed = None
     if caller.kind == "torch" and not (cu_q.is_inference() or cu_k.is_inference()):
-        passed = (cu_q._version, cu_k._version, arrays["q"].shape[0], arrays["k"].shape[0], varlen.max_seqlen_q,
-                  varlen.max_seqlen_k)
+        passed = (cu_q._version, cu_k._version, *totals, varlen.max_seqlen_q, varlen.max_seqlen_k)
         before = _passed_packings.get(id(cu_q))
         if before is not None and before[0]() is cu_q and before[1]() is cu_k and before[2:] == passed:
             return
-    check_packing(varlen, _arrays.to_host(cu_q, caller), _arrays.to_host(cu_k, caller), arrays["q"].shape[0],
-                  arrays["k"].shape[0])
+    check_packing(varlen, _arrays.to_host(cu_q, caller), _arrays.to_host(cu_k, caller), *totals)
     if passed is not None:
         forget = lambda _, key=id(cu_q): _passed_packings.pop(key, None)  # noqa: E731
         _passed_packings[id(cu_q)] = (weakref.ref(cu_q, forget), weakref.ref(cu_k), *passed)

@@ -2,12 +2,13 @@
 with and without grad, the core on torch and CuPy arrays) beside their parts timed alone (the
 signature lookup, the plan's call, its allocations, stream read and launch, an autograd.Function
 that launches nothing, with and without its saves). us per call: 2000 back-to-back calls per
-timing, median of 7 timings, synchronised after each.
+timing, median of 7 timings, synchronised after each. --backward: the same for a forward and
+backward (backward_parts()).
 
-Usage (GPU): PYTHONPATH=. python bench/host_parts.py [--with-jax] [--turns] [b s h d ...]   (default
-1 128 8 64, bf16 causal). --with-jax first runs a jitted JAX function on the GPU, as `bench --host` has
-before its torch columns (v42: that table reads every cell 1.3-1.6x these figures): its runtime's
-threads stay. --turns times whole calls instead in turns like the table's (turns()).
+Usage (GPU): PYTHONPATH=. python bench/host_parts.py [--with-jax] [--turns | --backward] [b s h d ...]
+(default 1 128 8 64, bf16 causal). --with-jax first runs a jitted JAX function on the GPU, as `bench
+--host` has before its torch columns (v42: that table reads every cell 1.3-1.6x these figures): its
+runtime's threads stay. --turns times whole calls instead in turns like the table's (turns()).
 """
 import statistics
 import sys
@@ -115,6 +116,61 @@ def parts(b, s, h, d):
         return {name: per_call_us(function) for name, function in rows.items()}
 
 
+def backward_parts(b, s, h, d):
+    """A fwd+bwd's host time by its parts (issue 18's eager fwd+bwd: 1.28-1.44x SDPA's in v55, against
+    a bare Function's floor that leaves 20-30 us too few for our backward): whole fwd+bwd calls, then
+    the drop-in's backward below autograd (the resolved signature's backward, its plan's call, the
+    launches, the allocations) and the core's backward; each row also as GPU time per call (events
+    around the timing), which bounds a row that is not host-bound."""
+    (q, k, v), (qg, kg, vg), (qt, kt, vt), (qc, kc, vc) = tensors(b, s, h, d)
+    dout = torch.randn_like(q)
+    scalars = (None, True, 0.0, (-1, -1), 0.0, False)
+    resolved = cft._resolution(q, k, v, None, None, scalars)
+    out, lse = resolved.forward(q, k, v, None, None, None)
+    resolved.backward(dout, q, k, v, out, lse, None, None, None, False)  # makes its plan
+    (plan, positions), = resolved.backward_plans.values()
+    given = (dout, q, k, v, out, lse, None, None)
+    inputs = [given[i] for i in positions]
+    stream, launch = plan.stream_of(), plan.launch_kernel
+    outc, lsec = cupyflash.flash_attn_func(qc, kc, vc, causal=True, return_lse=True)
+    doutc = cupy.from_dlpack(dout)
+    floor = cft._bare_apply(EmptySaved)
+
+    def launch_only():
+        for function, (gx, gy, gz), threads, smem, argv, extended in plan.launches:
+            if extended is None:
+                launch(function, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
+            else:
+                extended(stream)
+
+    dout_t = dout.transpose(1, 2)  # SDPA's (b, h, s, d) layout
+    rows = {
+        "SDPA flash fwd+bwd": lambda: torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+                                                          (qt, kt, vt), dout_t),
+        "cupyflash.torch fwd+bwd": lambda: torch.autograd.grad(cft.flash_attn_func(qg, kg, vg, causal=True),
+                                                               (qg, kg, vg), dout),
+        "Function floor fwd+bwd": lambda: torch.autograd.grad(floor(resolved, None, [], None, qg, kg, vg, None),
+                                                              (qg, kg, vg), dout),
+        "  resolved.backward": lambda: resolved.backward(dout, q, k, v, out, lse, None, None, None, False),
+        "  backward plan.call": lambda: plan.call(inputs, None, keep=True),
+        "  backward launches alone": launch_only,
+        "  torch.empty_like x3": lambda: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+        "core bwd (torch)": lambda: cupyflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True),
+        "core bwd (CuPy)": lambda: cupyflash.flash_attn_backward(doutc, qc, kc, vc, outc, lsec, causal=True),
+    }
+    result = {}
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for name, function in rows.items():
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            host = per_call_us(function)
+            stop.record()
+            stop.synchronize()
+            calls = 200 + TIMINGS * CALLS  # per_call_us's warm-up and timings
+            result[name] = (host, start.elapsed_time(stop) * 1e3 / calls)
+    return result
+
+
 def turns(b, s, h, d):
     """Why `bench --host` reads some columns above these figures: a turn of 200 calls after the GPU
     idled (as the table's columns take turns) against 2000 calls on a busy GPU. For each: us per
@@ -166,14 +222,17 @@ if __name__ == "__main__":
     if "--with-jax" in arguments:
         arguments.remove("--with-jax")
         start_jax()
-    with_turns = "--turns" in arguments
-    if with_turns:
-        arguments.remove("--turns")
+    with_turns, with_backward = "--turns" in arguments, "--backward" in arguments
+    arguments = [a for a in arguments if a not in ("--turns", "--backward")]
     numbers = [int(x) for x in arguments] or [1, 128, 8, 64]
     for shape in zip(*[iter(numbers)] * 4):
         print(f"shape {shape}, bf16 causal, us per call", flush=True)
         if with_turns:
             print("\n".join(turns(*shape)), flush=True)
+            continue
+        if with_backward:
+            for name, (host, gpu) in backward_parts(*shape).items():
+                print(f"{name:40s} {host:7.2f}  (GPU {gpu:7.2f})", flush=True)
             continue
         for name, us in parts(*shape).items():
             print(f"{name:40s} {us:7.2f}", flush=True)

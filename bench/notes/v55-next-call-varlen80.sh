@@ -1,8 +1,8 @@
 #!/bin/bash
-# A device call (v55; about 250 s warm): the 80-row varlen backward (v54-varlen-80-row-backward.patch as
+# A device call (v55; about 350 s warm): the 80-row varlen backward (v54-varlen-80-row-backward.patch as
 # fixed in v55: the parameter block's padded head stride now follows the tile's wider varlen gaps): its
 # varlen GPU tests, the three packings that failed in v55, memcheck of one, and the varlen row's cost
-# beside HEAD (bench/notes/v55).
+# beside HEAD (bench/notes/v55); then a fwd+bwd's host time by its parts (issue 18: host_parts.py --backward).
 # Trees: python bench/device_trees.py .device_scratch main=HEAD vl80=HEAD+bench/notes/v54-varlen-80-row-backward.patch
 # Copy into .device_scratch/ and run as `bash .device_scratch/varlen80.sh` (carry .device_scratch).
 cd "$(dirname "$0")/.."
@@ -25,5 +25,7 @@ for tree in main vl80; do
   echo "== varlen cost, $tree ($(date +%T))" >> $L
   PYTHONPATH=$S/$tree timeout 60 python bench/varlen_cost.py >> $L 2>&1
 done
+echo "== host_parts --backward, HEAD ($(date +%T))" >> $L
+PYTHONPATH=. timeout 150 python bench/host_parts.py --backward 1 128 8 64 4 512 16 128 >> $L 2>&1
 save_new_kernels
 echo "done ($(date +%T))" >> $L

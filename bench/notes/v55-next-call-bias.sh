@@ -1,10 +1,10 @@
 #!/bin/bash
 # A device call (v55; about 300 s warm): the wgmma forward's bias asked of L2 a block (bias1) or two
-# (bias2) ahead of its reads (v55-fwd-bias-l2-prefetch*.patch): the options' GPU tests and memcheck
+# (bias2) ahead of its reads (v55-fwd-bias-l2-prefetch.patch; bias2 with kBiasL2Ahead = 2): the options' GPU tests and memcheck
 # of bias forwards in bias1, then the attn_bias forward of main, bias1 and bias2 in turns (the options
 # table's row: 2.11-2.13x the plain forward, bound about 1.7x; bench/notes/v55).
 # Trees: python bench/device_trees.py .device_scratch3 --options '{"attn_bias": "random"}' main=HEAD
-#   bias1=HEAD+bench/notes/v55-fwd-bias-l2-prefetch.patch bias2=HEAD+bench/notes/v55-fwd-bias-l2-prefetch-2-ahead.patch
+#   bias1=HEAD+bench/notes/v55-fwd-bias-l2-prefetch.patch bias2=HEAD+(the same with kBiasL2Ahead 2 at hd64/hd128)
 # Copy into .device_scratch3/ and run as `bash .device_scratch3/call.sh` (carry .device_scratch3).
 cd "$(dirname "$0")/.."
 mkdir -p /tmp/pcache3 && tar -xJf .device_scratch3/cache.tar.xz -C /tmp/pcache3 --strip-components=1

@@ -120,8 +120,8 @@ def backward_parts(b, s, h, d):
     """A fwd+bwd's host time by its parts (issue 18's eager fwd+bwd: 1.28-1.44x SDPA's in v55, against
     a bare Function's floor that leaves 20-30 us too few for our backward): whole fwd+bwd calls, then
     the drop-in's backward below autograd (the resolved signature's backward, its plan's call, the
-    launches, the allocations) and the core's backward; each row also as GPU time per call (events
-    around the timing), which bounds a row that is not host-bound."""
+    launches, the allocations) and the core's backward. A row that reads the same at a larger shape
+    is host-bound."""
     (q, k, v), (qg, kg, vg), (qt, kt, vt), (qc, kc, vc) = tensors(b, s, h, d)
     dout = torch.randn_like(q)
     scalars = (None, True, 0.0, (-1, -1), 0.0, False)
@@ -158,17 +158,8 @@ def backward_parts(b, s, h, d):
         "core bwd (torch)": lambda: cupyflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True),
         "core bwd (CuPy)": lambda: cupyflash.flash_attn_backward(doutc, qc, kc, vc, outc, lsec, causal=True),
     }
-    result = {}
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        for name, function in rows.items():
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            host = per_call_us(function)
-            stop.record()
-            stop.synchronize()
-            calls = 200 + TIMINGS * CALLS  # per_call_us's warm-up and timings
-            result[name] = (host, start.elapsed_time(stop) * 1e3 / calls)
-    return result
+        return {name: per_call_us(function) for name, function in rows.items()}
 
 
 def turns(b, s, h, d):
@@ -230,9 +221,5 @@ if __name__ == "__main__":
         if with_turns:
             print("\n".join(turns(*shape)), flush=True)
             continue
-        if with_backward:
-            for name, (host, gpu) in backward_parts(*shape).items():
-                print(f"{name:40s} {host:7.2f}  (GPU {gpu:7.2f})", flush=True)
-            continue
-        for name, us in parts(*shape).items():
+        for name, us in (backward_parts if with_backward else parts)(*shape).items():
             print(f"{name:40s} {us:7.2f}", flush=True)

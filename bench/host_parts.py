@@ -65,6 +65,19 @@ class EmptySaved(torch.autograd.Function):
         return None, None, None, None, dout, dout, dout, None
 
 
+def launches_alone(plan):
+    """A function that queues `plan`'s kernels as its call does (Plan.call's loop), with nothing else."""
+    stream, launch = plan.stream_of(), plan.launch_kernel
+
+    def launch_only():
+        for function, (gx, gy, gz), threads, smem, argv, extended in plan.launches:
+            if extended is None:
+                launch(function, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
+            else:
+                extended(stream)
+    return launch_only
+
+
 def tensors(b, s, h, d):
     """q, k, v (bf16, (b, s, h, d)); the same requiring grad; SDPA's (b, h, s, d) views requiring
     grad; CuPy views of q, k, v."""
@@ -81,15 +94,8 @@ def parts(b, s, h, d):
     resolved = cft._resolution(q, k, v, None, None, scalars)
     plan = resolved.plan
     inputs = [(q, k, v, None, None)[i] for i in resolved.forward_positions]
-    stream = plan.stream_of()
-    launches = plan.launches
-    launch = plan.launch_kernel
     bare_empty, bare_saved = cft._bare_apply(Empty), cft._bare_apply(EmptySaved)
     lse_shape = (b, h, s)
-
-    def launch_only():
-        for function, (gx, gy, gz), threads, smem, argv, _ in launches:
-            launch(function, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         rows = {
@@ -106,7 +112,7 @@ def parts(b, s, h, d):
             "  torch.empty_like + new_empty": lambda: (torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)),
             "  stream read": plan.stream_of,
             "  data_ptr x5": lambda: (q.data_ptr(), k.data_ptr(), v.data_ptr(), q.data_ptr(), k.data_ptr()),
-            "  launchKernel alone": launch_only,
+            "  launchKernel alone": launches_alone(plan),
             "  Function.apply, empty forward": lambda: Empty.apply(qg, kg, vg),
             "  bare apply, empty forward": lambda: bare_empty(qg, kg, vg),
             "  bare apply, saves as ours": lambda: bare_saved(resolved, None, [], None, qg, kg, vg, None),
@@ -131,17 +137,9 @@ def backward_parts(b, s, h, d):
     (plan, positions), = resolved.backward_plans.values()
     given = (dout, q, k, v, out, lse, None, None)
     inputs = [given[i] for i in positions]
-    stream, launch = plan.stream_of(), plan.launch_kernel
     outc, lsec = cupyflash.flash_attn_func(qc, kc, vc, causal=True, return_lse=True)
     doutc = cupy.from_dlpack(dout)
     floor = cft._bare_apply(EmptySaved)
-
-    def launch_only():
-        for function, (gx, gy, gz), threads, smem, argv, extended in plan.launches:
-            if extended is None:
-                launch(function, gx, gy, gz, threads, 1, 1, smem, stream, argv, 0)
-            else:
-                extended(stream)
 
     dout_t = dout.transpose(1, 2)  # SDPA's (b, h, s, d) layout
     rows = {
@@ -153,7 +151,7 @@ def backward_parts(b, s, h, d):
                                                               (qg, kg, vg), dout),
         "  resolved.backward": lambda: resolved.backward(dout, q, k, v, out, lse, None, None, None, False),
         "  backward plan.call": lambda: plan.call(inputs, None, keep=True),
-        "  backward launches alone": launch_only,
+        "  backward launches alone": launches_alone(plan),
         "  torch.empty_like x3": lambda: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
         "core bwd (torch)": lambda: cupyflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True),
         "core bwd (CuPy)": lambda: cupyflash.flash_attn_backward(doutc, qc, kc, vc, outc, lsec, causal=True),

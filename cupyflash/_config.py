@@ -231,6 +231,12 @@ class Tile:
         them (kTileSlots in cuda_src/sm90/fwd.cuh): the LOCAL kernels."""
         return self.kernel_family == WGMMA and local
 
+    @property
+    def transposes_dq(self):
+        """Whether this tile's wgmma backward computes dQ^T and keeps dq_accum in its accumulators'
+        order, a block of block_m rows at a time (kDQTransposed in cuda_src/sm90/bwd.cuh)."""
+        return self.kernel_family == WGMMA and self.headdim == 128 and self.block_m == 80
+
     def smem_bytes(self, pass_):
         if self.kernel_family == WGMMA and kernel_pass(pass_) == "fwd":
             # alignment, Q x (2 with two consumers where they fit, else 1), (K, V) x stages, O where

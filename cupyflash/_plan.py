@@ -376,7 +376,7 @@ def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0, h
     tensor of the call (q, k, v, out, dout, dq, dk, dv) to its (batch, row, head) element strides."""
     shape, scale = call.shape, call.scale
     stats_strides = (0, shape.total_q) if shape.varlen else (shape.nheads * shape.seqlen_q, shape.seqlen_q)
-    padded_rows = _padded_rows(shape, tile.block_m)
+    padded_rows = _padded_rows(shape, tile)
     padded_strides = (0, padded_rows) if shape.varlen else (shape.nheads * padded_rows, padded_rows)
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
                   seqlen_k=shape.seqlen_k, total_q=shape.total_q, total_k=shape.total_k,
@@ -398,16 +398,17 @@ def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0, h
 _PADDED_ROWS = 64  # Sequence::kPaddedRows in cuda_src/common/mask.cuh
 
 
-def _padded_rows(shape, block_m):
+def _padded_rows(shape, tile):
     """The backward's padded rows (dq_accum, lse_log2, dout_dot_out) per head (per batch entry and
-    head without varlen), for query blocks of `block_m` rows: every sequence starts at a multiple
-    of 64 (Sequence::padded_row0 in the kernels), the padding and the gaps included; a head's rows
-    without varlen are whole query blocks, and a varlen batch keeps 64 rows past its last
-    sequence's, where a last block of 128 rows ends."""
+    head without varlen), for the query blocks of `tile`: every sequence starts at a multiple of 64
+    (Sequence::padded_row0 in the kernels), the padding and the gaps included (a varlen sequence's
+    gap is 64 rows, or 128 where the tile stores dQ^T, Tile.transposes_dq); a head's rows without
+    varlen are whole query blocks, and a varlen batch keeps a gap past its last sequence's, where a
+    last block of 80 or 128 rows ends."""
     pad = lambda n, unit: -(-n // unit) * unit  # noqa: E731
     if shape.varlen:
-        return pad(shape.total_q, _PADDED_ROWS) + _PADDED_ROWS * (shape.batch + 1)
-    return pad(pad(shape.seqlen_q, block_m), _PADDED_ROWS)
+        return pad(shape.total_q, _PADDED_ROWS) + _PADDED_ROWS * (1 + tile.transposes_dq) * (shape.batch + 1)
+    return pad(pad(shape.seqlen_q, tile.block_m), _PADDED_ROWS)
 
 
 def _kernel(pass_, call, tile):
@@ -496,7 +497,7 @@ def _backward_plan(call, inputs, return_dbias):
     shape, varlen, device_id = call.shape, call.varlen is not None, call.caller.device_id
     table = _kernels.backward_table(call.features, call.needs("deterministic"))
     wgmma_tables = _config.TILES[_config.WGMMA]["sm90"]
-    if (table == "bwd" and not call.local and not varlen
+    if (table == "bwd" and not call.local
             and _config.padded_headdim(shape.headdim, tuple(wgmma_tables["bwd"])) in wgmma_tables["bwd_full"]
             and _schedule.kernel_family("bwd_full", device_id, shape.headdim) == _config.WGMMA):
         table = "bwd_full"
@@ -512,7 +513,7 @@ def _backward_plan(call, inputs, return_dbias):
                                                     "dout": tile.block_m})
     if maps is None:  # the mma.sync kernels ('bwd_full' is wgmma's alone)
         tile = _schedule.tile("bwd" if table == "bwd_full" else table, shape.headdim, device_id)
-    padded = (*shape.stats[:-1], _padded_rows(shape, tile.block_m))
+    padded = (*shape.stats[:-1], _padded_rows(shape, tile))
     outputs = [_Output("dq", tuple(q.shape), call.dtype), _Output("dk", tuple(k.shape), call.dtype),
                _Output("dv", tuple(v.shape), call.dtype), _Output("dout_dot_out", padded, "float32", scratch=True),
                _Output("lse_log2", padded, "float32", scratch=True),
@@ -534,7 +535,7 @@ def _backward_plan(call, inputs, return_dbias):
             head_groups = shape.nheads_k // heads
             grid = (heads, grid[1], shape.batch * head_groups)
     params = _param_block(call, tile, strides, inputs, block_major, semaphore_blocks, head_groups)
-    if table == "bwd_full" and kernel.wgmma:  # dQ transposed (Sm90BwdTile::kDQTransposed): dq_accum in its order
+    if tile.transposes_dq:  # dq_accum in dQ^T's fragment order
         params["dq_accum_fragment_rows"] = tile.block_m
     if not (call.local or kernel.options or kernel.deterministic or varlen or kernel.wgmma):  # those that may split (sm80/bwd.cuh, kMaySplit)
         grid = _split_last_wave(kernel, call.caller.device(), shape, grid, params, outputs)

@@ -109,12 +109,17 @@ def test_the_kernel_family_on_hopper(family, headdim, monkeypatch):
     (Case(1000, 777, 128, "bfloat16", True, nheads=4, nheads_k=2), 64),
     (Case(300, 300, 128, "float16", False, nheads=4, window_size=(40, 9)), 64),
     (Case(300, 300, 128, "bfloat16", False, nheads=4, softcap=4.0), 64),
-    (Case.packed((17, 300, 1), (40, 300, 7), 128, "bfloat16", False, nheads=4), 64),
+    (Case.packed((17, 300, 1), (40, 300, 7), 128, "bfloat16", False, nheads=4), 80),
+    # lengths whose last 80-row block reaches furthest past their 64-row padding (561 = 7 x 80 + 1 = 8 x 64 + 49)
+    (Case.packed((561, 0, 241, 81, 1, 160, 49), (300, 5, 241, 700, 1, 160, 50), 120, "float16", False, nheads=4,
+                 nheads_k=2), 80),
+    (Case.packed((561, 241, 81), (561, 241, 81), 128, "bfloat16", True, nheads=4), 64),
 ], ids=str)
 def test_the_full_and_the_edged_backward_tables(case, block_m, monkeypatch):
-    """On compute capability 9.0 a plain hd128 backward without causal or window edges and without
-    varlen runs the 'bwd_full' tile (80 query rows a step, dQ transposed); causal, window, varlen
-    and options' calls keep 64-row steps. Each passes against float64."""
+    """On compute capability 9.0 a plain hd128 backward without causal or window edges runs the
+    'bwd_full' tile (80 query rows a step, dQ transposed), varlen too (its sequences' padded rows
+    128 apart: Sequence::padded_row0); causal, window and options' calls keep 64-row steps. Each
+    passes against float64."""
     _needs_hopper(monkeypatch)
     from cupyflash import _plan
     monkeypatch.setattr(_plan, "_plans", {})

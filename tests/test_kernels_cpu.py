@@ -472,6 +472,63 @@ def test_cubin_resources_agree_with_ptxas(tile, tmp_path, monkeypatch):
     assert report.spills == (0 if stack_frame == 0 else None)
 
 
+def _backward_tile(block_m):
+    """The wgmma backward's tile of `block_m` query rows (80: hd128's, which transposes dQ)."""
+    return _config.Tile(64 if block_m == 128 else 128, block_m, 128, 12, 2, _config.WGMMA)
+
+
+def _varlen_padded_blocks(lengths, block_m, gap):
+    """(starts, ends) of a varlen batch's sequences in the padded rows as Sequence::padded_row0 (in
+    common/mask.cuh) places them with this gap: each ends after its whole query blocks (whose
+    dq_accum the 80-row backward writes in fragment order) and its rows rounded up to 64
+    (flash_bwd_dot's)."""
+    first = numpy.concatenate([[0], numpy.cumsum(lengths)]).astype(int)
+    starts = [64 * -(-f // 64) + gap * b for b, f in enumerate(first[:-1])]
+    return starts, [s + max(-(-int(n) // block_m) * block_m, -(-int(n) // 64) * 64) for s, n in zip(starts, lengths)]
+
+
+@pytest.mark.parametrize("block_m, transposed_dq", [(64, False), (80, True)])
+def test_varlen_sequences_padded_rows_keep_their_blocks_apart(block_m, transposed_dq):
+    """A varlen batch's sequences keep their blocks' padded rows apart and within _padded_rows: a
+    gap of 64 rows a sequence, 128 with the 80-row backward, whose blocks reach further."""
+    import types
+    from cupyflash import _plan
+    rng = numpy.random.default_rng(block_m)
+    assert _backward_tile(block_m).transposes_dq == transposed_dq
+    gap = 128 if transposed_dq else 64
+    for _ in range(300):
+        lengths = rng.integers(0, 700, size=int(rng.integers(1, 9)))
+        lengths[rng.random(len(lengths)) < 0.3] = rng.choice([0, 1, 79, 81, 161, 241, 561])
+        starts, ends = _varlen_padded_blocks(lengths, block_m, gap)
+        rows = _plan._padded_rows(types.SimpleNamespace(varlen=True, total_q=int(lengths.sum()), batch=len(lengths)),
+                                  _backward_tile(block_m))
+        assert all(s % 64 == 0 for s in starts) and ends[-1] <= rows
+        assert all(end <= start for end, start in zip(ends, starts[1:])), (lengths, starts, ends)
+    if transposed_dq:  # (the 64-row gap is short for it: 81 rows from packed row 2 end 32 rows into the next's)
+        starts, ends = _varlen_padded_blocks(numpy.array([2, 81, 1]), block_m, 64)
+        assert ends[1] - starts[2] == 32
+
+
+@pytest.mark.parametrize("block_m", [64, 80, 128])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_the_parameters_stride_over_the_padded_rows_the_scratch_holds(block_m, varlen):
+    """A backward's parameter block steps from head to head (and batch entry) by the padded rows
+    its scratch is allocated with per head (_padded_rows), the 80-row tile's wider varlen gaps too."""
+    import types
+    from cupyflash import _plan
+    batch, nheads, seqlen = 3, 4, 81
+    shape = types.SimpleNamespace(batch=batch, nheads=nheads, nheads_k=2, seqlen_q=seqlen, seqlen_k=seqlen,
+                                  total_q=batch * seqlen, total_k=batch * seqlen, headdim=128, varlen=varlen)
+    call = types.SimpleNamespace(shape=shape, scale=0.1, checked={})
+    tile = _backward_tile(block_m)
+    params = _plan._param_block(call, tile, {}, {}, False)
+    rows = _plan._padded_rows(shape, tile)
+    assert params["padded_head_stride"][0] == rows
+    assert params["padded_batch_stride"][0] == (0 if varlen else nheads * rows)
+    if varlen and tile.transposes_dq:  # the gaps of 128 rows a sequence, past the 64 of the other tiles
+        assert rows == 64 * -(-batch * seqlen // 64) + 128 * (batch + 1)
+
+
 @pytest.mark.parametrize("block_m", [64, 80, 128])
 @pytest.mark.parametrize("seqlen", [1, 63, 64, 80, 81, 1000, 1024])
 def test_a_heads_padded_rows_hold_whole_query_blocks_from_a_multiple_of_64(seqlen, block_m):
@@ -479,5 +536,5 @@ def test_a_heads_padded_rows_hold_whole_query_blocks_from_a_multiple_of_64(seqle
     rounded up to 64 (every head's rows start at a multiple of 64, Sequence::padded_row0)."""
     import types
     from cupyflash import _plan
-    rows = _plan._padded_rows(types.SimpleNamespace(varlen=False, seqlen_q=seqlen), block_m)
+    rows = _plan._padded_rows(types.SimpleNamespace(varlen=False, seqlen_q=seqlen), _backward_tile(block_m))
     assert rows % 64 == 0 and rows >= -(-seqlen // block_m) * block_m and rows < -(-seqlen // block_m) * block_m + 64

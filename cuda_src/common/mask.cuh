@@ -35,12 +35,16 @@ struct Sequence {
     }
     // Index of (batch, head, row 0) in the backward's padded rows (dq_accum, lse_log2, D): a
     // multiple of kPaddedRows, so that a query block's rows are one aligned piece (a bulk copy's).
-    // A varlen sequence starts at kPaddedRows (ceil(first_row / kPaddedRows) + batch), which is at
-    // least the previous one's start plus its length rounded up to kPaddedRows.
+    // A varlen sequence starts at kPaddedRows ceil(first_row / kPaddedRows) + batch gap rows: at
+    // least the previous one's start plus its length rounded up to kPaddedRows, and with the gap of
+    // the 80-row backward's layout (`transposed_dq`, p.dq_accum_fragment_rows != 0) rounded up to
+    // 80 as well (its blocks' dq_accum, in fragment order, must not reach the next sequence's).
     static constexpr int kPaddedRows = 64;
-    __device__ __forceinline__ long long padded_row0(const FlashParams& p, int batch, int head) const {
+    __device__ __forceinline__ long long padded_row0(const FlashParams& p, int batch, int head,
+                                                     bool transposed_dq = false) const {
+        const int gap = transposed_dq ? 2 * kPaddedRows : kPaddedRows;
         return batch * p.padded_batch_stride + head * p.padded_head_stride
-               + (p.cu_seqlens_q == nullptr ? 0 : kPaddedRows * (ceil_div(first_row_q, kPaddedRows) + batch));
+               + (p.cu_seqlens_q == nullptr ? 0 : kPaddedRows * ceil_div(first_row_q, kPaddedRows) + gap * batch);
     }
 };
 

@@ -292,7 +292,8 @@ __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
                          + seq.first_row_q * p.dout_row_stride + rk.col();
     const uint16* out = static_cast<const uint16*>(p.out) + batch * p.out_batch_stride + head * p.out_head_stride
                         + seq.first_row_q * p.out_row_stride + rk.col();
-    const long long stats_row0 = seq.stats_row0(p, batch, head), padded_row0 = seq.padded_row0(p, batch, head);
+    const long long stats_row0 = seq.stats_row0(p, batch, head);
+    const long long padded_row0 = seq.padded_row0(p, batch, head, p.dq_accum_fragment_rows != 0);
     for (int row = rk.first_row(); row < rk.row0 + RowKernel::kRows; row += rk.rows_per_step()) {
         float dot = 0.f;
         if (row < seq.seqlen_q && rk.col() < p.headdim) {
@@ -319,7 +320,7 @@ __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
     const int unit = p.dq_accum_fragment_rows != 0 ? p.dq_accum_fragment_rows : 8;
     const int rows = (rk.row0 + RowKernel::kRows < seq.seqlen_q ? rk.row0 + RowKernel::kRows
                                                                   : ceil_div(seq.seqlen_q, unit) * unit) - rk.row0;
-    float4* accum = reinterpret_cast<float4*>(p.dq_accum + (seq.padded_row0(p, batch, head) + rk.row0) * p.headdim_padded);
+    float4* accum = reinterpret_cast<float4*>(p.dq_accum + (padded_row0 + rk.row0) * p.headdim_padded);
     for (int i = threadIdx.x; i < rows * p.headdim_padded / 4; i += RowKernel::kThreads)
         accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
@@ -331,7 +332,7 @@ __device__ __forceinline__ void flash_bwd_convert_dq(const FlashParams& p) {
     const int head = blockIdx.y, batch = blockIdx.z;
     const Sequence seq(p, batch);
     if (rk.col() >= p.headdim) return;
-    const long long accum_row0 = seq.padded_row0(p, batch, head);
+    const long long accum_row0 = seq.padded_row0(p, batch, head, p.dq_accum_fragment_rows != 0);
     uint16* dq = static_cast<uint16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride
                  + seq.first_row_q * p.dq_row_stride + rk.col();
     const int row_end = min(rk.row0 + RowKernel::kRows, seq.seqlen_q);

@@ -280,7 +280,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         if (T::kSplitKeys && threadIdx.x == 32) {  // dQ's adder
             const auto add_step = [&](int step, int head, int row0) {
                 mbarrier_wait(dq_full, step & 1);
-                float* dq_accum = p.dq_accum + (seq.padded_row0(p, batch, head) + row0) * HEADDIM;
+                float* dq_accum = p.dq_accum + (seq.padded_row0(p, batch, head, T::kDQTransposed) + row0) * HEADDIM;
                 int* counter = nullptr;
                 if constexpr (DETERMINISTIC) {  // this key block's turn among those the query block sees
                     counter = dq_turn_counter(p, batch, head, row0 / BLOCK_M);
@@ -326,7 +326,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             load_tile<BLOCK_M, HEADDIM>(s_q(stage), &maps.q, q_full(stage), seq.first_row_q + row0, head, batch_coord);
             load_tile<BLOCK_M, HEADDIM>(s_do(stage), &maps.dout, q_full(stage), seq.first_row_q + row0, head,
                                         batch_coord);
-            const long long padded_row = seq.padded_row0(p, batch, head) + row0;
+            const long long padded_row = seq.padded_row0(p, batch, head, T::kDQTransposed) + row0;
             bulk_load(s_lse(stage), p.lse_log2 + padded_row, T::kRowBytes, q_full(stage));
             bulk_load(s_dot(stage), p.dout_dot_out + padded_row, T::kRowBytes, q_full(stage));
         }
@@ -456,7 +456,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             wgmma_commit();
 
             // dQ's chunks added to dq_accum (rows past the sequence's end add nothing).
-            float* dq_rows = p.dq_accum + seq.padded_row0(p, batch, head) * HEADDIM;
+            float* dq_rows = p.dq_accum + seq.padded_row0(p, batch, head, T::kDQTransposed) * HEADDIM;
             int* counter = nullptr;
             if constexpr (DETERMINISTIC) {  // this key block's turn (named barrier 4: both consumers wait for it)
                 counter = dq_turn_counter(p, batch, head, row0 / BLOCK_M);

@@ -6,7 +6,8 @@ and v are given); attention of the packed query rows of each KV group over its s
 the keys split into num_splits ranges (decode); and the splits merged by log-sum-exp
 (decode_combine, with more than one; on sm_90, where one wave holds them, up to _launch.MAX_CLUSTER
 splits of a query block are one thread-block cluster that merges them itself, with no third
-launch). The split count follows from shapes alone, and nothing is read on the host but what
+launch). On sm_90 all three are dependent launches, each placed while the kernel before it
+drains. The split count follows from shapes alone, and nothing is read on the host but what
 validation reads (validate.reads_device_values), so a decode step captures in a CUDA graph and
 replays as the lengths change on the device.
 """
@@ -176,8 +177,8 @@ def _new_plan(call, cache, arrays):
     launches = []
     if cache.seqlen_new:
         append = _kernels.Kernel("kvcache_append", call.dtype)
-        launches.append(_plan._Launch(append, (cache.seqlen_new, shape.batch, 1)))
-    launches.append(_plan._Launch(kernel, (m_blocks * count, shape.nheads_k, shape.batch),
+        launches.append(_plan._Launch(append, (cache.seqlen_new, shape.batch, 1), dependent=True))
+    launches.append(_plan._Launch(kernel, (m_blocks * count, shape.nheads_k, shape.batch), dependent=True,
                                   cluster=count if merge_in_cluster else 1))
     if count > 1 and not merge_in_cluster:
         rows = math.prod(stats)

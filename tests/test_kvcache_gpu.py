@@ -213,6 +213,39 @@ def test_a_captured_decode_step_replays_with_new_lengths():
             assert bool((arrays["k_cache"] == eager["k_cache"]).all()), f"replay {step}: k_cache"
 
 
+@pytest.mark.parametrize("num_splits", [1, 16])  # (16: more than a cluster holds, so the combine kernel merges)
+def test_decode_steps_queued_back_to_back_read_what_the_step_before_wrote(num_splits):
+    """Decode steps queued with no wait between them, as a serving loop queues them, each appending
+    the step before's output as its new key and value and attending with it as q, equal the same
+    steps each synchronised, bit for bit. On sm_90 a step's kernels are dependent launches, placed
+    while the kernel before them runs: one that read or wrote before that kernel finished would
+    see the step before's output unwritten (NaN: the pool is poisoned). One KV head over a long
+    cache makes each step a long kernel of few CTAs, beside which the next one's find free SMs."""
+    import cupy
+    rng = np.random.default_rng(5)
+    case = _case(rng, "bfloat16", batch=1, seqlen_q=1, nheads=1, nheads_k=1, headdim=128, capacity=16384,
+                 seqlen_new=1, rotary_dim=0)
+    case["cache_seqlens"] = np.array([16000], np.int32)  # every step appends at the same row
+
+    def steps(synchronise):
+        arrays = {n: cupy.asarray(v) for n, v in case.items()}
+        x, outs = arrays.pop("q"), []
+        for _ in range(8):
+            x = cupyflash.flash_attn_with_kvcache(x, **dict(arrays, k=x, v=x), num_splits=num_splits)
+            outs.append(x)
+            if synchronise:
+                cupy.cuda.Device().synchronize()
+        cupy.cuda.Device().synchronize()
+        return [cupy.asnumpy(o) for o in outs]
+
+    with cupyflash.no_host_sync():
+        steps(True)  # plans and kernels made before either run
+        want, got = steps(True), steps(False)
+    assert not any(np.isnan(np.asarray(o, np.float64)).any() for o in want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16)), f"step {i}"
+
+
 # --------------------------------------------------------------------------------------------
 # The frameworks' entry points on CUDA: the same kernels, so the core's CuPy results bit for bit.
 

@@ -1,6 +1,6 @@
 """Launches with attributes (cupyflash/_launch.py): the driver structures' layout, the attributes a
-launch names, and the decode kernels' side of them (the combine waits for the decode before its
-first read; a cluster's CTAs meet before and after they read each other's shared memory)."""
+launch names, and the decode kernels' side of them (each waits for the kernel before it ahead of
+its first global access; a cluster's CTAs meet before and after they read each other's shared memory)."""
 
 import ctypes
 
@@ -40,15 +40,28 @@ def test_dependent_launches_only_from_compute_capability_9():
     assert _launch.available((9, 0)) == (_launch._driver("cuLaunchKernelEx", 4) is not None)
 
 
-def test_the_combine_waits_for_the_decode_before_reading_its_partials():
-    """flash_decode_combine's first global read comes after the wait; flash_decode allows the
-    combine's launch at its start (it reads nothing the combine writes)."""
+def test_each_kvcache_kernel_waits_for_the_kernel_before_it_ahead_of_its_first_global_access():
+    """The KV cache's kernels are dependent launches on sm_90 (_kvcache): each waits for the one
+    before it (griddepcontrol) before it reads or writes global memory: the append before the
+    lengths and k_new, the decode before the lengths and q, the combine before the decode's
+    partials. The append allows the next kernel's launch at its start, the decode after its main
+    loop (the cp.async loads' wait that ends it), the combine only by ending."""
     source = _kernels.Kernel("decode_combine", "bfloat16").source()
-    body = source[source.index("void flash_decode_combine("):]
-    body = body[:body.index("\n}\n")]
-    assert body.index("wait_for_prior_grid();") < body.index("p.lse_partial")
-    decode = source[source.index("void flash_decode("):source.index("void flash_decode_combine(")]
-    assert decode.index("allow_dependent_grid();") < decode.index("p.q")
+
+    def body(name):
+        text = source[source.index(f"void {name}("):]
+        return text[:text.index("\n}\n")]
+    for name, first_reads in (("flash_kvcache_append", ("CacheSequence seq(", "p.k_new")),
+                              ("flash_decode", ("CacheSequence seq(", "p.q")),
+                              ("flash_decode_combine", ("p.lse_partial", "p.out"))):
+        text = body(name)
+        assert all(text.index("wait_for_prior_grid();") < text.index(read) for read in first_reads), name
+    assert body("flash_kvcache_append").index("allow_dependent_grid();") < body("flash_kvcache_append").index(
+        "wait_for_prior_grid();")
+    decode = body("flash_decode")
+    assert decode.index("cp_async_wait<STAGES - 1>();") < decode.index("allow_dependent_grid();") < decode.index(
+        "cp_async_wait<0>();")
+    assert "allow_dependent_grid();" not in body("flash_decode_combine")
     assert "griddepcontrol.wait" in source and "griddepcontrol.launch_dependents" in source
 
 

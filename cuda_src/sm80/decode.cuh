@@ -13,8 +13,11 @@
 //     block's splits (up to 8) can be one thread-block cluster that merges them itself
 //     (p.merge_in_cluster, merge_splits_in_cluster), with no combine launch.
 //   flash_decode_combine: with several splits, out and lse from the splits' partials, weighted by
-//     exp(lse_split - lse), a CTA per row. On sm_90 it is a dependent launch: its CTAs are placed
-//     while the decode's last ones run, and wait for them (common/ptx.cuh).
+//     exp(lse_split - lse), a CTA per row.
+// On sm_90 each is a dependent launch (common/ptx.cuh): its CTAs are placed once the kernel before it
+// in the stream allows it (the append at its start, the decode after its main loop, the combine at its
+// end) and wait for that kernel before their first global read or write, so that a step's kernels,
+// and the next step's in a decode loop, start as the last ones drain.
 // The split count is the host's (from shapes alone); lengths stay on the device, so a decode step
 // captures in a CUDA graph and replays as they change.
 #pragma once
@@ -89,6 +92,8 @@ __device__ __forceinline__ int rotary_partner(const FlashParams& p, int d, float
 // One CTA per (new token, batch entry): K (rotated in fp32, then rounded) and V into the caches.
 template <bool BF16>
 __device__ __forceinline__ void flash_kvcache_append(const FlashParams& p) {
+    allow_dependent_grid();
+    wait_for_prior_grid();  // (k_new and v_new may be the kernel before's results)
     const int t = blockIdx.x, batch = blockIdx.y;
     const CacheSequence seq(p, batch);
     const int2 at = seq.at(p, seq.length + t);
@@ -198,7 +203,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     uint16* s_buffers = smem + T::kRows * L::kStride + warp * T::kWarpElements;
 
-    allow_dependent_grid();  // the combine may be placed now: it waits for this grid to finish
+    wait_for_prior_grid();  // the append's keys and values, and whatever wrote q and the lengths
     const int split = blockIdx.x % p.num_splits, m_block = blockIdx.x / p.num_splits;
     const int head_k = blockIdx.y, batch = blockIdx.z;
     const int group = p.nheads / p.nheads_k, rows = p.seqlen_q * group, row0 = m_block * T::kRows;
@@ -363,6 +368,9 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         warp_gemm_a_in_registers<BF16, 1, DT, WARP_N, HEADDIM, false>(acc_o, p_frag, s_v, 0);
         __syncwarp();  // every lane is done with this buffer before the next load refills it
     }
+    // The next kernel (the combine, or the next step's) may be placed now, to wait for this grid:
+    // placed at the start its CTAs held SM slots this grid's later CTAs needed (16 x 1k hd64 -11%).
+    allow_dependent_grid();
 
     // Merge the warps: O_w and sum_w scaled by 2^((max_w - max) scale_log2), the row's largest max.
     cp_async_wait<0>();
@@ -455,7 +463,7 @@ template <bool BF16>
 __device__ __forceinline__ void flash_decode_combine(const FlashParams& p) {
     __shared__ float4 s_sums[1024];  // a thread's sum each (up to the most threads a CTA has)
     __shared__ float s_warps[32];
-    wait_for_prior_grid();  // the decode's partials
+    wait_for_prior_grid();  // the decode's partials (the next step is placed as its CTAs end: a combine has many waves)
     const long long rows_total = static_cast<long long>(p.batch) * p.nheads * p.seqlen_q;
     const long long row = blockIdx.x;
     const float* lse_partial = p.lse_partial + row;  // split s's at s * rows_total

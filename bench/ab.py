@@ -13,8 +13,8 @@ A TREE is a directory holding one version's cupyflash/ and cuda_src/ (for a comm
 version runs in a process of its own, so it brings its own launch code and tile tables; the
 versions take turns for --rounds rounds and a cell is the median of its rounds. The same tree given
 twice shows the run's noise: up to 5% in a cell on the H200, so smaller differences need more
-rounds or more runs. Cells are TFLOP/s (FLOPs as in ../shared/peers/README.md) at 16384 tokens and
-hidden 2048; each timing spans 10 calls back to back between CUDA events (the host's time per call
+rounds or more runs. Cells are TFLOP/s (FLOPs as in ../shared/peers/README.md) at 16384 tokens (or
+a cell's fourth field) and hidden 2048; each timing spans 10 calls back to back between CUDA events (the host's time per call
 stays hidden), median of 7. Decode cells are batch:cache:nheads:nheads_k:hd:layout (layout dense or
 pagedN, N-row pages in a random order), the cache full, one query row, bf16; each timing is a
 replay of a CUDA graph of 20 steps (as a serving loop runs them: no host time between steps),
@@ -40,12 +40,15 @@ DECODE_CELLS = ["128:1024:32:8:128:dense", "128:1024:32:32:128:dense", "64:4096:
 
 
 def parse_cell(text):
-    """'hd:seqlen:causal' -> (head dim, seqlen, causal)."""
-    hd, seqlen, causal = text.split(":")
-    if causal not in ("0", "1") or TOKENS % int(seqlen) or HIDDEN % int(hd):
-        raise ValueError(f"a cell is hd:seqlen:causal with seqlen dividing {TOKENS}, hd dividing {HIDDEN} and "
-                         f"causal 0 or 1, got {text!r}")
-    return int(hd), int(seqlen), causal == "1"
+    """'hd:seqlen:causal[:tokens]' -> (head dim, seqlen, causal, batch): batch x seqlen = tokens (16384
+    unless given: fewer make the short calls whose grids end in a partial wave)."""
+    fields = text.split(":")
+    hd, seqlen, causal = fields[:3]
+    tokens = int(fields[3]) if len(fields) == 4 else TOKENS
+    if len(fields) > 4 or causal not in ("0", "1") or tokens % int(seqlen) or HIDDEN % int(hd):
+        raise ValueError(f"a cell is hd:seqlen:causal[:tokens] with seqlen dividing tokens ({TOKENS} unless "
+                         f"given), hd dividing {HIDDEN} and causal 0 or 1, got {text!r}")
+    return int(hd), int(seqlen), causal == "1", tokens // int(seqlen)
 
 
 def parse_decode_cell(text):
@@ -104,8 +107,8 @@ def worker_time(pass_, dtype, cells, given):
     element = bfloat16_dtype() if dtype == "bfloat16" else numpy.dtype(dtype)
     result = {}
     for text in cells:
-        hd, seqlen, causal = parse_cell(text)
-        batch, nheads = TOKENS // seqlen, HIDDEN // hd
+        hd, seqlen, causal, batch = parse_cell(text)
+        nheads = HIDDEN // hd
         q, k, v, dout = (cupy.random.standard_normal((batch, seqlen, nheads, hd), dtype=cupy.float32).astype(element)
                          for _ in range(4))
         options = dict(given)
@@ -218,7 +221,7 @@ def main(argv):
     parser.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "decode"), default="fwd")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--cells", type=lambda s: s.split(","), default=None,
-                        help="hd:seqlen:causal,... (default: hd 64/128/256, 1k/4k/16k, causal and not); "
+                        help="hd:seqlen:causal[:tokens],... (default: hd 64/128/256, 1k/4k/16k, causal and not); "
                              "for decode batch:cache:nheads:nheads_k:hd:layout,... (default: DECODE_CELLS)")
     parser.add_argument("--options", type=json.loads, default={},
                         help='keyword options of every call, as JSON (e.g. \'{"softcap": 30.0}\')')

@@ -371,7 +371,7 @@ def _tensor_strides(strides, varlen):
     return (0, *strides[:2]) if varlen else strides[:3]
 
 
-def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0, head_groups=1):
+def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0):
     """The FlashParams block without pointers; `strides` maps each (batch, seqlen, heads, headdim)
     tensor of the call (q, k, v, out, dout, dq, dk, dv) to its (batch, row, head) element strides."""
     shape, scale = call.shape, call.scale
@@ -381,7 +381,7 @@ def _param_block(call, tile, strides, inputs, block_major, semaphore_blocks=0, h
     fields = dict(batch=shape.batch, nheads=shape.nheads, nheads_k=shape.nheads_k, seqlen_q=shape.seqlen_q,
                   seqlen_k=shape.seqlen_k, total_q=shape.total_q, total_k=shape.total_k,
                   headdim=shape.headdim, headdim_padded=tile.headdim,
-                  block_major=int(block_major), head_groups=head_groups,
+                  block_major=int(block_major),
                   softmax_scale=scale, scale_log2=scale * math.log2(math.e),
                   stats_batch_stride=stats_strides[0], stats_head_stride=stats_strides[1],
                   padded_batch_stride=padded_strides[0], padded_head_stride=padded_strides[1],
@@ -526,15 +526,15 @@ def _backward_plan(call, inputs, return_dbias):
     grid, block_major = _schedule.block_grid(-(-shape.seqlen_k // tile.block_n), shape.nheads_k, shape.batch,
                                              call.local)
     kernel = _kernel("bwd", call, tile)
-    head_groups = 1
-    if block_major and kernel.wgmma:  # kv heads in groups whose rows fit the L2 (grid_slot in common/mask.cuh)
-        bytes_per_head = shape.nheads // shape.nheads_k * shape.seqlen_q * tile.headdim * (2 + 2 + 4)
-        heads = _schedule.head_group(shape.nheads_k, bytes_per_head,
-                                     _schedule.device_attributes(device_id)["L2CacheSize"])
-        if shape.batch * (shape.nheads_k // heads) <= MAX_GRID_YZ:
-            head_groups = shape.nheads_k // heads
-            grid = (heads, grid[1], shape.batch * head_groups)
-    params = _param_block(call, tile, strides, inputs, block_major, semaphore_blocks, head_groups)
+    if block_major and kernel.wgmma:  # (batch, kv head) pairs in groups whose rows fit the L2 (grid_slot in common/mask.cuh)
+        pairs = shape.batch * shape.nheads_k
+        bytes_per_pair = shape.nheads // shape.nheads_k * shape.seqlen_q * tile.headdim * (2 + 2 + 4)
+        attributes = _schedule.device_attributes(device_id)
+        group = _schedule.pair_group(shape.batch, shape.nheads_k, bytes_per_pair, attributes["L2CacheSize"],
+                                     pairs * grid[1], attributes["MultiProcessorCount"])
+        if pairs // group <= MAX_GRID_YZ:
+            grid = (group, grid[1], pairs // group)
+    params = _param_block(call, tile, strides, inputs, block_major, semaphore_blocks)
     if tile.transposes_dq:  # dq_accum in dQ^T's fragment order
         params["dq_accum_fragment_rows"] = tile.block_m
     if not (call.local or kernel.options or kernel.deterministic or varlen or kernel.wgmma):  # those that may split (sm80/bwd.cuh, kMaySplit)

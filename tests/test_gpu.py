@@ -253,25 +253,28 @@ def test_local_forward_in_groups_of_pairs(group, case, monkeypatch):
     _assert_ok(_check.run_gpu_case(case, _seed(case) + group))
 
 
-@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("most", [1, 2, 5])
 @pytest.mark.parametrize("case", [Case(300, 300, 64, "bfloat16", True, batch=3, nheads=4, nheads_k=4),
                                   Case(300, 260, 128, "float16", False, batch=2, nheads=8, nheads_k=4, window_size=(70, 20)),
                                   Case(200, 200, 128, "bfloat16", True, batch=2, nheads=4, deterministic=True),
                                   Case.packed((300, 17, 250), (300, 17, 250), 256, "bfloat16", True, nheads=4, nheads_k=2)],
                          ids=str)
-def test_local_backward_in_head_groups(heads, case, monkeypatch):
-    """The wgmma LOCAL backward's grid in groups of `heads` kv heads (_schedule.head_group, grid_slot in
-    cuda_src/common/mask.cuh), z running over (batch entry, group); the H200's shapes reach groups only
-    at 4k tokens and more."""
+def test_local_backward_in_pair_groups(most, case, monkeypatch):
+    """The wgmma LOCAL backward's grid in groups of (batch entry, kv head) pairs (_schedule.pair_group,
+    grid_slot in cuda_src/common/mask.cuh): of one pair, of two, and of up to five (the largest
+    divisor of the pairs: 4 of 12 pairs spans batch entries, 4 of 8 and 3 of 6 do not); the H200's
+    shapes reach groups smaller than all pairs only at 1k tokens and more."""
     from cupyflash import _plan, _schedule
     monkeypatch.setattr(_plan, "_plans", {})
-    monkeypatch.setattr(_schedule, "head_group", lambda kv_heads, bytes_per_head, l2_bytes: heads)
-    _assert_ok(_check.run_gpu_case(case, _seed(case) + heads))
+    group_of = lambda pairs: max(g for g in range(1, min(most, pairs) + 1) if pairs % g == 0)  # noqa: E731
+    monkeypatch.setattr(_schedule, "pair_group", lambda batch, heads, *_: group_of(batch * heads))
+    _assert_ok(_check.run_gpu_case(case, _seed(case) + most))
     backwards = [(plan.kernels[1], plan.launches[1][1]) for plan in _plan._plans.values() if len(plan.launches) == 3]
     assert backwards
+    pairs = case.batch * case.nheads_k
     for kernel, grid in backwards:  # (the mma.sync backward, where forced, keeps its grid)
-        per_group = heads if kernel.wgmma else case.nheads_k
-        assert grid[0] == per_group and grid[2] == case.batch * case.nheads_k // per_group
+        per_group = group_of(pairs) if kernel.wgmma else case.nheads_k
+        assert grid[0] == per_group and grid[0] * grid[2] == pairs
 
 
 # (case, CTAs at once) -> (split key blocks, pieces each), as _schedule.tail_split gives them

@@ -252,18 +252,21 @@ def test_every_wgmma_forward_head_dim_has_a_counter_group_share():
         assert set(_config.TILES[_config.WGMMA]["sm90"][table]) <= set(COUNTER_GROUP_L2_SHARE)
 
 
-@pytest.mark.parametrize("heads, bytes_per_head, group", [
-    (16, 1024 * 128 * 8, 16),   # hd128 at 1k: all 16 heads' Q, dO and dQ sums (16 MiB) fit
-    (16, 4096 * 128 * 8, 8),    # at 4k 11 would fit: the largest divisor of 16 below
-    (16, 16384 * 128 * 8, 2),   # at 16k
-    (8, 16384 * 256 * 8, 1),    # hd256 at 16k: one head's rows take 32 MiB
-    (6, 4096 * 128 * 8 * 4, 2), # GQA, 4 query heads per kv head at 4k: 16 MiB a kv head, 2 fit
-    (9, 4096 * 128 * 8 * 4, 1), # ... and 2 do not divide 9
-    (7, 1 << 30, 1),            # a head beyond the L2: one at a time
+@pytest.mark.parametrize("batch, heads, bytes_per_pair, blocks, group", [
+    (4, 16, 512 * 128 * 8, 4, 64),     # hd128, 4 x 512: two waves, every pair's rows (32 MiB) fit
+    (4, 32, 512 * 64 * 8, 4, 128),     # hd64, 4 x 512: four waves
+    (32, 16, 512 * 128 * 8, 4, 16),    # 32 x 512: sixteen waves, a batch entry's heads at a time
+    (16, 16, 1024 * 128 * 8, 8, 16),   # hd128 at 1k: all 16 heads' rows (16 MiB) fit
+    (4, 16, 4096 * 128 * 8, 32, 8),    # at 4k 11 would fit: the largest divisor of 16 below
+    (1, 16, 16384 * 128 * 8, 128, 2),  # at 16k
+    (2, 8, 16384 * 256 * 8, 256, 1),   # hd256 at 16k: one head's rows take 32 MiB
+    (1, 6, 4096 * 128 * 8 * 4, 32, 2), # GQA, 4 query heads per kv head at 4k: 16 MiB a kv head, 2 fit
+    (1, 9, 4096 * 128 * 8 * 4, 32, 1), # ... and 2 do not divide 9
+    (1, 7, 1 << 30, 1, 1),             # a head beyond the L2: one at a time
 ])
-def test_the_local_wgmma_backward_groups_heads_whose_rows_fit_the_l2(heads, bytes_per_head, group):
-    from cupyflash._schedule import head_group
-    assert head_group(heads, bytes_per_head, l2_bytes=60 << 20) == group
+def test_the_local_wgmma_backward_groups_pairs_whose_rows_fit_the_l2(batch, heads, bytes_per_pair, blocks, group):
+    from cupyflash._schedule import pair_group
+    assert pair_group(batch, heads, bytes_per_pair, 60 << 20, batch * heads * blocks, 132) == group
 
 
 def test_the_local_wgmma_forwards_can_take_tiles_from_a_counter():

@@ -80,20 +80,20 @@ __device__ __forceinline__ int* dq_turn_counter(const FlashParams& p, int batch,
 // heavy blocks first and the grid ends on light CTAs, where (blocks, heads, batch) ends on the
 // last head's heaviest CTA while the other SMs idle. Only blockIdx and a parameter, no arithmetic:
 // ptxas re-reads these where registers are short (computed indices spill in the LOCAL hd128 backward).
-// HEAD_GROUPS (the wgmma backward, which reads its slot once): the x dimension holds a group of heads
-// and z runs over (batch entry, group), so that the CTAs in flight read fewer heads' rows, which then
-// stay in the L2 (p.head_groups; _schedule.head_group).
+// PAIR_GROUPS (the wgmma backward, which reads its slot once): x runs over a group of gridDim.x
+// (batch entry, kv head) pairs, batch-major, and z over the groups (_schedule.pair_group): the
+// CTAs in flight read only the group's rows, which then stay in the L2, and a group of several
+// batch entries (a short grid's) starts all their heaviest blocks before any light one.
 struct GridSlot {
     int block, blocks, head, batch;
 };
 
-template <bool LOCAL, bool HEAD_GROUPS = false>
+template <bool LOCAL, bool PAIR_GROUPS = false>
 __device__ __forceinline__ GridSlot grid_slot(const FlashParams& p) {
     const bool block_major = LOCAL && p.block_major;
-    if (HEAD_GROUPS && block_major) {
-        const int z = blockIdx.z;
-        return GridSlot{int(blockIdx.y), int(gridDim.y), z % p.head_groups * int(gridDim.x) + int(blockIdx.x),
-                        z / p.head_groups};
+    if (PAIR_GROUPS && block_major) {
+        const int pair = blockIdx.z * gridDim.x + blockIdx.x;
+        return GridSlot{int(blockIdx.y), int(gridDim.y), pair % p.nheads_k, pair / p.nheads_k};
     }
     return GridSlot{int(block_major ? blockIdx.y : blockIdx.x), int(block_major ? gridDim.y : gridDim.x),
                     int(block_major ? blockIdx.x : blockIdx.y), int(blockIdx.z)};

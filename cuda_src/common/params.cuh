@@ -60,8 +60,6 @@ struct FlashParams {
     int headdim_padded;    // the kernel's head dim (the tile's), >= headdim
     int block_major;       // LOCAL kernels: the grid is (heads, blocks, batch), not (blocks, heads, batch) (mask.cuh grid_slot);
                            // the persistent forward: its tiles go block-major in groups of this many (batch, head) pairs
-    int head_groups;       // the wgmma backward's block-major grid: blockIdx.z runs over (batch entry, group of
-                           // gridDim.x heads) (mask.cuh grid_slot)
 
     // Softmax scale, and the same times log2(e) so the kernels can use exp2.
     float softmax_scale;

@@ -65,6 +65,24 @@ class EmptySaved(torch.autograd.Function):
         return None, None, None, None, dout, dout, dout, None
 
 
+class OurForwardOnly(torch.autograd.Function):
+    """The drop-in's Function (_ResolvedFunction) with its forward and an empty backward."""
+    @staticmethod
+    def forward(ctx, resolved, seed, lse_out, alibi, q, k, v, bias):
+        return cft._ResolvedFunction.forward(ctx, resolved, seed, lse_out, alibi, q, k, v, bias)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return None, None, None, None, dout, dout, dout, None
+
+
+class OurBackwardOnly(EmptySaved):
+    """EmptySaved's forward (the saves and allocations, no launch) with the drop-in's backward."""
+    @staticmethod
+    def backward(ctx, dout):
+        return cft._ResolvedFunction.backward(ctx, dout)
+
+
 def launches_alone(plan):
     """A function that queues `plan`'s kernels as its call does (Plan.call's loop), with nothing else."""
     stream, launch = plan.stream_of(), plan.launch_kernel
@@ -126,8 +144,9 @@ def backward_parts(b, s, h, d):
     """A fwd+bwd's host time by its parts (issue 18's eager fwd+bwd: 1.28-1.44x SDPA's in v55, against
     a bare Function's floor that leaves 20-30 us too few for our backward): whole fwd+bwd calls, then
     the drop-in's backward below autograd (the resolved signature's backward, its plan's call, the
-    launches, the allocations) and the core's backward. A row that reads the same at a larger shape
-    is host-bound."""
+    launches, the allocations) and the core's backward; the floor's Function with our forward, then
+    with our backward (run on autograd's thread, where the rows below it run on this one). A row
+    that reads the same at a larger shape is host-bound."""
     (q, k, v), (qg, kg, vg), (qt, kt, vt), (qc, kc, vc) = tensors(b, s, h, d)
     dout = torch.randn_like(q)
     scalars = (None, True, 0.0, (-1, -1), 0.0, False)
@@ -140,6 +159,7 @@ def backward_parts(b, s, h, d):
     outc, lsec = cupyflash.flash_attn_func(qc, kc, vc, causal=True, return_lse=True)
     doutc = cupy.from_dlpack(dout)
     floor = cft._bare_apply(EmptySaved)
+    forward_only, backward_only = cft._bare_apply(OurForwardOnly), cft._bare_apply(OurBackwardOnly)
 
     dout_t = dout.transpose(1, 2)  # SDPA's (b, h, s, d) layout
     rows = {
@@ -149,6 +169,10 @@ def backward_parts(b, s, h, d):
                                                                (qg, kg, vg), dout),
         "Function floor fwd+bwd": lambda: torch.autograd.grad(floor(resolved, None, [], None, qg, kg, vg, None),
                                                               (qg, kg, vg), dout),
+        "  floor + our forward": lambda: torch.autograd.grad(forward_only(resolved, None, [], None, qg, kg, vg, None),
+                                                             (qg, kg, vg), dout),
+        "  floor + our backward": lambda: torch.autograd.grad(backward_only(resolved, None, [], None, qg, kg, vg,
+                                                                            None), (qg, kg, vg), dout),
         "  resolved.backward": lambda: resolved.backward(dout, q, k, v, out, lse, None, None, None, False),
         "  backward plan.call": lambda: plan.call(inputs, None, keep=True),
         "  backward launches alone": launches_alone(plan),

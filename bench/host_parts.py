@@ -83,6 +83,15 @@ class OurBackwardOnly(EmptySaved):
         return cft._ResolvedFunction.backward(ctx, dout)
 
 
+class FloorRunning(EmptySaved):
+    """EmptySaved whose backward first runs its `resolved` argument, a function of no arguments: a
+    part of our backward timed on autograd's thread, where the drop-in's backward runs."""
+    @staticmethod
+    def backward(ctx, dout):
+        ctx.resolved()
+        return None, None, None, None, dout, dout, dout, None
+
+
 def launches_alone(plan):
     """A function that queues `plan`'s kernels as its call does (Plan.call's loop), with nothing else."""
     stream, launch = plan.stream_of(), plan.launch_kernel
@@ -145,8 +154,9 @@ def backward_parts(b, s, h, d):
     a bare Function's floor that leaves 20-30 us too few for our backward): whole fwd+bwd calls, then
     the drop-in's backward below autograd (the resolved signature's backward, its plan's call, the
     launches, the allocations) and the core's backward; the floor's Function with our forward, then
-    with our backward (run on autograd's thread, where the rows below it run on this one). A row
-    that reads the same at a larger shape is host-bound."""
+    with our backward, and with parts of our backward (each run on autograd's thread, where the
+    rows after them run on this one: v56 read our backward 94 us dearer there at the small shape). A
+    row that reads the same at a larger shape is host-bound."""
     (q, k, v), (qg, kg, vg), (qt, kt, vt), (qc, kc, vc) = tensors(b, s, h, d)
     dout = torch.randn_like(q)
     scalars = (None, True, 0.0, (-1, -1), 0.0, False)
@@ -160,6 +170,10 @@ def backward_parts(b, s, h, d):
     doutc = cupy.from_dlpack(dout)
     floor = cft._bare_apply(EmptySaved)
     forward_only, backward_only = cft._bare_apply(OurForwardOnly), cft._bare_apply(OurBackwardOnly)
+    running = cft._bare_apply(FloorRunning)
+
+    def on_autograd_thread(work):
+        return lambda: torch.autograd.grad(running(work, None, [], None, qg, kg, vg, None), (qg, kg, vg), dout)
 
     dout_t = dout.transpose(1, 2)  # SDPA's (b, h, s, d) layout
     rows = {
@@ -173,6 +187,13 @@ def backward_parts(b, s, h, d):
                                                              (qg, kg, vg), dout),
         "  floor + our backward": lambda: torch.autograd.grad(backward_only(resolved, None, [], None, qg, kg, vg,
                                                                             None), (qg, kg, vg), dout),
+        "  floor + nothing, on autograd's thread": on_autograd_thread(lambda: None),
+        "  floor + resolved.backward, there": on_autograd_thread(
+            lambda: resolved.backward(dout, q, k, v, out, lse, None, None, None, False)),
+        "  floor + backward plan.call, there": on_autograd_thread(lambda: plan.call(inputs, None, keep=True)),
+        "  floor + backward launches alone, there": on_autograd_thread(launches_alone(plan)),
+        "  floor + torch.empty_like x3, there": on_autograd_thread(
+            lambda: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))),
         "  resolved.backward": lambda: resolved.backward(dout, q, k, v, out, lse, None, None, None, False),
         "  backward plan.call": lambda: plan.call(inputs, None, keep=True),
         "  backward launches alone": launches_alone(plan),

@@ -74,9 +74,9 @@ def tile_group(pairs, kv_bytes_per_pair, l2_bytes, ctas, counter_share):
 
 
 # A wgmma LOCAL backward of at most this many waves of CTAs takes its heaviest blocks first across
-# batch entries (pair_group). On an H100 (v56): 4 x 512 causal +4% at hd128, +13% at hd256, +2% at
-# hd64 (4 waves); across 32 x 512 (16 waves) -4%, 16 x 1k hd64 -5%: its in-flight rows span more
-# pairs, where the heads of one batch entry at a time keep them fewer.
+# batch entries (pair_group). On an H100 (v56): 4 x 512 causal +6% at hd128, +12% at hd256, +1% at
+# hd64 (4 waves); on 16-wave grids (32 x 512, 16 x 1k hd64) one group lost 4-5%: its CTAs in flight
+# read more pairs' rows than one batch entry's heads at a time do.
 SHORT_GRID_WAVES = 4
 
 

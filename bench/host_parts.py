@@ -155,8 +155,9 @@ def backward_parts(b, s, h, d):
     the drop-in's backward below autograd (the resolved signature's backward, its plan's call, the
     launches, the allocations) and the core's backward; the floor's Function with our forward, then
     with our backward, and with parts of our backward (each run on autograd's thread, where the
-    rows after them run on this one: v56 read our backward 94 us dearer there at the small shape). A
-    row that reads the same at a larger shape is host-bound."""
+    rows after them run on this one: v56 read our backward 94 us dearer there at the small shape),
+    and whole calls with autograd's multithreading off (the backward on this thread). A row that
+    reads the same at a larger shape is host-bound."""
     (q, k, v), (qg, kg, vg), (qt, kt, vt), (qc, kc, vc) = tensors(b, s, h, d)
     dout = torch.randn_like(q)
     scalars = (None, True, 0.0, (-1, -1), 0.0, False)
@@ -175,6 +176,12 @@ def backward_parts(b, s, h, d):
     def on_autograd_thread(work):
         return lambda: torch.autograd.grad(running(work, None, [], None, qg, kg, vg, None), (qg, kg, vg), dout)
 
+    def on_this_thread(call):  # the backward on the calling thread, not the device's autograd thread
+        def run():
+            with torch.autograd.set_multithreading_enabled(False):
+                return call()
+        return run
+
     dout_t = dout.transpose(1, 2)  # SDPA's (b, h, s, d) layout
     rows = {
         "SDPA flash fwd+bwd": lambda: torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
@@ -187,6 +194,13 @@ def backward_parts(b, s, h, d):
                                                              (qg, kg, vg), dout),
         "  floor + our backward": lambda: torch.autograd.grad(backward_only(resolved, None, [], None, qg, kg, vg,
                                                                             None), (qg, kg, vg), dout),
+        "cupyflash.torch fwd+bwd, one thread": on_this_thread(
+            lambda: torch.autograd.grad(cft.flash_attn_func(qg, kg, vg, causal=True), (qg, kg, vg), dout)),
+        "SDPA flash fwd+bwd, one thread": on_this_thread(
+            lambda: torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), (qt, kt, vt),
+                                        dout_t)),
+        "Function floor fwd+bwd, one thread": on_this_thread(
+            lambda: torch.autograd.grad(floor(resolved, None, [], None, qg, kg, vg, None), (qg, kg, vg), dout)),
         "  floor + nothing, on autograd's thread": on_autograd_thread(lambda: None),
         "  floor + resolved.backward, there": on_autograd_thread(
             lambda: resolved.backward(dout, q, k, v, out, lse, None, None, None, False)),

@@ -4,7 +4,10 @@
 # 137 us dearer than the floor's empty one under autograd at 1 x 128 x 8 x 64, where the same
 # backward costs 43 us called on the main thread: host_parts.py --backward's rows "floor + ...,
 # there" time each part of it on autograd's thread (the call, the plan's call, the launches alone,
-# the allocations, and nothing), each beside the same part on this one.
+# the allocations, and nothing), each beside the same part on this one; and whole fwd+bwd calls
+# (ours, SDPA's, the floor's) with autograd's multithreading off, the backward then on the calling
+# thread (a PyTorch PR, pytorch#192004, reads the hand-off to the device thread as cache and TLB
+# misses: a Python backward touches many more objects than a C++ one).
 # Run from the repository root: bash bench/notes/v56-next-call-host-autograd-thread.sh
 cd "$(dirname "$0")/../.."
 L=$OUT/log.txt

@@ -122,8 +122,9 @@ def test_the_ab_script_reads_decode_cells_and_compiles_the_kvcache_kernels():
 
 def test_the_ab_script_reads_cells_and_picks_the_kernels_the_h200_runs():
     ab = _bench_script("ab")
-    assert ab.parse_cell("128:4096:1") == (128, 4096, True) and len(ab.ALL_CELLS) == 18
-    for bad in ("128:1000:1", "128:4096:2", "100:4096:0"):
+    assert ab.parse_cell("128:4096:1") == (128, 4096, True, 4) and len(ab.ALL_CELLS) == 18
+    assert ab.parse_cell("128:512:1:2048") == (128, 512, True, 4)  # (batch x seqlen = the tokens given)
+    for bad in ("128:1000:1", "128:4096:2", "100:4096:0", "128:512:1:1000", "128:512:1:2048:0"):
         with pytest.raises(ValueError, match="a cell is hd:seqlen:causal"):
             ab.parse_cell(bad)
     fwd = ab.compile_jobs("fwd", "bfloat16", {})  # the wgmma forward's plain and causal kernels, no others

@@ -5,7 +5,8 @@ that launches nothing, with and without its saves). us per call: 2000 back-to-ba
 timing, median of 7 timings, synchronised after each. --backward: the same for a forward and
 backward (backward_parts()).
 
-Usage (GPU): PYTHONPATH=. python bench/host_parts.py [--with-jax] [--turns | --backward] [b s h d ...]
+Usage (GPU): PYTHONPATH=. python bench/host_parts.py [--with-jax] [--turns | --backward | --profile-backward]
+[b s h d ...]
 (default 1 128 8 64, bf16 causal). --with-jax first runs a jitted JAX function on the GPU, as `bench
 --host` has before its torch columns (v42: that table reads every cell 1.3-1.6x these figures): its
 runtime's threads stay. --turns times whole calls instead in turns like the table's (turns()).
@@ -256,6 +257,39 @@ def turns(b, s, h, d):
     return rows
 
 
+class ProfiledBackward(torch.autograd.Function):
+    """The drop-in's Function whose backward runs under `ctx.resolved.profiler` (cProfile), on the
+    thread autograd runs it on: what its functions cost there, by their own time."""
+    forward = staticmethod(cft._ResolvedFunction.forward)
+
+    @staticmethod
+    def backward(ctx, dout):
+        ctx.resolved.profiler.enable()
+        try:
+            return cft._ResolvedFunction.backward(ctx, dout)
+        finally:
+            ctx.resolved.profiler.disable()
+
+
+def profile_backward(b, s, h, d, calls=2000):
+    """The functions of the drop-in's backward on autograd's thread, by their own time over `calls`
+    fwd+bwd calls (cProfile's cost included: compare the rows, not the totals)."""
+    import cProfile
+    import io
+    import pstats
+    _, (qg, kg, vg), _, _ = tensors(b, s, h, d)
+    dout = torch.randn_like(qg)
+    resolved = cft._resolution(qg.detach(), kg.detach(), vg.detach(), None, None, (None, True, 0.0, (-1, -1), 0.0, False))
+    resolved.profiler = cProfile.Profile()
+    apply = cft._bare_apply(ProfiledBackward)
+    for _ in range(calls):
+        torch.autograd.grad(apply(resolved, None, [], None, qg, kg, vg, None), (qg, kg, vg), dout)
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(resolved.profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
 def start_jax():
     import os
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -270,13 +304,17 @@ if __name__ == "__main__":
     if "--with-jax" in arguments:
         arguments.remove("--with-jax")
         start_jax()
-    with_turns, with_backward = "--turns" in arguments, "--backward" in arguments
-    arguments = [a for a in arguments if a not in ("--turns", "--backward")]
+    with_turns, with_backward, with_profile = ("--turns" in arguments, "--backward" in arguments,
+                                               "--profile-backward" in arguments)
+    arguments = [a for a in arguments if a not in ("--turns", "--backward", "--profile-backward")]
     numbers = [int(x) for x in arguments] or [1, 128, 8, 64]
     for shape in zip(*[iter(numbers)] * 4):
         print(f"shape {shape}, bf16 causal, us per call", flush=True)
         if with_turns:
             print("\n".join(turns(*shape)), flush=True)
+            continue
+        if with_profile:
+            print(profile_backward(*shape), flush=True)
             continue
         for name, us in (backward_parts if with_backward else parts)(*shape).items():
             print(f"{name:40s} {us:7.2f}", flush=True)

@@ -13,4 +13,6 @@ cd "$(dirname "$0")/../.."
 L=$OUT/log.txt
 : > $L
 PYTHONPATH=. timeout 200 python bench/host_parts.py --backward 1 128 8 64 4 512 16 128 >> $L 2>&1
+echo "== the backward's functions on autograd's thread, by own time (cProfile) ($(date +%T))" >> $L
+PYTHONPATH=. timeout 60 python bench/host_parts.py --profile-backward 1 128 8 64 >> $L 2>&1
 echo "done ($(date +%T))" >> $L

@@ -35,10 +35,10 @@ struct Sequence {
     }
     // Index of (batch, head, row 0) in the backward's padded rows (dq_accum, lse_log2, D): a
     // multiple of kPaddedRows, so that a query block's rows are one aligned piece (a bulk copy's).
-    // A varlen sequence starts at kPaddedRows ceil(first_row / kPaddedRows) + batch gap rows: at
-    // least the previous one's start plus its length rounded up to kPaddedRows, and with the gap of
-    // the 80-row backward's layout (`transposed_dq`, p.dq_accum_fragment_rows != 0) rounded up to
-    // 80 as well (its blocks' dq_accum, in fragment order, must not reach the next sequence's).
+    // A varlen sequence starts at kPaddedRows ceil(first_row / kPaddedRows) + gap batch: a gap of
+    // 64 rows a sequence, 128 in the 80-row backward's layout (`transposed_dq`, where
+    // p.dq_accum_fragment_rows != 0: a last block of 80 rows in fragment order reaches further), so
+    // that it starts after the previous sequence's whole blocks.
     static constexpr int kPaddedRows = 64;
     __device__ __forceinline__ long long padded_row0(const FlashParams& p, int batch, int head,
                                                      bool transposed_dq = false) const {

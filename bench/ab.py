@@ -14,8 +14,8 @@ version runs in a process of its own, so it brings its own launch code and tile 
 versions take turns for --rounds rounds and a cell is the median of its rounds. The same tree given
 twice shows the run's noise: up to 5% in a cell on the H200, so smaller differences need more
 rounds or more runs. Cells are TFLOP/s (FLOPs as in ../shared/peers/README.md) at 16384 tokens (or
-a cell's fourth field) and hidden 2048; each timing spans 10 calls back to back between CUDA events (the host's time per call
-stays hidden), median of 7. Decode cells are batch:cache:nheads:nheads_k:hd:layout (layout dense or
+a cell's fourth field) and hidden 2048; each timing spans 10 calls back to back between CUDA events
+(the host's time per call stays hidden), median of 7. Decode cells are batch:cache:nheads:nheads_k:hd:layout (layout dense or
 pagedN, N-row pages in a random order), the cache full, one query row, bf16; each timing is a
 replay of a CUDA graph of 20 steps (as a serving loop runs them: no host time between steps),
 median of 15, in TB/s of K and V read; `--decode-step append` gives each step a new token (k and v,

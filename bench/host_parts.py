@@ -68,9 +68,7 @@ class EmptySaved(torch.autograd.Function):
 
 class OurForwardOnly(torch.autograd.Function):
     """The drop-in's Function (_ResolvedFunction) with its forward and an empty backward."""
-    @staticmethod
-    def forward(ctx, resolved, seed, lse_out, alibi, q, k, v, bias):
-        return cft._ResolvedFunction.forward(ctx, resolved, seed, lse_out, alibi, q, k, v, bias)
+    forward = staticmethod(cft._ResolvedFunction.forward)
 
     @staticmethod
     def backward(ctx, dout):
@@ -184,38 +182,31 @@ def backward_parts(b, s, h, d):
         return run
 
     dout_t = dout.transpose(1, 2)  # SDPA's (b, h, s, d) layout
-    rows = {
+    whole = {  # fwd+bwd calls, timed as called and with the backward on this thread
         "SDPA flash fwd+bwd": lambda: torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
                                                           (qt, kt, vt), dout_t),
         "cupyflash.torch fwd+bwd": lambda: torch.autograd.grad(cft.flash_attn_func(qg, kg, vg, causal=True),
                                                                (qg, kg, vg), dout),
         "Function floor fwd+bwd": lambda: torch.autograd.grad(floor(resolved, None, [], None, qg, kg, vg, None),
                                                               (qg, kg, vg), dout),
-        "  floor + our forward": lambda: torch.autograd.grad(forward_only(resolved, None, [], None, qg, kg, vg, None),
-                                                             (qg, kg, vg), dout),
-        "  floor + our backward": lambda: torch.autograd.grad(backward_only(resolved, None, [], None, qg, kg, vg,
-                                                                            None), (qg, kg, vg), dout),
-        "cupyflash.torch fwd+bwd, one thread": on_this_thread(
-            lambda: torch.autograd.grad(cft.flash_attn_func(qg, kg, vg, causal=True), (qg, kg, vg), dout)),
-        "SDPA flash fwd+bwd, one thread": on_this_thread(
-            lambda: torch.autograd.grad(F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), (qt, kt, vt),
-                                        dout_t)),
-        "Function floor fwd+bwd, one thread": on_this_thread(
-            lambda: torch.autograd.grad(floor(resolved, None, [], None, qg, kg, vg, None), (qg, kg, vg), dout)),
-        "  floor + nothing, on autograd's thread": on_autograd_thread(lambda: None),
-        "  floor + resolved.backward, there": on_autograd_thread(
-            lambda: resolved.backward(dout, q, k, v, out, lse, None, None, None, False)),
-        "  floor + backward plan.call, there": on_autograd_thread(lambda: plan.call(inputs, None, keep=True)),
-        "  floor + backward launches alone, there": on_autograd_thread(launches_alone(plan)),
-        "  floor + torch.empty_like x3, there": on_autograd_thread(
-            lambda: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))),
-        "  resolved.backward": lambda: resolved.backward(dout, q, k, v, out, lse, None, None, None, False),
-        "  backward plan.call": lambda: plan.call(inputs, None, keep=True),
-        "  backward launches alone": launches_alone(plan),
-        "  torch.empty_like x3": lambda: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
-        "core bwd (torch)": lambda: cupyflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True),
-        "core bwd (CuPy)": lambda: cupyflash.flash_attn_backward(doutc, qc, kc, vc, outc, lsec, causal=True),
     }
+    backward = {  # parts of our backward, timed on autograd's thread and on this one
+        "resolved.backward": lambda: resolved.backward(dout, q, k, v, out, lse, None, None, None, False),
+        "backward plan.call": lambda: plan.call(inputs, None, keep=True),
+        "backward launches alone": launches_alone(plan),
+        "torch.empty_like x3": lambda: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+    }
+    rows = dict(whole)
+    rows["  floor + our forward"] = lambda: torch.autograd.grad(
+        forward_only(resolved, None, [], None, qg, kg, vg, None), (qg, kg, vg), dout)
+    rows["  floor + our backward"] = lambda: torch.autograd.grad(
+        backward_only(resolved, None, [], None, qg, kg, vg, None), (qg, kg, vg), dout)
+    rows.update({f"{name}, one thread": on_this_thread(call) for name, call in whole.items()})
+    rows["  floor + nothing, on autograd's thread"] = on_autograd_thread(lambda: None)
+    rows.update({f"  floor + {name}, there": on_autograd_thread(part) for name, part in backward.items()})
+    rows.update({f"  {name}": part for name, part in backward.items()})
+    rows["core bwd (torch)"] = lambda: cupyflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+    rows["core bwd (CuPy)"] = lambda: cupyflash.flash_attn_backward(doutc, qc, kc, vc, outc, lsec, causal=True)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         return {name: per_call_us(function) for name, function in rows.items()}
 

@@ -219,8 +219,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     // with either, each tile's P^T, d/ds and dS^T in one pass after both products.
     constexpr bool kEarlyProbabilities = (FEATURES & (feature::softcap | feature::bias)) == 0;
     constexpr int DT = HEADDIM / 8, MT = BLOCK_M / 8;  // accumulator column tiles: of dK/dV, of S^T
-    // (The 80-row tile serves no varlen call; its last block, which may reach past the rows that
-    // flash_bwd_dot pads, is padded below, inside the head's padded rows.)
+    // (The 80-row tile's last block, which may reach past the rows that flash_bwd_dot pads, stays
+    // inside its sequence's padded rows: a head's are whole blocks, a varlen sequence's gap 128 rows.)
     static_assert(BLOCK_M % Sequence::kPaddedRows == 0 || T::kDQTransposed, "a query block starts a sequence's padded rows' piece");
     static_assert(BLOCK_M == 64 || !DROPOUT, "a step's dropout decisions are one word: 64 query rows");
     static_assert(!T::kDQTransposed || (!LOCAL && FEATURES == 0 && !DETERMINISTIC),

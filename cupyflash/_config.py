@@ -147,6 +147,13 @@ TILES[WGMMA] = {"sm90": {
     "fwd_local": {
         128: (128, 128, 12, 2),
     },
+    # The forwards that read an attn_bias (forward_table): two stages and 64-key column blocks, so
+    # that a ring of bias tiles fits beside K's and V's (Sm90FwdTile::kBiasTiles; hd256 on 64 keys).
+    "fwd_bias": {
+        64: (192, 128, 16, 2),
+        128: (128, 128, 12, 2),
+        256: (128, 64, 12, 2),
+    },
     "bwd": {
         64: (128, 128, 12, 2),  # 128 query rows a step, dQ's rows split over the consumers (v31)
         128: (64, 128, 12, 2),
@@ -163,13 +170,13 @@ TILES[WGMMA]["sm90"]["bwd_full"] = {128: (80, 128, 12, 2)}
 SHORT_SEQLEN = 1024
 
 
-def forward_table(headdim, seqlen_q, local):
-    """The wgmma forward's tile table for a call: 'fwd_short' where the call has at most
-    SHORT_SEQLEN query rows (the longest of a varlen batch), else 'fwd_local' where it is LOCAL,
-    where that table has the head dim's tile; else 'fwd'."""
+def forward_table(headdim, seqlen_q, local, reads_bias=False):
+    """The wgmma forward's tile table for a call: 'fwd_bias' where it reads an attn_bias, else
+    'fwd_short' where the call has at most SHORT_SEQLEN query rows (the longest of a varlen batch),
+    else 'fwd_local' where it is LOCAL, where that table has the head dim's tile; else 'fwd'."""
     tables = TILES[WGMMA]["sm90"]
     padded = padded_headdim(headdim, tuple(tables["fwd"]))
-    for table, applies in (("fwd_short", seqlen_q <= SHORT_SEQLEN), ("fwd_local", local)):
+    for table, applies in (("fwd_bias", reads_bias), ("fwd_short", seqlen_q <= SHORT_SEQLEN), ("fwd_local", local)):
         if applies and padded in tables[table]:
             return table
     return "fwd"
@@ -237,13 +244,28 @@ class Tile:
         order, a block of block_m rows at a time (kDQTransposed in cuda_src/sm90/bwd.cuh)."""
         return self.kernel_family == WGMMA and self.headdim == 128 and self.block_m == 80
 
-    def smem_bytes(self, pass_):
+    def bias_tiles(self, reads_bias):
+        """Whether this tile's wgmma forward, where it reads an attn_bias, has a ring of bias tiles in
+        shared memory (Sm90FwdTile::kBiasTiles): 64-key column blocks of block_m x block_n, 16-bit,
+        one per stage, where they fit beside one Q buffer."""
+        if not (reads_bias and self.kernel_family == WGMMA and self.block_n % 64 == 0):
+            return False
+        return self._forward_bytes(1, True) <= FAMILY_SMEM_LIMIT["sm90"]
+
+    def _forward_bytes(self, q_buffers, bias_tiles):
+        # (the wgmma forward's) alignment, Q x q_buffers, (K, V) x stages, bias tiles x stages,
+        # barriers, a tile index per Q buffer
+        return (1024 + 2 * self.headdim * (q_buffers * self.block_m + 2 * self.stages * self.block_n)
+                + (2 * self.block_m * self.block_n * self.stages if bias_tiles else 0) + 8 * (3 * q_buffers + 4 * self.stages))
+
+    def smem_bytes(self, pass_, reads_bias=False):
+        """Shared memory of this tile's kernel for `pass_`; a wgmma forward's also by whether it reads
+        an attn_bias (bias_tiles)."""
         if self.kernel_family == WGMMA and kernel_pass(pass_) == "fwd":
-            # alignment, Q x (2 with two consumers where they fit, else 1), (K, V) x stages, O where
-            # it fits but in hd64's 128-row tile (Sm90FwdTile::kStagedO), barriers, a tile index per Q buffer
-            def with_q_buffers(n):
-                return (1024 + 2 * self.headdim * (n * self.block_m + 2 * self.stages * self.block_n)
-                        + 8 * (3 * n + 4 * self.stages))
+            # Q x 2 with two consumers where they fit, else 1; O where it fits but in hd64's 128-row
+            # tile (Sm90FwdTile::kStagedO)
+            bias_tiles = self.bias_tiles(reads_bias)
+            with_q_buffers = lambda n: self._forward_bytes(n, bias_tiles)  # noqa: E731
             two = self.block_m == 128 and with_q_buffers(2) <= FAMILY_SMEM_LIMIT["sm90"]
             bytes_ = with_q_buffers(2 if two else 1)
             o_bytes = 2 * self.headdim * self.block_m

@@ -59,6 +59,12 @@ class Kernel:
             raise ValueError("the wgmma kernels are forwards and backwards, without even_k")
 
     @property
+    def reads_bias(self):
+        """Whether this is a wgmma forward that reads an attn_bias (Sm90FwdTile's READS_BIAS: a ring of
+        bias tiles where its tile has room, Tile.bias_tiles)."""
+        return self.wgmma and self.pass_ == "fwd" and "bias" in self.features
+
+    @property
     def options(self):
         """Whether any score option is compiled in."""
         return bool(self.features)
@@ -102,7 +108,7 @@ class Kernel:
 
     @property
     def smem_bytes(self):
-        return self.tile.smem_bytes(self.pass_) if self.tile is not None else 0
+        return self.tile.smem_bytes(self.pass_, self.reads_bias) if self.tile is not None else 0
 
     def source(self):
         bf16 = _bool(self.dtype == "bfloat16")
@@ -113,10 +119,14 @@ class Kernel:
                     else f"{t.headdim}, {t.block_m}, {t.block_n}, {t.stages}")
             flags = [_bool(self.local), self._features_argument()] + [_bool(self.deterministic)] * (self.pass_ == "bwd")
             flags = ", ".join(flags)
+            if self.pass_ == "fwd":
+                args_traits = f"{traits}<{args}, {_bool(self.local)}, {_bool(self.reads_bias)}>"
+            else:
+                args_traits = f"{traits}<{args}>"
             return (_sources.translation_unit(header) + "\n" + _params.size_assert() + "\n"
-                    + f"static_assert({traits}<{args}>::kSmemBytes == {self.smem_bytes} && "
-                    + f"{traits}<{args}>::kThreads == {self.threads}"
-                    + (f" && {traits}<{args}, {_bool(self.local)}>::kTileSlots == "
+                    + f"static_assert({args_traits}::kSmemBytes == {self.smem_bytes} && "
+                    + f"{args_traits}::kThreads == {self.threads}"
+                    + (f" && {args_traits}::kTileSlots == "
                        f"{_bool(t.takes_tiles_from_counter(self.local))}" if self.pass_ == "fwd" else "") + ", "
                     + '"the wgmma tile differs from cupyflash/_config.py");\n'
                     + f'extern "C" __global__ void __launch_bounds__({self.threads}, 1) {self.name}('
@@ -164,7 +174,7 @@ def backward_table(features, deterministic):
 # (first dtype, LOCAL), each feature alone.
 _CHECKED_FLAGS = {"fwd": (((), False), (FEATURES, False)), "bwd": (((), False),),
                   "bwd_options": ((FEATURES, False), (FEATURES, True)), "bwd_deterministic": (((), True),),
-                  "bwd_full": (((), False),),
+                  "bwd_full": (((), False),), "fwd_bias": ((("bias",), False), (FEATURES, False)),
                   "decode": (((), False), (DECODE_FEATURES, False)),
                   "decode_small": (((), False), (DECODE_FEATURES, False)),
                   "decode_few": (((), False), (DECODE_FEATURES, False))}
@@ -188,7 +198,8 @@ def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
         if local and table == "bwd_full":
             continue  # (its tile serves no causal or window edge: sm90/bwd.cuh asserts it)
         if wgmma and _config.kernel_pass(table) == "fwd" and table not in (
-                _config.forward_table(tile.headdim, seqlen_q, local) for seqlen_q in (1, _config.SHORT_SEQLEN + 1)):
+                _config.forward_table(tile.headdim, seqlen_q, local, bias)
+                for seqlen_q in (1, _config.SHORT_SEQLEN + 1) for bias in (False, True)):
             continue  # no call runs it (a LOCAL one of a head dim with a 'fwd_local' tile, say)
         flags = _CHECKED_FLAGS.get(table) or _CHECKED_FLAGS[_config.kernel_pass(table)]
         if tile.headdim == 128 and dtype == DTYPES[0] and local and not even_k:

@@ -184,7 +184,8 @@ class Plan:
         self.caller, self.device_id, self.finish = caller, caller.device_id, finish
         self.hands_back = caller.kind not in ("torch", "cupy")  # results go back through give_back
         self.input_names = list(inputs)  # the order of call()'s inputs
-        self.alignments = [_alignment(name, array) for name, array in inputs.items()]
+        self.alignments = [16 if maps and name in maps.inputs else _alignment(name, array)  # (TMA's)
+                           for name, array in inputs.items()]
         self.kernels = [l.kernel for l in launches]
         with caller.context():  # a kernel's CUfunction belongs to the context current when it is loaded
             launches = [l for l in launches if 0 not in l.grid]
@@ -419,10 +420,10 @@ def _kernel(pass_, call, tile):
     return _kernels.Kernel(pass_, call.dtype, tile, call.local, even_k, call.features, deterministic)
 
 
-def _tensor_maps(call, inputs, strides, boxes):
-    """The TMA maps of `inputs` named in `boxes` (name -> rows per box), or None where the driver
-    cannot map one (say a broadcast dimension's zero stride): the mma.sync kernels read any layout
-    the plan accepts."""
+def _tensor_maps(call, inputs, strides, boxes, bias_spec=None):
+    """The TMA maps of `inputs` named in `boxes` (name -> rows per box), and of attn_bias where
+    `bias_spec` gives its map (_bias_map_spec), or None where the driver cannot map one (say a
+    broadcast dimension's zero stride): the mma.sync kernels read any layout the plan accepts."""
     shape, varlen = call.shape, call.varlen is not None
     specs = []
     for name, block in boxes.items():
@@ -435,11 +436,31 @@ def _tensor_maps(call, inputs, strides, boxes):
         heads = array.shape[-2]
         specs.append((call.dtype, (shape.headdim, rows, heads, batch),
                       (2 * row_stride, 2 * head_stride, 2 * batch_stride), (64, block, 1, 1)))
+    names = tuple(boxes) + ("attn_bias",) * (bias_spec is not None)
     try:
         with call.caller.context():
-            return _tma.Maps(specs, [call.caller.data_pointer(inputs[name]) for name in boxes], tuple(boxes))
+            return _tma.Maps(specs + [bias_spec] * (bias_spec is not None),
+                             [call.caller.data_pointer(inputs[name]) for name in names], names,
+                             slots=len(boxes) + 1 if call.pass_ == "fwd" else len(boxes))  # (FwdMaps has bias's)
     except RuntimeError:
         return None
+
+
+def _bias_map_spec(call, inputs, tile):
+    """The attn_bias's tensor map (as _tma.Maps takes it) where the wgmma forward on `tile` copies
+    it into its ring of bias tiles (Tile.bias_tiles): a 16-bit bias whose rows are not broadcast and
+    start on 16-byte boundaries, as TMA reads them; else None, and the kernel's consumers read it.
+    Keys, rows, heads, batch: a broadcast head or batch dimension has size 1."""
+    bias = inputs.get("attn_bias")
+    if bias is None or _arrays.dtype_name(bias) == "float32" or not tile.bias_tiles(True):
+        return None
+    batch, head, row = options.broadcast_strides(bias.shape, _arrays.element_strides(bias))[:3]
+    if row == 0 or any(2 * stride % 16 for stride in (batch, head, row)) or call.caller.data_pointer(bias) % 16:
+        return None
+    shape = call.shape
+    unstepped = 2 * row * shape.seqlen_q  # (a size-1 dimension's stride)
+    return (call.dtype, (shape.seqlen_k, shape.seqlen_q, shape.nheads if head else 1, shape.batch if batch else 1),
+            (2 * row, 2 * head or unstepped, 2 * batch or unstepped), (64, tile.block_m, 1, 1))
 
 
 def _forward_plan(call, inputs, return_dbias):
@@ -468,9 +489,11 @@ def _forward_plan(call, inputs, return_dbias):
 def _wgmma_forward_plan(call, inputs, strides):
     """The forward on the wgmma kernels, or None where the driver cannot map an input for TMA."""
     shape = call.shape
-    tile = _schedule.tile(_config.forward_table(shape.headdim, shape.seqlen_q, call.local), shape.headdim,
-                          call.caller.device_id, _config.WGMMA)
-    maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n})
+    reads_bias = "bias" in call.features
+    tile = _schedule.tile(_config.forward_table(shape.headdim, shape.seqlen_q, call.local, reads_bias),
+                          shape.headdim, call.caller.device_id, _config.WGMMA)
+    bias_spec = _bias_map_spec(call, inputs, tile)
+    maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n}, bias_spec)
     if maps is None:
         return None
     kernel = _kernel("fwd", call, tile)
@@ -489,8 +512,9 @@ def _wgmma_forward_plan(call, inputs, strides):
                                            _schedule.COUNTER_GROUP_L2_SHARE[tile.headdim] if counter else None)
         if counter and block_major < pairs:  # the CTAs take tiles from a counter (next_tile in cuda_src/sm90/fwd.cuh)
             outputs.append(_Output("tile_counter", (1,), "int32", zeroed=True, scratch=True))
-    return Plan(call.caller, _param_block(call, tile, strides, inputs, block_major), inputs, outputs,
-                [_Launch(kernel, grid)], maps=maps)
+    params = _param_block(call, tile, strides, inputs, block_major)
+    params["bias_tiles"] = int(bias_spec is not None)
+    return Plan(call.caller, params, inputs, outputs, [_Launch(kernel, grid)], maps=maps)
 
 
 def _backward_plan(call, inputs, return_dbias):

@@ -65,13 +65,15 @@ class Maps:
     `specs` gives each map's (dtype, dims, strides_bytes, box) as encode_tiled takes them, `inputs`
     the names of the arrays they map; the maps are encoded once, at `addresses`, and later only
     their address word is rewritten (or, where the driver's layout hides it, each map is encoded
-    again)."""
+    again). The buffer holds `slots` maps (the kernel's struct of them; default one per spec), those
+    past the specs zero."""
 
-    def __init__(self, specs, addresses, inputs):
+    def __init__(self, specs, addresses, inputs, slots=None):
         self.specs, self.inputs = specs, inputs
-        self.storage = ctypes.create_string_buffer(_MAP_BYTES * len(specs) + _MAP_ALIGNMENT)
+        slots = len(specs) if slots is None else slots
+        self.storage = ctypes.create_string_buffer(_MAP_BYTES * slots + _MAP_ALIGNMENT)
         self.address = ctypes.addressof(self.storage) + (-ctypes.addressof(self.storage)) % _MAP_ALIGNMENT
-        self.words = (ctypes.c_uint64 * (_MAP_BYTES // 8 * len(specs))).from_address(self.address)
+        self.words = (ctypes.c_uint64 * (_MAP_BYTES // 8 * slots)).from_address(self.address)
         self.word = address_word()
         self._encode(addresses)
 

@@ -98,6 +98,48 @@ def test_16bit_bias_views(layout, headdim):
     assert result.ok, f"{layout}: {result.describe()}"
 
 
+# 16-bit biases whose rows start on 16-byte boundaries (seqlen_k a multiple of 8), as the wgmma
+# forward copies them into its ring of bias tiles: every form that keeps the rows, blocks cut short
+# at both ends of the keys and rows, each head dim's tile (96 runs hd128's), causal and window.
+BIAS_TILE_CASES = [
+    (Case(1000, 1000, 64, "bfloat16", True, batch=2, nheads=4, nheads_k=2, attn_bias="full"), "full"),
+    (Case(113, 200, 128, "float16", False, batch=2, nheads=4, attn_bias="full"), "heads broadcast"),
+    (Case(300, 136, 256, "bfloat16", False, batch=2, nheads=4, nheads_k=1, attn_bias="full"), "batch broadcast"),
+    (Case(17, 1000, 96, "bfloat16", True, nheads=4, attn_bias="full"), "keys"),
+    (Case(1000, 8, 128, "float16", False, nheads=2, attn_bias="full"), "full"),
+    (Case(200, 1000, 64, "float16", False, batch=3, nheads=4, nheads_k=1, window_size=(100, 37), softcap=5.0,
+          alibi_slopes=True, attn_bias="full"), "full"),
+    (Case(777, 777 + 7, 128, "bfloat16", True, batch=2, nheads=4, dropout_p=0.2, attn_bias="full"), "full"),
+]
+
+
+@pytest.mark.parametrize("case, form", BIAS_TILE_CASES, ids=str)
+def test_bias_tiles(case, form, monkeypatch):
+    """A 16-bit bias with 16-byte aligned rows reaches the wgmma forward through its tensor map (the
+    plan's bias_tiles), any broadcast but over the rows: against the reference, forward and
+    backward; the mma.sync family (and an odd seqlen_k, the other tests) reads it itself."""
+    import cupy
+    from cupyflash import _plan, flash_attn_backward, flash_attn_func
+    monkeypatch.setattr(_plan, "_plans", {})
+    inputs = _check.random_inputs(case, _seed(case))
+    bias = reference.round_to(inputs["attn_bias"], case.dtype)  # (batch, nheads, seqlen_q, seqlen_k)
+    bias = {"full": bias, "heads broadcast": bias[:, :1], "batch broadcast": bias[:1], "keys": bias[0, 0]}[form]
+    inputs["attn_bias"] = numpy.ascontiguousarray(bias)
+    arrays = _check.to_cupy_inputs(case, inputs)
+    arrays["attn_bias"] = arrays["attn_bias"].astype(arrays["q"].dtype)
+    arrays.update({name: inputs[name] for name in ("seed",) if name in inputs})  # (dropout's)
+    q, k, v, dout = (arrays[name] for name in ("q", "k", "v", "dout"))
+    given = _check.forward_options(case, arrays)
+    out, lse = flash_attn_func(q, k, v, causal=case.causal, return_lse=True, **given)
+    grads = flash_attn_backward(dout, q, k, v, out, lse, causal=case.causal, return_dbias=True,
+                                **_check.options_of(case, arrays))
+    as64 = lambda x: cupy.asnumpy(x).astype(numpy.float64)  # noqa: E731
+    result = _check.compare(case, inputs, as64(out), as64(lse), [as64(g) for g in grads])
+    assert result.ok, result.describe()
+    forwards = [(plan, k) for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "fwd"]
+    assert forwards and all(int(plan.params["bias_tiles"][0]) == k.wgmma for plan, k in forwards)
+
+
 def test_packed_forms_take_views():
     """qkvpacked / kvpacked (and their varlen forms) agree with the separate call on the same views."""
     import cupy

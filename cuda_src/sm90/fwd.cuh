@@ -25,44 +25,54 @@
 #include "wgmma.cuh"
 
 // Tensor maps of q, k and v, 4-D (head dim, rows, heads, batch): boxes of 64 columns by a tile's
-// rows. A varlen call's maps have batch 1 and the packed rows.
+// rows. A varlen call's maps have batch 1 and the packed rows. `bias`, where p.bias_tiles is set:
+// the attn_bias's (keys, rows, heads, batch), boxes of 64 keys by a tile's rows, a broadcast
+// dimension of size 1.
 struct FwdMaps {
-    TensorMap q, k, v;
+    TensorMap q, k, v, bias;
 };
 
-template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool LOCAL = false>
+template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool LOCAL = false, bool READS_BIAS = false>
 struct Sm90FwdTile {
     static constexpr int kBlockM = 64 * CONSUMERS;          // a consumer warpgroup's 64 rows each
     static constexpr int kThreads = 128 * (1 + CONSUMERS);
     // The LOCAL kernels hand every tile to the consumers through its Q buffer's slot, so that a
     // call may take them from a counter (next_tile).
     static constexpr bool kTileSlots = LOCAL;
-    // Registers per thread: the producer gives all but 24 to the consumers; with tile slots below
-    // hd256 it spills at 24 and keeps 32 (hd256's consumers, at 240, have none to give). A CTA
-    // starts with kLaunchRegisters per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg
-    // only moves them between warpgroups: a consumer that asks for more than the producer gave up
-    // waits for ever.
-    static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-    static constexpr int kProducerRegisters = kTileSlots && HEADDIM < 256 ? 32 : 24;
-    static constexpr int kConsumerRegisters = CONSUMERS == 3 ? 160 : kProducerRegisters == 32 ? 232 : 240;
-    static_assert(kProducerRegisters + CONSUMERS * kConsumerRegisters <= (1 + CONSUMERS) * kLaunchRegisters,
-                  "the consumers' registers are the producer's");
     static constexpr int kQBytes = kBlockM * HEADDIM * 2;
     static constexpr int kKVBytes = BLOCK_N * HEADDIM * 2;  // one K or V buffer
     // The dynamic shared memory's start is aligned up to 1024 bytes (the swizzle's atom) in the
     // kernel. Q has two buffers with two consumers where they fit (the producer loads a tile's Q
     // while the consumers work on the tile before), else one (three consumers' LOCAL kernels spill
     // with the second's bookkeeping). After the barriers, a Q buffer's tile index (8 bytes each).
-    static constexpr int smem_bytes_with(int q_buffers) {
-        return 1024 + q_buffers * kQBytes + 2 * STAGES * kKVBytes + 8 * (3 * q_buffers + 4 * STAGES);
+    // A kernel that reads an attn_bias has a ring of bias tiles beside K's (a tile's rows by BLOCK_N
+    // keys, 16-bit, in 64-key column blocks), which the producer copies with K where they fit
+    // (kBiasTiles): the consumers' own reads of the bias, a block's products ahead, left its
+    // latency in every block's softmax.
+    static constexpr int kBiasTileBytes = kBlockM * BLOCK_N * 2;
+    static constexpr int smem_bytes_with(int q_buffers, bool bias_tiles) {
+        return 1024 + q_buffers * kQBytes + 2 * STAGES * kKVBytes + (bias_tiles ? STAGES * kBiasTileBytes : 0)
+               + 8 * (3 * q_buffers + 4 * STAGES);
     }
-    static constexpr int kQBuffers = CONSUMERS == 2 && smem_bytes_with(2) <= 227 * 1024 ? 2 : 1;
+    static constexpr bool kBiasTiles = READS_BIAS && BLOCK_N % 64 == 0 && smem_bytes_with(1, true) <= 227 * 1024;
+    static constexpr int kQBuffers = CONSUMERS == 2 && smem_bytes_with(2, kBiasTiles) <= 227 * 1024 ? 2 : 1;
     // O leaves through a buffer of its own (stage_rows) where one fits (hd64, and hd128 on two
     // stages), else straight from the registers. Measured on the H200 (v39): +5.5% at hd128 1k
     // causal, +2% at hd64 4k; hd64's two consumers (the tile of at most 1k rows) 3% slower with it.
     static constexpr bool kStagedO =
-        smem_bytes_with(kQBuffers) + kQBytes <= 227 * 1024 && !(HEADDIM == 64 && CONSUMERS == 2);
-    static constexpr int kSmemBytes = smem_bytes_with(kQBuffers) + (kStagedO ? kQBytes : 0);
+        smem_bytes_with(kQBuffers, kBiasTiles) + kQBytes <= 227 * 1024 && !(HEADDIM == 64 && CONSUMERS == 2);
+    static constexpr int kSmemBytes = smem_bytes_with(kQBuffers, kBiasTiles) + (kStagedO ? kQBytes : 0);
+    // Registers per thread: the producer gives all but 24 to the consumers; with tile slots it
+    // spills at 24 and keeps 32, but at hd256 without bias tiles (whose consumers, at 240 with 80
+    // keys a block, have none to give; on 64 keys they have 8). A CTA
+    // starts with kLaunchRegisters per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg
+    // only moves them between warpgroups: a consumer that asks for more than the producer gave up
+    // waits for ever.
+    static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+    static constexpr int kProducerRegisters = kTileSlots && (HEADDIM < 256 || kBiasTiles) ? 32 : 24;
+    static constexpr int kConsumerRegisters = CONSUMERS == 3 ? 160 : kProducerRegisters == 32 ? 232 : 240;
+    static_assert(kProducerRegisters + CONSUMERS * kConsumerRegisters <= (1 + CONSUMERS) * kLaunchRegisters,
+                  "the consumers' registers are the producer's");
     // Measured on the H200: taking turns pays at hd64 and hd128 (+18%, +2% at 16k) and costs at
     // hd256 (-8%), whose longer products leave the softmax hidden anyway.
     static constexpr bool kPingPong = HEADDIM < 256;
@@ -73,7 +83,7 @@ struct Sm90FwdTile {
     // L1 before its Q K^T, by two consumers; three, at 160 registers each, spill with the code for
     // it. The words load just before they join the scores: loaded before Q K^T, to hide their
     // latency under it, their registers slowed dropout by a fifth.
-    static constexpr bool kBiasWords = CONSUMERS == 2;
+    static constexpr bool kBiasWords = CONSUMERS == 2 && !kBiasTiles;
     static_assert(HEADDIM % 64 == 0 && HEADDIM <= 256, "tiles are whole 64-wide column blocks");
     static_assert(BLOCK_N % 16 == 0, "S is one wgmma wide (wgmma_ss), P V takes whole 16-key steps");
 };
@@ -131,7 +141,7 @@ __device__ __forceinline__ FwdTileSlot fwd_tile(const FlashParams& p, int t, int
 
 template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool BF16, bool LOCAL, int FEATURES>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
-    typedef Sm90FwdTile<HEADDIM, BLOCK_N, STAGES, CONSUMERS, LOCAL> T;
+    typedef Sm90FwdTile<HEADDIM, BLOCK_N, STAGES, CONSUMERS, LOCAL, (FEATURES & feature::bias) != 0> T;
     constexpr bool SLOTS = T::kTileSlots;
     constexpr bool OPTIONS = FEATURES != 0, DROPOUT = (FEATURES & feature::dropout) != 0;  // (as in sm80/fwd.cuh)
     constexpr int BLOCK_M = T::kBlockM, NT = BLOCK_N / 8, DT = HEADDIM / 8;
@@ -151,7 +161,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     auto s_q = [&](int buffer) { return s_q0 + buffer * T::kQBytes; };
     auto s_k = [&](int stage) { return s_q0 + QB * T::kQBytes + stage * 2 * T::kKVBytes; };
     auto s_v = [&](int stage) { return s_k(stage) + T::kKVBytes; };
-    const uint32 s_o = s_q0 + QB * T::kQBytes + 2 * STAGES * T::kKVBytes;  // (kStagedO)
+    auto s_bias = [&](int stage) { return s_q0 + QB * T::kQBytes + 2 * STAGES * T::kKVBytes + stage * T::kBiasTileBytes; };
+    const uint32 s_o = s_bias(T::kBiasTiles ? STAGES : 0);  // (kStagedO)
     const uint32 barriers = s_o + (T::kStagedO ? T::kQBytes : 0);
     auto q_full = [&](int buffer) { return barriers + 8 * buffer; };
     auto q_empty = [&](int buffer) { return barriers + 8 * (QB + buffer); };
@@ -162,6 +173,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     // With tile slots: the index of the tile whose Q buffer `buffer` holds, written before its q_full arrival
     auto tile_slot = [&](int buffer) { return barriers + 8 * (2 * QB + 4 * STAGES + buffer); };
 
+    // The bias through the ring (its map made by the call's plan: a 16-bit bias with aligned rows),
+    // else read by the consumers (common/score.cuh Bias, which is then off here).
+    const bool bias_tiles = T::kBiasTiles && p.bias_tiles != 0;
     const int m_blocks = ceil_div(p.seqlen_q, BLOCK_M), tiles = m_blocks * p.nheads * p.batch;
     // Broadcast where it pays: at hd64 the descriptors then leave vector registers (+7-9%); hd128
     // gains nothing measurable, and hd256's LOCAL kernel spills with it (v44 note).
@@ -221,7 +235,15 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 const int stage = i % STAGES, reuse = ((i / STAGES) & 1) ^ 1;
                 const int key_row = seq.first_row_k + n_block * BLOCK_N;
                 if (i >= STAGES) mbarrier_wait(k_empty(stage), reuse);
-                load_tile<BLOCK_N, HEADDIM>(s_k(stage), &maps.k, k_full(stage), key_row, head_k, batch_coord);
+                load_tile<BLOCK_N, HEADDIM>(s_k(stage), &maps.k, k_full(stage), key_row, head_k, batch_coord,
+                                            bias_tiles ? T::kBiasTileBytes : 0);
+                if (bias_tiles) {  // (its bytes are k_full's too; a box past the sequence reads as zeros)
+                    const int2 at = Bias<BF16>::map_coordinates(p, tile.batch, tile.head);
+#pragma unroll
+                    for (int cb = 0; cb < BLOCK_N / 64; ++cb)
+                        tma_load_4d(s_bias(stage) + cb * BLOCK_M * kSwizzleRowBytes, &maps.bias, k_full(stage),
+                                    n_block * BLOCK_N + 64 * cb, row0, at.x, at.y);
+                }
                 if (i >= STAGES) mbarrier_wait(v_empty(stage), reuse);
                 load_tile<BLOCK_N, HEADDIM>(s_v(stage), &maps.v, v_full(stage), key_row, head_k, batch_coord);
             }
@@ -398,12 +420,16 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             }
             fence_operands(flat(s));
             if (arrives) {
-                mbarrier_arrive(k_empty(stage));
+                if (!bias_tiles) mbarrier_arrive(k_empty(stage));  // (else once its bias tile is read)
                 if (n_block == blocks.first) mbarrier_arrive(q_empty(q_buffer));
             }
             // (The serial kernels, short of registers, leave ALiBi by rows: by columns some spill.)
             typename RowShiftFor<1, (FEATURES & feature::alibi) != 0 && !kSerial>::type shift = {};
             if constexpr (OPTIONS) apply_score_mods<T::kBiasWords>(s, mods, row0 + warp_row0, key0, shift);
+            if (bias_tiles) {
+                add_swizzled_tile<BF16>(s, s_bias(stage), BLOCK_M, warp_row0, p.inv_softmax_scale);
+                if (arrives) mbarrier_arrive(k_empty(stage));
+            }
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);
             const SoftmaxStep<1> step = new_row_max(s, row_max, row_sum, p, score_unit<FEATURES>(p), shift, bound);
             exponentiate(s, row_sum, step, p, score_unit<FEATURES>(p), shift);

@@ -52,10 +52,12 @@ __device__ __forceinline__ void tma_load_4d(uint32 dst, const TensorMap* map, ui
 }
 
 // A ROWS x HEADDIM tile of `map` from (row, head, batch) into dst, as 64-wide column blocks one
-// after another (the swizzled layout of wgmma.cuh), completing on `bar`.
+// after another (the swizzled layout of wgmma.cuh), completing on `bar`, which also waits for
+// `other_bytes` of copies the caller issues after it.
 template <int ROWS, int HEADDIM>
-__device__ __forceinline__ void load_tile(uint32 dst, const TensorMap* map, uint32 bar, int row, int head, int batch) {
-    mbarrier_arrive_expect_tx(bar, ROWS * HEADDIM * 2);
+__device__ __forceinline__ void load_tile(uint32 dst, const TensorMap* map, uint32 bar, int row, int head, int batch,
+                                          uint32 other_bytes = 0) {
+    mbarrier_arrive_expect_tx(bar, ROWS * HEADDIM * 2 + other_bytes);
 #pragma unroll
     for (int cb = 0; cb < HEADDIM / 64; ++cb)
         tma_load_4d(dst + cb * ROWS * kSwizzleRowBytes, map, bar, 64 * cb, row, head, batch);

@@ -216,6 +216,25 @@ __device__ __forceinline__ void stage_rows(uint32 stage, const float (&acc)[1][T
                     pack_pair<BF16>(acc[0][dt + 1][2] * scale, acc[0][dt + 1][3] * scale));
 }
 
+// Adds a swizzled tile's 16-bit values (of `rows` rows, as TMA writes them) times `scale` to a
+// warpgroup accumulator of TILES column tiles: this warp's 16 rows from `row0`. ldmatrix hands each
+// lane its fragment's elements (matrix m = lane / 8 as in stage_rows), conflict-free in the swizzle.
+template <bool BF16, int TILES>
+__device__ __forceinline__ void add_swizzled_tile(float (&acc)[1][TILES][4], uint32 tile, int rows, int row0, float scale) {
+    const int lane = threadIdx.x % 32, row = row0 + 8 * (lane / 8 % 2) + lane % 8;
+#pragma unroll
+    for (int nt = 0; nt < TILES; nt += 2) {
+        uint32 r[4];  // r[2 j + h]: tile nt + j, rows 8 h to 8 h + 7
+        ldmatrix_x4(r, tile + swizzled_offset(row, 8 * (nt + lane / 16), rows));
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            float (&e)[4] = acc[0][nt + m / 2];
+            e[2 * (m % 2)] = fmaf(to_float<BF16>(static_cast<uint16>(r[m])), scale, e[2 * (m % 2)]);
+            e[2 * (m % 2) + 1] = fmaf(to_float<BF16>(static_cast<uint16>(r[m] >> 16)), scale, e[2 * (m % 2) + 1]);
+        }
+    }
+}
+
 // After a __syncwarp that follows stage_rows: visit(row, chunk, offset) for each 16-byte chunk this
 // lane reads back (the warp's 16 rows, 32 chunks a step).
 template <int TILES, typename Visit>

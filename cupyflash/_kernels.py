@@ -21,6 +21,9 @@ KVCACHE_PASSES = ("decode", "decode_combine", "kvcache_append")  # flash_attn_wi
 # cuda_src/common/score.cuh (namespace feature), and the `kernels` of their cupyflash.options entries.
 FEATURES = ("softcap", "alibi", "bias", "dropout")
 DECODE_FEATURES = ("softcap", "alibi")  # flash_attn_with_kvcache's
+# A wgmma forward that reads an attn_bias runs a tile table of its own ('fwd_bias'), so the other
+# wgmma forwards' kernel with every feature has every feature but the bias.
+UNBIASED_FEATURES = tuple(f for f in FEATURES if f != "bias")
 # The wgmma kernels' (cuda_src/sm90/): header, tile traits, template, tensor maps, by pass.
 _WGMMA = {"fwd": ("sm90/fwd.cuh", "Sm90FwdTile", "flash_fwd_sm90", "FwdMaps"),
           "bwd": ("sm90/bwd.cuh", "Sm90BwdTile", "flash_bwd_sm90", "BwdMaps")}
@@ -70,10 +73,14 @@ class Kernel:
         return bool(self.features)
 
     def with_every_feature(self):
-        """The same kernel with every feature its pass can take, where it has any (_compile.spill_free)."""
+        """The same kernel with every feature its pass can take, where it has any (_compile.spill_free;
+        a wgmma forward without the bias, UNBIASED_FEATURES)."""
         if not self.features:
             return self
-        return dataclasses.replace(self, features=DECODE_FEATURES if self.pass_ == "decode" else FEATURES)
+        if self.pass_ == "decode":
+            return dataclasses.replace(self, features=DECODE_FEATURES)
+        unbiased = self.wgmma and self.pass_ == "fwd" and "bias" not in self.features
+        return dataclasses.replace(self, features=UNBIASED_FEATURES if unbiased else FEATURES)
 
     @property
     def wgmma(self):
@@ -206,6 +213,9 @@ def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
             flags += _SINGLE_FLAGS.get(table, ())
         if dtype == "bfloat16":
             flags += _BOUNDED_FLAGS.get(_config.kernel_pass(table), ())
+        if wgmma and _config.kernel_pass(table) == "fwd" and table != "fwd_bias":  # (UNBIASED_FEATURES)
+            flags = tuple((UNBIASED_FEATURES if features == FEATURES else features, deterministic)
+                          for features, deterministic in flags if features != ("bias",))
         for features, deterministic in flags:
             kernels.append(Kernel(_config.kernel_pass(table), dtype, tile, local, even_k, features, deterministic))
     return list(dict.fromkeys(kernels))  # (a tile in two tables of one pass is one kernel)
@@ -259,7 +269,7 @@ def representative_jobs(jobs):
         if k.features == ("softcap",) and k.dtype == "bfloat16":  # the fixed maximum's code (_BOUNDED_FLAGS)
             return k.tile.headdim == 128 and k.local and not k.even_k and (k.wgmma or (arch == primary
                                                                                       and native(arch, k)))
-        if k.features not in ((), FEATURES, DECODE_FEATURES) or (
+        if k.features not in ((), FEATURES, DECODE_FEATURES, UNBIASED_FEATURES) or (
                 k.deterministic and not k.features and not own_deterministic_tile(arch, k)):
             return False  # (the sweep's single features: their code is the full set's, less)
         if k.wgmma:  # every tile with the heaviest flags, and every flag at hd128

@@ -448,19 +448,22 @@ def _tensor_maps(call, inputs, strides, boxes, bias_spec=None):
 
 def _bias_map_spec(call, inputs, tile):
     """The attn_bias's tensor map (as _tma.Maps takes it) where the wgmma forward on `tile` copies
-    it into its ring of bias tiles (Tile.bias_tiles): a 16-bit bias whose rows are not broadcast and
-    start on 16-byte boundaries, as TMA reads them; else None, and the kernel's consumers read it.
-    Keys, rows, heads, batch: a broadcast head or batch dimension has size 1."""
+    it into its ring of bias tiles (Tile.bias_tiles): a 16-bit bias whose rows (and heads and batch
+    entries) start on 16-byte boundaries, as TMA reads them; else None, and the kernel's consumers
+    read it. Keys, rows, heads, batch: a broadcast dimension has size 1 (broadcast rows: boxes of
+    one row, which the consumers add to every row)."""
     bias = inputs.get("attn_bias")
     if bias is None or _arrays.dtype_name(bias) == "float32" or not tile.bias_tiles(True):
         return None
-    batch, head, row = options.broadcast_strides(bias.shape, _arrays.element_strides(bias))[:3]
-    if row == 0 or any(2 * stride % 16 for stride in (batch, head, row)) or call.caller.data_pointer(bias) % 16:
+    strides = options.broadcast_strides(bias.shape, _arrays.element_strides(bias))[:3]
+    if any(2 * stride % 16 for stride in strides) or call.caller.data_pointer(bias) % 16:
         return None
+    batch, head, row = strides
     shape = call.shape
-    unstepped = 2 * row * shape.seqlen_q  # (a size-1 dimension's stride)
-    return (call.dtype, (shape.seqlen_k, shape.seqlen_q, shape.nheads if head else 1, shape.batch if batch else 1),
-            (2 * row, 2 * head or unstepped, 2 * batch or unstepped), (64, tile.block_m, 1, 1))
+    unstepped = -(-2 * shape.seqlen_k // 16) * 16 * shape.seqlen_q  # (a size-1 dimension's: a whole matrix's)
+    dims = (shape.seqlen_k, shape.seqlen_q if row else 1, shape.nheads if head else 1, shape.batch if batch else 1)
+    return (call.dtype, dims, tuple(2 * stride or unstepped for stride in (row, head, batch)),
+            (64, tile.block_m if row else 1, 1, 1))
 
 
 def _forward_plan(call, inputs, return_dbias):
@@ -513,7 +516,7 @@ def _wgmma_forward_plan(call, inputs, strides):
         if counter and block_major < pairs:  # the CTAs take tiles from a counter (next_tile in cuda_src/sm90/fwd.cuh)
             outputs.append(_Output("tile_counter", (1,), "int32", zeroed=True, scratch=True))
     params = _param_block(call, tile, strides, inputs, block_major)
-    params["bias_tiles"] = int(bias_spec is not None)
+    params["bias_box_rows"] = 0 if bias_spec is None else bias_spec[3][1]
     return Plan(call.caller, params, inputs, outputs, [_Launch(kernel, grid)], maps=maps)
 
 

@@ -99,9 +99,13 @@ def test_16bit_bias_views(layout, headdim):
 
 
 # 16-bit biases whose rows start on 16-byte boundaries (seqlen_k a multiple of 8), as the wgmma
-# forward copies them into its ring of bias tiles: every form that keeps the rows, blocks cut short
-# at both ends of the keys and rows, each head dim's tile (96 runs hd128's), causal and window.
+# forward copies them into its ring of bias tiles: every broadcast form (over the rows: one row a
+# box, added to every row), blocks cut short at both ends of the keys and rows, each head dim's
+# tile (96 runs hd128's), causal and window.
 BIAS_TILE_CASES = [
+    (Case(300, 1000, 128, "bfloat16", True, batch=2, nheads=4, nheads_k=2, attn_bias="full"), "key mask"),
+    (Case(1000, 136, 64, "float16", False, batch=2, nheads=4, attn_bias="full"), "one row"),
+    (Case(1, 1000, 256, "bfloat16", False, batch=2, nheads=4, attn_bias="full"), "full"),
     (Case(1000, 1000, 64, "bfloat16", True, batch=2, nheads=4, nheads_k=2, attn_bias="full"), "full"),
     (Case(113, 200, 128, "float16", False, batch=2, nheads=4, attn_bias="full"), "heads broadcast"),
     (Case(300, 136, 256, "bfloat16", False, batch=2, nheads=4, nheads_k=1, attn_bias="full"), "batch broadcast"),
@@ -116,14 +120,15 @@ BIAS_TILE_CASES = [
 @pytest.mark.parametrize("case, form", BIAS_TILE_CASES, ids=str)
 def test_bias_tiles(case, form, monkeypatch):
     """A 16-bit bias with 16-byte aligned rows reaches the wgmma forward through its tensor map (the
-    plan's bias_tiles), any broadcast but over the rows: against the reference, forward and
-    backward; the mma.sync family (and an odd seqlen_k, the other tests) reads it itself."""
+    plan's bias_box_rows), in any broadcast form: against the reference, forward and backward; the
+    mma.sync family (and an odd seqlen_k or a float32 bias, the other tests) reads it itself."""
     import cupy
     from cupyflash import _plan, flash_attn_backward, flash_attn_func
     monkeypatch.setattr(_plan, "_plans", {})
     inputs = _check.random_inputs(case, _seed(case))
     bias = reference.round_to(inputs["attn_bias"], case.dtype)  # (batch, nheads, seqlen_q, seqlen_k)
-    bias = {"full": bias, "heads broadcast": bias[:, :1], "batch broadcast": bias[:1], "keys": bias[0, 0]}[form]
+    bias = {"full": bias, "heads broadcast": bias[:, :1], "batch broadcast": bias[:1], "keys": bias[0, 0],
+            "key mask": bias[:, :1, :1], "one row": bias[0, 0, :1]}[form]
     inputs["attn_bias"] = numpy.ascontiguousarray(bias)
     arrays = _check.to_cupy_inputs(case, inputs)
     arrays["attn_bias"] = arrays["attn_bias"].astype(arrays["q"].dtype)
@@ -137,7 +142,7 @@ def test_bias_tiles(case, form, monkeypatch):
     result = _check.compare(case, inputs, as64(out), as64(lse), [as64(g) for g in grads])
     assert result.ok, result.describe()
     forwards = [(plan, k) for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "fwd"]
-    assert forwards and all(int(plan.params["bias_tiles"][0]) == k.wgmma for plan, k in forwards)
+    assert forwards and all((int(plan.params["bias_box_rows"][0]) > 0) == k.wgmma for plan, k in forwards)
 
 
 def test_packed_forms_take_views():

@@ -108,14 +108,15 @@ struct Bias {
     const void* matrix;  // this (batch, head)'s bias, or null
     __device__ __forceinline__ Bias(const FlashParams& params, const Sequence& sequence, int batch, int head)
         : p(params), seq(sequence), matrix(nullptr) {
-        if (p.attn_bias != nullptr && !p.bias_tiles)
+        if (p.attn_bias != nullptr && p.bias_box_rows == 0)
             matrix = advanced(p.attn_bias, batch * p.bias_batch_stride + head * p.bias_head_stride);
     }
     __device__ __forceinline__ bool on() const { return matrix != nullptr; }
-    // (head, batch) of a (batch, head)'s bias in the tensor map of p.bias_tiles (sm90/fwd.cuh), whose
-    // broadcast dimensions have size 1.
-    static __device__ __forceinline__ int2 map_coordinates(const FlashParams& p, int batch, int head) {
-        return make_int2(p.bias_head_stride != 0 ? head : 0, p.bias_batch_stride != 0 ? batch : 0);
+    // (row, head, batch) of a (batch, head)'s rows from row0 in the tensor map of p.bias_box_rows
+    // (sm90/fwd.cuh), whose broadcast dimensions have size 1.
+    static __device__ __forceinline__ int3 map_coordinates(const FlashParams& p, int batch, int head, int row0) {
+        return make_int3(p.bias_row_stride != 0 ? row0 : 0, p.bias_head_stride != 0 ? head : 0,
+                         p.bias_batch_stride != 0 ? batch : 0);
     }
     // `base` moved on by n elements of the bias's dtype.
     __device__ __forceinline__ const void* advanced(const void* base, long long n) const {

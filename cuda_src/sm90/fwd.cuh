@@ -25,9 +25,9 @@
 #include "wgmma.cuh"
 
 // Tensor maps of q, k and v, 4-D (head dim, rows, heads, batch): boxes of 64 columns by a tile's
-// rows. A varlen call's maps have batch 1 and the packed rows. `bias`, where p.bias_tiles is set:
-// the attn_bias's (keys, rows, heads, batch), boxes of 64 keys by a tile's rows, a broadcast
-// dimension of size 1.
+// rows. A varlen call's maps have batch 1 and the packed rows. `bias`, where p.bias_box_rows is set:
+// the attn_bias's (keys, rows, heads, batch), boxes of 64 keys by a tile's rows (one row where the
+// bias is broadcast over them), a broadcast dimension of size 1.
 struct FwdMaps {
     TensorMap q, k, v, bias;
 };
@@ -175,7 +175,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
 
     // The bias through the ring (its map made by the call's plan: a 16-bit bias with aligned rows),
     // else read by the consumers (common/score.cuh Bias, which is then off here).
-    const bool bias_tiles = T::kBiasTiles && p.bias_tiles != 0;
+    const bool bias_tiles = T::kBiasTiles && p.bias_box_rows != 0;
     const int m_blocks = ceil_div(p.seqlen_q, BLOCK_M), tiles = m_blocks * p.nheads * p.batch;
     // Broadcast where it pays: at hd64 the descriptors then leave vector registers (+7-9%); hd128
     // gains nothing measurable, and hd256's LOCAL kernel spills with it (v44 note).
@@ -236,13 +236,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 const int key_row = seq.first_row_k + n_block * BLOCK_N;
                 if (i >= STAGES) mbarrier_wait(k_empty(stage), reuse);
                 load_tile<BLOCK_N, HEADDIM>(s_k(stage), &maps.k, k_full(stage), key_row, head_k, batch_coord,
-                                            bias_tiles ? T::kBiasTileBytes : 0);
+                                            bias_tiles ? p.bias_box_rows * BLOCK_N * 2 : 0);
                 if (bias_tiles) {  // (its bytes are k_full's too; a box past the sequence reads as zeros)
-                    const int2 at = Bias<BF16>::map_coordinates(p, tile.batch, tile.head);
+                    const int3 at = Bias<BF16>::map_coordinates(p, tile.batch, tile.head, row0);
 #pragma unroll
                     for (int cb = 0; cb < BLOCK_N / 64; ++cb)
                         tma_load_4d(s_bias(stage) + cb * BLOCK_M * kSwizzleRowBytes, &maps.bias, k_full(stage),
-                                    n_block * BLOCK_N + 64 * cb, row0, at.x, at.y);
+                                    n_block * BLOCK_N + 64 * cb, at.x, at.y, at.z);
                 }
                 if (i >= STAGES) mbarrier_wait(v_empty(stage), reuse);
                 load_tile<BLOCK_N, HEADDIM>(s_v(stage), &maps.v, v_full(stage), key_row, head_k, batch_coord);
@@ -427,7 +427,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             typename RowShiftFor<1, (FEATURES & feature::alibi) != 0 && !kSerial>::type shift = {};
             if constexpr (OPTIONS) apply_score_mods<T::kBiasWords>(s, mods, row0 + warp_row0, key0, shift);
             if (bias_tiles) {
-                add_swizzled_tile<BF16>(s, s_bias(stage), BLOCK_M, warp_row0, p.inv_softmax_scale);
+                add_swizzled_tile<BF16>(s, s_bias(stage), BLOCK_M, warp_row0, p.inv_softmax_scale, p.bias_box_rows == 1);
                 if (arrives) mbarrier_arrive(k_empty(stage));
             }
             if (masked) mask_fragment<LOCAL>(s, p, seq, row0 + warp_row0, key0, -CUPYFLASH_INF);

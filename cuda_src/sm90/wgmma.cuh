@@ -217,11 +217,13 @@ __device__ __forceinline__ void stage_rows(uint32 stage, const float (&acc)[1][T
 }
 
 // Adds a swizzled tile's 16-bit values (of `rows` rows, as TMA writes them) times `scale` to a
-// warpgroup accumulator of TILES column tiles: this warp's 16 rows from `row0`. ldmatrix hands each
-// lane its fragment's elements (matrix m = lane / 8 as in stage_rows), conflict-free in the swizzle.
+// warpgroup accumulator of TILES column tiles: this warp's 16 rows from `row0`, or where `one_row`
+// the tile's row 0 to every row. ldmatrix hands each lane its fragment's elements (matrix m =
+// lane / 8 as in stage_rows), conflict-free in the swizzle.
 template <bool BF16, int TILES>
-__device__ __forceinline__ void add_swizzled_tile(float (&acc)[1][TILES][4], uint32 tile, int rows, int row0, float scale) {
-    const int lane = threadIdx.x % 32, row = row0 + 8 * (lane / 8 % 2) + lane % 8;
+__device__ __forceinline__ void add_swizzled_tile(float (&acc)[1][TILES][4], uint32 tile, int rows, int row0, float scale,
+                                                  bool one_row) {
+    const int lane = threadIdx.x % 32, row = one_row ? 0 : row0 + 8 * (lane / 8 % 2) + lane % 8;
 #pragma unroll
     for (int nt = 0; nt < TILES; nt += 2) {
         uint32 r[4];  // r[2 j + h]: tile nt + j, rows 8 h to 8 h + 7

@@ -1,6 +1,7 @@
 #!/bin/bash
 # A device call (v57): bias tiles with one broadcast row (HEAD): tests, memcheck, the key-mask and full-bias A/B
-# beside 8467e81. Trees: python bench/device_trees.py .device_scratch main=8467e81 tiles=HEAD --options '{"attn_bias": "random"}'
+# beside 8467e81; hd64's bias forward on two consumers (v57-hd64-bias-two-consumers.patch; its LOCAL kernel spills).
+# Trees: python bench/device_trees.py .device_scratch main=8467e81 tiles=HEAD hd64b=HEAD+bench/notes/v57-hd64-bias-two-consumers.patch --options '{"attn_bias": "random"}'
 # then cp bench/notes/v57-memcheck-bias.py .device_scratch/memcheck_bias.py and this script to .device_scratch/; carry .device_scratch.
 cd "$(dirname "$0")/.."
 source bench/device_call.sh
@@ -10,7 +11,9 @@ C=128:4096:0,128:4096:1,64:4096:0,256:4096:0,128:1024:1
 echo "== ab fwd with a (b,1,1,s) bias, main tiles ($(date +%T))" >> $L
 timeout 60 python /tmp/ab.py --pass fwd --rounds 5 --options '{"attn_bias": "padding"}' --cells $C $S/main $S/tiles >> $L 2>&1
 echo "== ab fwd with a (b,h,s,s) bias, main tiles ($(date +%T))" >> $L
-timeout 70 python /tmp/ab.py --pass fwd --rounds 5 --options '{"attn_bias": "random"}' --cells $C,128:16384:0,64:16384:1 $S/main $S/tiles >> $L 2>&1
+timeout 70 python /tmp/ab.py --pass fwd --rounds 5 --options '{"attn_bias": "random"}' --cells $C,128:16384:0 $S/main $S/tiles >> $L 2>&1
+echo "== ab fwd with a (b,h,s,s) bias at hd64, main tiles hd64b ($(date +%T))" >> $L
+timeout 60 python /tmp/ab.py --pass fwd --rounds 5 --options '{"attn_bias": "random"}' --cells 64:4096:0,64:16384:1,64:1024:1,64:1024:0 $S/main $S/tiles $S/hd64b >> $L 2>&1
 echo "== tiles: bias tests ($(date +%T))" >> $L
 (cd $S/tiles && PYTHONPATH=. timeout 200 python -m pytest -m gpu -p no:cacheprovider -n 15 -q -p no:warnings \
   tests/test_gpu.py tests/test_gpu_variants.py tests/test_torch_options.py -k "bias" > $OUT/tests_tiles.log 2>&1)

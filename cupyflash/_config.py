@@ -255,8 +255,9 @@ class Tile:
     def _forward_bytes(self, q_buffers, bias_tiles):
         # (the wgmma forward's) alignment, Q x q_buffers, (K, V) x stages, bias tiles x stages,
         # barriers, a tile index per Q buffer
-        return (1024 + 2 * self.headdim * (q_buffers * self.block_m + 2 * self.stages * self.block_n)
-                + (2 * self.block_m * self.block_n * self.stages if bias_tiles else 0) + 8 * (3 * q_buffers + 4 * self.stages))
+        bias_ring = 2 * self.block_m * self.block_n * self.stages if bias_tiles else 0
+        return (1024 + 2 * self.headdim * (q_buffers * self.block_m + 2 * self.stages * self.block_n) + bias_ring
+                + 8 * (3 * q_buffers + 4 * self.stages))
 
     def smem_bytes(self, pass_, reads_bias=False):
         """Shared memory of this tile's kernel for `pass_`; a wgmma forward's also by whether it reads

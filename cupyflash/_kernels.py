@@ -126,14 +126,12 @@ class Kernel:
                     else f"{t.headdim}, {t.block_m}, {t.block_n}, {t.stages}")
             flags = [_bool(self.local), self._features_argument()] + [_bool(self.deterministic)] * (self.pass_ == "bwd")
             flags = ", ".join(flags)
-            if self.pass_ == "fwd":
-                args_traits = f"{traits}<{args}, {_bool(self.local)}, {_bool(self.reads_bias)}>"
-            else:
-                args_traits = f"{traits}<{args}>"
+            tile_traits = (f"{traits}<{args}, {_bool(self.local)}, {_bool(self.reads_bias)}>" if self.pass_ == "fwd"
+                           else f"{traits}<{args}>")
             return (_sources.translation_unit(header) + "\n" + _params.size_assert() + "\n"
-                    + f"static_assert({args_traits}::kSmemBytes == {self.smem_bytes} && "
-                    + f"{args_traits}::kThreads == {self.threads}"
-                    + (f" && {args_traits}::kTileSlots == "
+                    + f"static_assert({tile_traits}::kSmemBytes == {self.smem_bytes} && "
+                    + f"{tile_traits}::kThreads == {self.threads}"
+                    + (f" && {tile_traits}::kTileSlots == "
                        f"{_bool(t.takes_tiles_from_counter(self.local))}" if self.pass_ == "fwd" else "") + ", "
                     + '"the wgmma tile differs from cupyflash/_config.py");\n'
                     + f'extern "C" __global__ void __launch_bounds__({self.threads}, 1) {self.name}('

@@ -64,10 +64,9 @@ struct Sm90FwdTile {
     static constexpr int kSmemBytes = smem_bytes_with(kQBuffers, kBiasTiles) + (kStagedO ? kQBytes : 0);
     // Registers per thread: the producer gives all but 24 to the consumers; with tile slots it
     // spills at 24 and keeps 32, but at hd256 without bias tiles (whose consumers, at 240 with 80
-    // keys a block, have none to give; on 64 keys they have 8). A CTA
-    // starts with kLaunchRegisters per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg
-    // only moves them between warpgroups: a consumer that asks for more than the producer gave up
-    // waits for ever.
+    // keys a block, have none to give; on 64 keys they have 8). A CTA starts with kLaunchRegisters
+    // per thread (65536 / kThreads, as ptxas rounds it) and setmaxnreg only moves them between
+    // warpgroups: a consumer that asks for more than the producer gave up waits for ever.
     static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
     static constexpr int kProducerRegisters = kTileSlots && (HEADDIM < 256 || kBiasTiles) ? 32 : 24;
     static constexpr int kConsumerRegisters = CONSUMERS == 3 ? 160 : kProducerRegisters == 32 ? 232 : 240;

@@ -73,16 +73,21 @@ def parse_decode_cell(text):
 def compile_jobs(pass_, dtype, given):
     """(arch, kernel) of this process's cupyflash that the H200 runs for `pass_` at `dtype`, plain and
     causal: the forward's wgmma kernels where the version has them, else its sm_90 mma.sync ones,
-    with the features of the options `given`; for decode the KV cache's kernels (not causal). (The
-    backward's options' kernels, of other tiles, compile on the GPU machine, in the untimed first calls.)"""
+    with the features of the options `given`; the backward's with options, its wgmma 'bwd_options'
+    tiles where it has them (the mma.sync ones compile on the GPU machine, in the untimed first
+    calls); for decode the KV cache's kernels (not causal)."""
     import dataclasses
-    from cupyflash import _kernels, options
+    from cupyflash import _config, _kernels, options
     jobs = [(arch, k) for arch, k in _kernels.compile_jobs()
             if arch.startswith("90") and k.dtype == dtype and not k.options]
+    features = tuple(f for f in _kernels.FEATURES if any(options.by_name(name).kernels == f for name in given))
     if pass_ == "decode":
         return [(arch, k) for arch, k in jobs if k.pass_ in _kernels.KVCACHE_PASSES and not k.local]
+    if pass_ == "bwd" and features:
+        table = _config.TILES.get(_config.WGMMA, {}).get("sm90", {}).get("bwd_options", {})
+        return [("90a", _kernels.Kernel("bwd", dtype, _config.Tile(hd, *entry, _config.WGMMA), local, False, features))
+                for hd, entry in table.items() for local in (False, True)]
     if pass_ == "fwd":
-        features = tuple(f for f in _kernels.FEATURES if any(options.by_name(name).kernels == f for name in given))
         wgmma = [(arch, k) for arch, k in jobs if k.pass_ == "fwd" and getattr(k, "wgmma", False)]
         return [(arch, dataclasses.replace(k, features=features))
                 for arch, k in wgmma or [(arch, k) for arch, k in jobs if k.pass_ == "fwd"]]

@@ -12,7 +12,7 @@ versions' kernels (not the rest of that cache), so that DIR alone travels (well 
 call carries): `ab` (default) the kernels bench/ab.py times (bf16: the plain and causal fwd and bwd,
 and decode), `all` every sm_90 variant of the compile checks (about 4 minutes a version on two
 cores), `kvcache` ab's and every sm_90 variant of the KV cache's kernels (what its GPU tests run),
-and with each --options the forwards bench/ab.py times with those options.
+and with each --options the forwards and backwards bench/ab.py times with those options.
 """
 
 import argparse
@@ -64,7 +64,7 @@ def compile_kernels(tree, cache, which, options):
         [*ab, "--pass", pass_] for pass_ in ("fwd", "bwd", "decode")]
     if which == "kvcache":
         commands.append([sys.executable, "-c", COMPILE_ALL, "kvcache"])
-    commands += [[*ab, "--pass", "fwd", "--options", given] for given in options]
+    commands += [[*ab, "--pass", pass_, "--options", given] for given in options for pass_ in ("fwd", "bwd")]
     files = set()
     for command in commands:
         # (from the tree: `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH)

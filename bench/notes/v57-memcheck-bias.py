@@ -12,5 +12,6 @@ for hd, sq, sk, causal, rows in ((64, 200, 136, True, True), (128, 113, 200, Fal
     out, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, attn_bias=bias, return_lse=True)
     cupyflash.flash_attn_backward(out, q, k, v, out, lse, causal=causal, attn_bias=bias, return_dbias=True)
     cupy.cuda.Device().synchronize()
-    boxes = [int(p.params["bias_box_rows"][0]) for p in _plan._plans.values() if any(kk.pass_ == "fwd" for kk in p.kernels)]
+    boxes = [(kk.pass_, int(p.params["bias_box_rows"][0])) for p in _plan._plans.values() for kk in p.kernels
+             if kk.pass_ in ("fwd", "bwd")]
     print(hd, "rows" if rows else "one row", "bias_box_rows", boxes, "nan" if bool(cupy.isnan(out).any()) else "ok")

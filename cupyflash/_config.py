@@ -244,13 +244,17 @@ class Tile:
         order, a block of block_m rows at a time (kDQTransposed in cuda_src/sm90/bwd.cuh)."""
         return self.kernel_family == WGMMA and self.headdim == 128 and self.block_m == 80
 
-    def bias_tiles(self, reads_bias):
-        """Whether this tile's wgmma forward, where it reads an attn_bias, has a ring of bias tiles in
-        shared memory (Sm90FwdTile::kBiasTiles): 64-key column blocks of block_m x block_n, 16-bit,
-        one per stage, where they fit beside one Q buffer."""
-        if not (reads_bias and self.kernel_family == WGMMA and self.block_n % 64 == 0):
+    def bias_tiles(self, pass_, features):
+        """Whether this tile's wgmma kernel for `pass_` with these score features (a call's, or
+        _kernels.Kernel's) reads its attn_bias from a ring of bias tiles in shared memory
+        (kBiasTiles of Sm90FwdTile and Sm90BwdTile): 64-key column blocks of block_m x block_n,
+        16-bit, one per stage, where they fit (the forward's beside one Q buffer; the backward's up
+        to hd128, and beside dropout's words only where those fit too)."""
+        if not (self.kernel_family == WGMMA and "bias" in features):
             return False
-        return self._forward_bytes(1, True) <= FAMILY_SMEM_LIMIT["sm90"]
+        if kernel_pass(pass_) == "fwd":
+            return self.block_n % 64 == 0 and self._forward_bytes(1, True) <= FAMILY_SMEM_LIMIT["sm90"]
+        return self.headdim <= 128 and self._backward_bytes("dropout" in features, True) <= FAMILY_SMEM_LIMIT["sm90"]
 
     def _forward_bytes(self, q_buffers, bias_tiles):
         # (the wgmma forward's) alignment, Q x q_buffers, (K, V) x stages, bias tiles x stages,
@@ -259,13 +263,26 @@ class Tile:
         return (1024 + 2 * self.headdim * (q_buffers * self.block_m + 2 * self.stages * self.block_n) + bias_ring
                 + 8 * (3 * q_buffers + 4 * self.stages))
 
-    def smem_bytes(self, pass_, reads_bias=False):
-        """Shared memory of this tile's kernel for `pass_`; a wgmma forward's also by whether it reads
-        an attn_bias (bias_tiles)."""
+    def _backward_bytes(self, dropout, bias_tiles):
+        # (the wgmma backward's) alignment, K, V, (Q, dO) x stages, what the consumers trade, bias
+        # tiles x stages, (lse, D) x stages, dropout's words, barriers
+        if self.headdim <= 128:  # dS^T x 2, dQ (in one or two pieces), a dropout word per consumer thread
+            dq_pieces = 1 if self.headdim == 128 or self.block_m == 128 else 2
+            trade = 4 * self.block_n * self.block_m + 4 * dq_pieces * self.block_m * self.headdim
+            kept = 4 * (self.threads - 128) if self.block_m == 64 and dropout else 0
+        else:  # P^T, dS^T, dP^T (fp32)
+            trade, kept = 8 * self.block_n * self.block_m, 0
+        bias_ring = 2 * self.block_m * self.block_n * self.stages if bias_tiles else 0
+        return (1024 + 2 * self.headdim * (2 * self.block_n + 2 * self.stages * self.block_m) + trade + bias_ring
+                + 8 * self.stages * self.block_m + kept + 8 * (3 + 2 * self.stages))
+
+    def smem_bytes(self, pass_, features=()):
+        """Shared memory of this tile's kernel for `pass_`; a wgmma kernel's also by its score features
+        (an attn_bias's ring, bias_tiles; the backward's dropout words)."""
         if self.kernel_family == WGMMA and kernel_pass(pass_) == "fwd":
             # Q x 2 with two consumers where they fit, else 1; O where it fits but in hd64's 128-row
             # tile (Sm90FwdTile::kStagedO)
-            bias_tiles = self.bias_tiles(reads_bias)
+            bias_tiles = self.bias_tiles(pass_, features)
             with_q_buffers = lambda n: self._forward_bytes(n, bias_tiles)  # noqa: E731
             two = self.block_m == 128 and with_q_buffers(2) <= FAMILY_SMEM_LIMIT["sm90"]
             bytes_ = with_q_buffers(2 if two else 1)
@@ -274,15 +291,7 @@ class Tile:
                         and not (self.headdim == 64 and self.block_m == 128))
             return bytes_ + (o_bytes if staged_o else 0)
         if self.kernel_family == WGMMA:
-            # alignment, K, V, (Q, dO) x stages, what the consumers trade, (lse, D) x stages, barriers
-            if self.headdim <= 128:  # dS^T x 2, dQ (in one or two pieces), a dropout word per consumer thread
-                dq_pieces = 1 if self.headdim == 128 or self.block_m == 128 else 2
-                trade = (4 * self.block_n * self.block_m + 4 * dq_pieces * self.block_m * self.headdim
-                         + (4 * (self.threads - 128) if self.block_m == 64 else 0))
-            else:  # P^T, dS^T, dP^T (fp32)
-                trade = 8 * self.block_n * self.block_m
-            return (1024 + 2 * self.headdim * (2 * self.block_n + 2 * self.stages * self.block_m) + trade
-                    + 8 * self.stages * self.block_m + 8 * (3 + 2 * self.stages))
+            return self._backward_bytes("dropout" in features, self.bias_tiles(pass_, features))
         row = row_bytes(self.headdim)
         if kernel_pass(pass_) == "decode":  # Q, then per warp (K, V) x stages
             return (self.block_m + 2 * self.stages * self.block_n * self.warps) * row

@@ -63,9 +63,9 @@ class Kernel:
 
     @property
     def reads_bias(self):
-        """Whether this is a wgmma forward that reads an attn_bias (Sm90FwdTile's READS_BIAS: a ring of
-        bias tiles where its tile has room, Tile.bias_tiles)."""
-        return self.wgmma and self.pass_ == "fwd" and "bias" in self.features
+        """Whether this is a wgmma kernel that reads an attn_bias (READS_BIAS of Sm90FwdTile and
+        Sm90BwdTile: a ring of bias tiles where its tile has room, Tile.bias_tiles)."""
+        return self.wgmma and "bias" in self.features
 
     @property
     def options(self):
@@ -115,7 +115,7 @@ class Kernel:
 
     @property
     def smem_bytes(self):
-        return self.tile.smem_bytes(self.pass_, self.reads_bias) if self.tile is not None else 0
+        return self.tile.smem_bytes(self.pass_, self.features if self.wgmma else ()) if self.tile is not None else 0
 
     def source(self):
         bf16 = _bool(self.dtype == "bfloat16")
@@ -127,7 +127,7 @@ class Kernel:
             flags = [_bool(self.local), self._features_argument()] + [_bool(self.deterministic)] * (self.pass_ == "bwd")
             flags = ", ".join(flags)
             tile_traits = (f"{traits}<{args}, {_bool(self.local)}, {_bool(self.reads_bias)}>" if self.pass_ == "fwd"
-                           else f"{traits}<{args}>")
+                           else f"{traits}<{args}, {_bool(self.reads_bias)}, {_bool('dropout' in self.features)}>")
             return (_sources.translation_unit(header) + "\n" + _params.size_assert() + "\n"
                     + f"static_assert({tile_traits}::kSmemBytes == {self.smem_bytes} && "
                     + f"{tile_traits}::kThreads == {self.threads}"

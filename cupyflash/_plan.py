@@ -441,19 +441,19 @@ def _tensor_maps(call, inputs, strides, boxes, bias_spec=None):
         with call.caller.context():
             return _tma.Maps(specs + [bias_spec] * (bias_spec is not None),
                              [call.caller.data_pointer(inputs[name]) for name in names], names,
-                             slots=len(boxes) + 1 if call.pass_ == "fwd" else len(boxes))  # (FwdMaps has bias's)
+                             slots=len(boxes) + 1)  # (FwdMaps and BwdMaps have the bias's)
     except RuntimeError:
         return None
 
 
 def _bias_map_spec(call, inputs, tile):
-    """The attn_bias's tensor map (as _tma.Maps takes it) where the wgmma forward on `tile` copies
-    it into its ring of bias tiles (Tile.bias_tiles): a 16-bit bias whose rows (and heads and batch
+    """The attn_bias's tensor map (as _tma.Maps takes it) where the call's wgmma kernel on `tile`
+    copies it into its ring of bias tiles (Tile.bias_tiles): a 16-bit bias whose rows (and heads and batch
     entries) start on 16-byte boundaries, as TMA reads them; else None, and the kernel's consumers
     read it. Keys, rows, heads, batch: a broadcast dimension has size 1 (broadcast rows: boxes of
     one row, which the consumers add to every row)."""
     bias = inputs.get("attn_bias")
-    if bias is None or _arrays.dtype_name(bias) == "float32" or not tile.bias_tiles(True):
+    if bias is None or _arrays.dtype_name(bias) == "float32" or not tile.bias_tiles(call.pass_, call.features):
         return None
     strides = options.broadcast_strides(bias.shape, _arrays.element_strides(bias))[:3]
     if any(2 * stride % 16 for stride in strides) or call.caller.data_pointer(bias) % 16:
@@ -533,11 +533,12 @@ def _backward_plan(call, inputs, return_dbias):
                for name in ("dout", "q", "k", "v", "out")}
     strides.update({name: _tensor_strides(_contiguous_strides(like.shape), varlen)
                     for name, like in (("dq", q), ("dk", k), ("dv", v))})
-    maps = None
+    maps = bias_spec = None
     if _schedule.kernel_family(table, device_id, shape.headdim) == _config.WGMMA:
         tile = _schedule.tile(table, shape.headdim, device_id, _config.WGMMA)
+        bias_spec = _bias_map_spec(call, inputs, tile)
         maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n,
-                                                    "dout": tile.block_m})
+                                                    "dout": tile.block_m}, bias_spec)
     if maps is None:  # the mma.sync kernels ('bwd_full' is wgmma's alone)
         tile = _schedule.tile("bwd" if table == "bwd_full" else table, shape.headdim, device_id)
     padded = (*shape.stats[:-1], _padded_rows(shape, tile))
@@ -562,6 +563,7 @@ def _backward_plan(call, inputs, return_dbias):
         if pairs // group <= MAX_GRID_YZ:
             grid = (group, grid[1], pairs // group)
     params = _param_block(call, tile, strides, inputs, block_major, semaphore_blocks)
+    params["bias_box_rows"] = 0 if maps is None or bias_spec is None else bias_spec[3][1]
     if tile.transposes_dq:  # dq_accum in dQ^T's fragment order
         params["dq_accum_fragment_rows"] = tile.block_m
     if not (call.local or kernel.options or kernel.deterministic or varlen or kernel.wgmma):  # those that may split (sm80/bwd.cuh, kMaySplit)

@@ -119,8 +119,8 @@ BIAS_TILE_CASES = [
 
 @pytest.mark.parametrize("case, form", BIAS_TILE_CASES, ids=str)
 def test_bias_tiles(case, form, monkeypatch):
-    """A 16-bit bias with 16-byte aligned rows reaches the wgmma forward through its tensor map (the
-    plan's bias_box_rows), in any broadcast form: against the reference, forward and backward; the
+    """A 16-bit bias with 16-byte aligned rows reaches the wgmma kernels through its tensor map (the
+    plans' bias_box_rows), in any broadcast form: against the reference, forward and backward; the
     mma.sync family (and an odd seqlen_k or a float32 bias, the other tests) reads it itself."""
     import cupy
     from cupyflash import _plan, flash_attn_backward, flash_attn_func
@@ -141,8 +141,12 @@ def test_bias_tiles(case, form, monkeypatch):
     as64 = lambda x: cupy.asnumpy(x).astype(numpy.float64)  # noqa: E731
     result = _check.compare(case, inputs, as64(out), as64(lse), [as64(g) for g in grads])
     assert result.ok, result.describe()
-    forwards = [(plan, k) for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "fwd"]
-    assert forwards and all((int(plan.params["bias_box_rows"][0]) > 0) == k.wgmma for plan, k in forwards)
+    # Tiles wherever the kernel has their ring (every wgmma forward; the backward up to hd128, without dropout)
+    kernels = [(plan, k) for plan in _plan._plans.values() for k in plan.kernels if k.pass_ in ("fwd", "bwd")]
+    assert {k.pass_ for _, k in kernels} == {"fwd", "bwd"}
+    for plan, k in kernels:
+        assert (int(plan.params["bias_box_rows"][0]) > 0) == (k.wgmma and k.tile.bias_tiles(k.pass_, k.features)), k.name
+    assert all(k.tile.bias_tiles("fwd", k.features) for _, k in kernels if k.wgmma and k.pass_ == "fwd")
 
 
 def test_packed_forms_take_views():

@@ -269,21 +269,29 @@ def test_the_local_wgmma_backward_groups_pairs_whose_rows_fit_the_l2(batch, head
     assert pair_group(batch, heads, bytes_per_pair, 60 << 20, batch * heads * blocks, 132) == group
 
 
-def test_the_bias_forwards_hold_a_ring_of_bias_tiles():
+def test_the_bias_kernels_hold_a_ring_of_bias_tiles():
     """Every 'fwd_bias' tile has room for its ring of bias tiles (Tile.bias_tiles, kBiasTiles in
     cuda_src/sm90/fwd.cuh, whose shared memory the kernels' static_assert checks against), and every
-    forward with an attn_bias runs that table; hd128's three-stage 'fwd' tile has none."""
+    forward with an attn_bias runs that table; hd128's three-stage 'fwd' tile has none. The
+    backward's 'bwd_options' tiles up to hd128 have room beside Q's ring, but hd128's not beside
+    dropout's words."""
     tables = _config.TILES[_config.WGMMA]["sm90"]
     for hd, entry in tables["fwd_bias"].items():
         tile = _config.Tile(hd, *entry, _config.WGMMA)
         kernel = _kernels.Kernel("fwd", "bfloat16", tile, features=("bias",))
-        assert tile.bias_tiles(True) and not tile.bias_tiles(False) and kernel.reads_bias
+        assert tile.bias_tiles("fwd", ("bias",)) and not tile.bias_tiles("fwd", ("softcap",)) and kernel.reads_bias
         ring = 2 * tile.block_m * tile.block_n * tile.stages
         kv_ring = 4 * hd * tile.block_n * tile.stages
         assert ring + kv_ring + 2 * hd * tile.block_m < kernel.smem_bytes <= _config.FAMILY_SMEM_LIMIT["sm90"]
         for seqlen_q, local in itertools.product((1, 1 << 16), (False, True)):
             assert _config.forward_table(hd, seqlen_q, local, True) == "fwd_bias"
-    assert not _config.Tile(128, *tables["fwd"][128], _config.WGMMA).bias_tiles(True)
+    assert not _config.Tile(128, *tables["fwd"][128], _config.WGMMA).bias_tiles("fwd", ("bias",))
+    for hd, entry in tables["bwd_options"].items():
+        tile = _config.Tile(hd, *entry, _config.WGMMA)
+        assert tile.bias_tiles("bwd", ("bias",)) == (hd <= 128)
+        assert tile.bias_tiles("bwd", ("bias", "dropout")) == (hd == 64)
+        for features in (("bias",), ("bias", "dropout"), ("dropout",)):
+            assert _kernels.Kernel("bwd", "bfloat16", tile, features=features).smem_bytes <= _config.FAMILY_SMEM_LIMIT["sm90"]
 
 
 def test_the_local_wgmma_forwards_can_take_tiles_from_a_counter():

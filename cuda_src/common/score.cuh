@@ -100,15 +100,17 @@ struct Alibi {
 
 // attn_bias: s + bias[row][col] / scale; d/ds = 1. The bias is fp32 or the inputs' 16-bit type;
 // rows and columns past the sequence are never read. A 16-bit bias whose rows start on 4-byte
-// boundaries can be read as words (added_as_words), where the forward does so.
+// boundaries can be read as words (added_as_words), where the forward does so. Off where the
+// kernel has it `in_tiles` instead (sm90's, through the tensor map of p.bias_box_rows).
 template <bool BF16>
 struct Bias {
     const FlashParams& p;
     const Sequence& seq;
     const void* matrix;  // this (batch, head)'s bias, or null
-    __device__ __forceinline__ Bias(const FlashParams& params, const Sequence& sequence, int batch, int head)
+    __device__ __forceinline__ Bias(const FlashParams& params, const Sequence& sequence, int batch, int head,
+                                    bool in_tiles = false)
         : p(params), seq(sequence), matrix(nullptr) {
-        if (p.attn_bias != nullptr && p.bias_box_rows == 0)
+        if (p.attn_bias != nullptr && !in_tiles)
             matrix = advanced(p.attn_bias, batch * p.bias_batch_stride + head * p.bias_head_stride);
     }
     __device__ __forceinline__ bool on() const { return matrix != nullptr; }
@@ -293,8 +295,9 @@ struct ScoreMods {
     Alibi alibi;
     Bias<BF16> bias;
 
-    __device__ __forceinline__ ScoreMods(const FlashParams& p, const Sequence& seq, int batch, int head)
-        : softcap(p, seq, batch, head), alibi(p, seq, batch, head), bias(p, seq, batch, head) {}
+    __device__ __forceinline__ ScoreMods(const FlashParams& p, const Sequence& seq, int batch, int head,
+                                         bool bias_in_tiles = false)
+        : softcap(p, seq, batch, head), alibi(p, seq, batch, head), bias(p, seq, batch, head, bias_in_tiles) {}
 
     // Calls f(modifier) for each modifier compiled in and on, in order.
     template <typename F>

@@ -40,12 +40,13 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32 addr, uint32 r0, uint32
 }
 
 // Tensor maps of q, k, v and dout, 4-D as the forward's (FwdMaps): boxes of 64 columns by
-// BLOCK_M (q, dout) or BLOCK_N (k, v) rows.
+// BLOCK_M (q, dout) or BLOCK_N (k, v) rows; and the attn_bias's as the forward's (boxes of 64 keys
+// by BLOCK_M rows), where p.bias_box_rows is set.
 struct BwdMaps {
-    TensorMap q, k, v, dout;
+    TensorMap q, k, v, dout, bias;
 };
 
-template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES>
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool READS_BIAS = false, bool DROPOUT = false>
 struct Sm90BwdTile {
     // Up to hd128 the consumers split the keys (64 each); at hd256, whose dK and dV of 64 keys would
     // take all of a consumer's registers, both work on BLOCK_N = 64 keys and split dK's and dV's
@@ -87,12 +88,20 @@ struct Sm90BwdTile {
     // Dropout's decisions of a step, a word per consumer thread, wait in shared memory for dS^T
     // (split keys): kept in a register through the step, the LOCAL kernels spill. (hd256 keeps
     // them in a register, and its tile fills the 227 KiB.)
-    static constexpr int kKeptBytes = kSplitKeys && BLOCK_M == 64 ? 128 * kConsumers * 4 : 0;
+    static constexpr int kKeptBytes = DROPOUT && kSplitKeys && BLOCK_M == 64 ? 128 * kConsumers * 4 : 0;
     static constexpr int kBarrierBytes = 8 * (3 + 2 * STAGES);
+    // A kernel that reads an attn_bias has a ring of its tiles beside Q's (BLOCK_M rows by BLOCK_N
+    // keys, 16-bit, in 64-key column blocks: a consumer's keys each), copied with Q, where they fit
+    // (kBiasTiles): read by the consumers element by element, the bias's latency sat in every step.
+    static constexpr int kBiasTileBytes = BLOCK_M * BLOCK_N * 2;
+    static constexpr int smem_bytes_with(bool bias_tiles) {
+        return 1024 + 2 * kKVBytes + STAGES * 2 * kQBytes + kTradeBytes + (bias_tiles ? STAGES * kBiasTileBytes : 0)
+               + STAGES * 2 * kRowBytes + kKeptBytes + kBarrierBytes;
+    }
+    static constexpr bool kBiasTiles = READS_BIAS && kSplitKeys && smem_bytes_with(true) <= 227 * 1024;
     // Tiles first (each a multiple of 1024 bytes, as the swizzle needs), then the rows' floats and
     // the barriers; the dynamic shared memory's start is aligned up to 1024 bytes in the kernel.
-    static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + STAGES * 2 * kQBytes + kTradeBytes
-                                      + STAGES * 2 * kRowBytes + kKeptBytes + kBarrierBytes;
+    static constexpr int kSmemBytes = smem_bytes_with(kBiasTiles);
     static_assert(kSplitKeys ? (HEADDIM == 64 || HEADDIM == 128) && BLOCK_N == 128 : HEADDIM == 256 && BLOCK_N == 64,
                   "64 keys by HEADDIM (split keys) or by HEADDIM / 2 (hd256) of dK and dV per consumer");
     static_assert(BLOCK_M == 64 || kSplitDQRows || kDQTransposed,
@@ -132,23 +141,46 @@ __device__ __forceinline__ uint32 step_dropout_bits(const FlashParams& p, int ba
 }
 
 // P^T of COUNT 8-column tiles from nt0 of a consumer's S^T (keys as rows from warp_key0, queries as
-// columns from row0; lse indexed by the column): the modifiers applied (grad times their d/ds),
-// exponentiated, masked.
+// columns from row0; lse indexed by the column): the modifiers applied (grad times their d/ds), the
+// bias from `bias_tile` where it is not 0 (the step's, this warp's 16 keys from `tile_key0`, the tile
+// of queries as rows: ldmatrix.trans hands each lane S^T's elements), exponentiated, masked.
 template <bool BF16, bool LOCAL, int FEATURES, int COUNT, int MT>
 __device__ __forceinline__ void probabilities_transposed(float (&s)[MT][4], float (&grad)[COUNT][4], int nt0,
                                                          const FlashParams& p, const Sequence& seq, int batch, int head,
-                                                         int row0, int warp_key0, bool masked, const float* lse) {
+                                                         int row0, int warp_key0, bool masked, const float* lse,
+                                                         uint32 bias_tile = 0, int tile_key0 = 0) {
     if constexpr (FEATURES != 0) {
         // Modifier by modifier: one branch each, where per element ptxas predicates every
         // modifier's code at once. Set up from the parameters here (a few integer operations):
         // held through the step, their pointers and strides make the hd128 kernel spill.
-        const ScoreMods<BF16, FEATURES> mods(p, seq, batch, recomputed(head));
+        const ScoreMods<BF16, FEATURES> mods(p, seq, batch, recomputed(head), bias_tile != 0);
         mods.for_each([&](const auto& mod) {
             for_each_element<1, COUNT>([&](int, int c, int e) {
                 const int nt = nt0 + c;
                 s[nt][e] = mod.apply(s[nt][e], row0 + fragment_col(nt, e), warp_key0 + fragment_row(0, e), grad[c][e]);
             });
         });
+    }
+    if ((FEATURES & feature::bias) != 0 && bias_tile != 0) {
+        // matrix m = lane / 8 of a pair: query tile nt + m / 2 (its rows, the stored rows: row 0 of a
+        // bias broadcast over them), keys 8 (m % 2) on
+        const int lane = threadIdx.x % 32, one_row = p.bias_box_rows == 1;
+        static_assert(COUNT % 2 == 0 || COUNT == 1, "pairs of query tiles, or one");
+#pragma unroll
+        for (int c = 0; c < COUNT; c += 2) {
+            const int nt = nt0 + c, tiles = COUNT == 1 ? 1 : 2;
+            const int query = one_row ? 0 : 8 * (nt + (lane / 8) / 2 % tiles) + lane % 8;
+            const uint32 at = bias_tile + swizzled_offset(query, tile_key0 + 8 * (lane / 8 % 2), 8 * MT);
+            uint32 r[4];
+            if (COUNT == 1) ldmatrix_x2_trans(reinterpret_cast<uint32(&)[2]>(r), at);
+            else ldmatrix_x4_trans(r, at);
+#pragma unroll
+            for (int m = 0; m < 2 * tiles; ++m) {
+                float(&e)[4] = s[nt + m / 2];
+                e[2 * (m % 2)] = fmaf(to_float<BF16>(static_cast<uint16>(r[m])), p.inv_softmax_scale, e[2 * (m % 2)]);
+                e[2 * (m % 2) + 1] = fmaf(to_float<BF16>(static_cast<uint16>(r[m] >> 16)), p.inv_softmax_scale, e[2 * (m % 2) + 1]);
+            }
+        }
     }
     for_each_element<1, COUNT>([&](int, int c, int e) {
         const int nt = nt0 + c;
@@ -212,8 +244,8 @@ __device__ __forceinline__ void store_dk_dv(const FlashParams& p, const Sequence
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, int FEATURES, bool DETERMINISTIC>
 __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMaps& maps) {
-    typedef Sm90BwdTile<HEADDIM, BLOCK_M, BLOCK_N, STAGES> T;
     constexpr bool DROPOUT = (FEATURES & feature::dropout) != 0;
+    typedef Sm90BwdTile<HEADDIM, BLOCK_M, BLOCK_N, STAGES, (FEATURES & feature::bias) != 0, DROPOUT> T;
     // P^T is computed while dP^T's product runs (its elements then wait for dP^T); softcap's d/ds
     // would wait with them, and the bias's pointers beside dP^T's accumulators spill (LOCAL hd128):
     // with either, each tile's P^T, d/ds and dS^T in one pass after both products.
@@ -233,7 +265,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     auto s_do = [&](int stage) { return s_q(stage) + T::kQBytes; };
     static_assert(STAGES >= 2 && 64 * 2 * (T::kSplitKeys ? HEADDIM : HEADDIM / 2) <= T::kQBytes,
                   "consumer c's dK and dV (64 keys, its columns) fit stage c's Q and dO buffers (store_dk_dv)");
-    const uint32 s_trade = s_q(STAGES), s_rows = s_trade + T::kTradeBytes;
+    const uint32 s_trade = s_q(STAGES);
+    auto s_bias = [&](int stage) { return s_trade + T::kTradeBytes + stage * T::kBiasTileBytes; };
+    const uint32 s_rows = s_bias(T::kBiasTiles ? STAGES : 0);
     auto s_ds = [&](int buffer) { return s_trade + buffer * T::kDSBytes; };  // hd256: P^T is buffer 0, dS^T 1
     const uint32 s_dq = s_ds(2), s_dp = s_ds(2);  // (split keys: dQ; hd256: dP^T)
     auto s_lse = [&](int stage) { return s_rows + stage * 2 * T::kRowBytes; };
@@ -244,6 +278,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     auto q_empty = [&](int stage) { return kv_full + 8 * (1 + STAGES + stage); };
     const uint32 dq_full = kv_full + 8 * (1 + 2 * STAGES), dq_empty = dq_full + 8;
 
+    // The bias through the ring (as the forward's), else read by the consumers.
+    const bool bias_tiles = T::kBiasTiles && p.bias_box_rows != 0;
     const GridSlot slot = grid_slot<LOCAL, true>(p);
     const int n_block = slot.block, head_k = slot.head, batch = slot.batch;
     const int key0 = n_block * BLOCK_N;
@@ -323,7 +359,15 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         for (int step = 0; step < steps; ++step, advance(head, row0)) {
             const int stage = step % STAGES;
             if (step >= STAGES) mbarrier_wait(q_empty(stage), ((step / STAGES) & 1) ^ 1);
-            load_tile<BLOCK_M, HEADDIM>(s_q(stage), &maps.q, q_full(stage), seq.first_row_q + row0, head, batch_coord);
+            load_tile<BLOCK_M, HEADDIM>(s_q(stage), &maps.q, q_full(stage), seq.first_row_q + row0, head, batch_coord,
+                                        bias_tiles ? p.bias_box_rows * BLOCK_N * 2 : 0);
+            if (bias_tiles) {  // (its bytes are q_full's too)
+                const int3 at = Bias<BF16>::map_coordinates(p, batch, head, row0);
+#pragma unroll
+                for (int cb = 0; cb < BLOCK_N / 64; ++cb)
+                    tma_load_4d(s_bias(stage) + cb * BLOCK_M * kSwizzleRowBytes, &maps.bias, q_full(stage), key0 + 64 * cb,
+                                at.x, at.y, at.z);
+            }
             load_tile<BLOCK_M, HEADDIM>(s_do(stage), &maps.dout, q_full(stage), seq.first_row_q + row0, head,
                                         batch_coord);
             const long long padded_row = seq.padded_row0(p, batch, head, T::kDQTransposed) + row0;
@@ -509,7 +553,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         for (int step = 0; step < steps; ++step, advance(head, row0)) {
             const int stage = step % STAGES, buffer = step % 2;
             if constexpr ((FEATURES & feature::bias) != 0)  // the step's bias reads then wait on L1
-                Bias<BF16>(p, seq, batch, recomputed(head)).prefetch<BLOCK_M, 64>(row0, key0 + wg_key0);
+                Bias<BF16>(p, seq, batch, recomputed(head), bias_tiles).prefetch<BLOCK_M, 64>(row0, key0 + wg_key0);
             mbarrier_wait(q_full(stage), (step / STAGES) & 1);
             if constexpr (BLOCK_M > Sequence::kPaddedRows) {
                 // flash_bwd_dot pads a sequence's rows to a multiple of kPaddedRows (lse_log2 +inf, D
@@ -551,6 +595,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             const float* lse = reinterpret_cast<const float*>(smem_raw + (s_lse(stage) - smem_address(smem_raw)));
             const float* dot = reinterpret_cast<const float*>(smem_raw + (s_dot(stage) - smem_address(smem_raw)));
             const bool masked = block_needs_mask<LOCAL>(p, seq, row0, key0 + wg_key0, BLOCK_M, 64);
+            // The step's bias tile, this consumer's 64 keys (0: the bias is read from global memory, or none)
+            const uint32 bias_tile = bias_tiles ? s_bias(stage) + consumer * BLOCK_M * kSwizzleRowBytes : 0;
+            const int tile_key0 = 16 * (threadIdx.x / 32 % 4);
             // Dropout's decisions (tile nt's at bit 4 nt), drawn while the products run.
             if constexpr (DROPOUT) {
                 if (p.dropout_scale != 0.f) {
@@ -564,7 +611,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 float no_grad[MT][4];
                 for_each_element<1, MT>([&](int, int nt, int e) { no_grad[nt][e] = 1.f; });
                 probabilities_transposed<BF16, LOCAL, FEATURES>(s[0], no_grad, 0, p, seq, batch, head, row0, warp_key0,
-                                                                masked, lse);
+                                                                masked, lse, bias_tile, tile_key0);
                 wgmma_wait<0>();
             } else {
                 wgmma_wait<0>();
@@ -583,7 +630,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 float grad[1][4] = {{1.f, 1.f, 1.f, 1.f}};
                 if constexpr (!kEarlyProbabilities)  // the modifiers' d/ds live for one tile only
                     probabilities_transposed<BF16, LOCAL, FEATURES>(s[0], grad, nt, p, seq, batch, head, row0, warp_key0,
-                                                                    masked, lse);
+                                                                    masked, lse, bias_tile, tile_key0);
                 gradients_transposed<BF16, FEATURES>(s[0][nt], dp[0][nt], grad[0], nt, p, seq, batch, head, row0, warp_key0,
                                                      dot, DROPOUT ? kept >> (4 * nt) : 0u);
                 p_frag[nt / 2][2 * (nt % 2)] = pack_pair<BF16>(s[0][nt][0], s[0][nt][1]);

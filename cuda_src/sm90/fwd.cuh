@@ -173,7 +173,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     auto tile_slot = [&](int buffer) { return barriers + 8 * (2 * QB + 4 * STAGES + buffer); };
 
     // The bias through the ring (its map made by the call's plan: a 16-bit bias with aligned rows),
-    // else read by the consumers (common/score.cuh Bias, which is then off here).
+    // else read by the consumers (common/score.cuh Bias, off where it comes through the ring).
     const bool bias_tiles = T::kBiasTiles && p.bias_box_rows != 0;
     const int m_blocks = ceil_div(p.seqlen_q, BLOCK_M), tiles = m_blocks * p.nheads * p.batch;
     // Broadcast where it pays: at hd64 the descriptors then leave vector registers (+7-9%); hd128
@@ -375,7 +375,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         if (kCarry && carried && !sees_keys) finish_carried();  // its rows are zeros: the carried tile ends first
         if (!kCarry || !carried) zero(acc_o);  // (else after the carried tile's O has left, in the first block)
         float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
-        const ScoreMods<BF16, FEATURES> mods(p, seq, batch, head);  // OPTIONS only; dead code otherwise
+        const ScoreMods<BF16, FEATURES> mods(p, seq, batch, head, bias_tiles);  // OPTIONS only; dead code otherwise
 
         // Every block is computed by every consumer, even one whose keys a warpgroup's rows do
         // not see (its scores are all masked, so its P is zero): a branch around the products

@@ -7,8 +7,8 @@
 // One CTA per (key block of BLOCK_N keys, kv head, batch), in grid_slot's order. (hd256 splits
 // the work between its consumers otherwise: see the hd256 branch of the consumers below.) The first
 // warpgroup is the producer: one thread loads K and V once, then for each step (a query block of
-// BLOCK_M rows, of every query head of the kv group in turn, as sm80) its Q and dO by TMA and its
-// rows' lse_log2 and D by bulk copies, into a ring of STAGES buffers. Two consumer warpgroups own
+// BLOCK_M rows, of every query head of the kv group in turn, as sm80) its Q and dO (and its bias
+// tile, kBiasTiles) by TMA and its rows' lse_log2 and D by bulk copies, into a ring of STAGES buffers. Two consumer warpgroups own
 // 64 keys each and compute, per step, in the transposed orientation (keys are the rows, so that
 // P^T and dS^T are the A operands of dV and dK straight from the accumulators):
 //   S^T = K Q^T, dP^T = V dO^T (wgmma, shared memory)
@@ -142,8 +142,8 @@ __device__ __forceinline__ uint32 step_dropout_bits(const FlashParams& p, int ba
 
 // P^T of COUNT 8-column tiles from nt0 of a consumer's S^T (keys as rows from warp_key0, queries as
 // columns from row0; lse indexed by the column): the modifiers applied (grad times their d/ds), the
-// bias from `bias_tile` where it is not 0 (the step's, this warp's 16 keys from `tile_key0`, the tile
-// of queries as rows: ldmatrix.trans hands each lane S^T's elements), exponentiated, masked.
+// bias from `bias_tile` where it is not 0 (the step's, this consumer's 64 keys, this warp's 16 from
+// `tile_key0`), exponentiated, masked.
 template <bool BF16, bool LOCAL, int FEATURES, int COUNT, int MT>
 __device__ __forceinline__ void probabilities_transposed(float (&s)[MT][4], float (&grad)[COUNT][4], int nt0,
                                                          const FlashParams& p, const Sequence& seq, int batch, int head,
@@ -161,27 +161,8 @@ __device__ __forceinline__ void probabilities_transposed(float (&s)[MT][4], floa
             });
         });
     }
-    if ((FEATURES & feature::bias) != 0 && bias_tile != 0) {
-        // matrix m = lane / 8 of a pair: query tile nt + m / 2 (its rows, the stored rows: row 0 of a
-        // bias broadcast over them), keys 8 (m % 2) on
-        const int lane = threadIdx.x % 32, one_row = p.bias_box_rows == 1;
-        static_assert(COUNT % 2 == 0 || COUNT == 1, "pairs of query tiles, or one");
-#pragma unroll
-        for (int c = 0; c < COUNT; c += 2) {
-            const int nt = nt0 + c, tiles = COUNT == 1 ? 1 : 2;
-            const int query = one_row ? 0 : 8 * (nt + (lane / 8) / 2 % tiles) + lane % 8;
-            const uint32 at = bias_tile + swizzled_offset(query, tile_key0 + 8 * (lane / 8 % 2), 8 * MT);
-            uint32 r[4];
-            if (COUNT == 1) ldmatrix_x2_trans(reinterpret_cast<uint32(&)[2]>(r), at);
-            else ldmatrix_x4_trans(r, at);
-#pragma unroll
-            for (int m = 0; m < 2 * tiles; ++m) {
-                float(&e)[4] = s[nt + m / 2];
-                e[2 * (m % 2)] = fmaf(to_float<BF16>(static_cast<uint16>(r[m])), p.inv_softmax_scale, e[2 * (m % 2)]);
-                e[2 * (m % 2) + 1] = fmaf(to_float<BF16>(static_cast<uint16>(r[m] >> 16)), p.inv_softmax_scale, e[2 * (m % 2) + 1]);
-            }
-        }
-    }
+    if ((FEATURES & feature::bias) != 0 && bias_tile != 0)
+        add_swizzled_tile_transposed<BF16, COUNT>(s, nt0, bias_tile, tile_key0, p.inv_softmax_scale, p.bias_box_rows == 1);
     for_each_element<1, COUNT>([&](int, int c, int e) {
         const int nt = nt0 + c;
         s[nt][e] = fast_exp2(fmaf(s[nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));

@@ -237,6 +237,33 @@ __device__ __forceinline__ void add_swizzled_tile(float (&acc)[1][TILES][4], uin
     }
 }
 
+// The same into an accumulator whose rows are the tile's columns (S^T, keys as rows, from a bias
+// tile of queries as rows): query tiles nt0 to nt0 + COUNT - 1 (one, or pairs) of this warp's 16
+// keys from `key0` in the tile, or where `one_row` the tile's row 0 for every query. ldmatrix.trans:
+// matrix m = lane / 8 of a pair is query tile nt0 + m / 2 (its 8 queries the stored rows), keys
+// 8 (m % 2) on; the tile is at most 64 keys wide.
+template <bool BF16, int COUNT, int TILES>
+__device__ __forceinline__ void add_swizzled_tile_transposed(float (&acc)[TILES][4], int nt0, uint32 tile, int key0,
+                                                             float scale, bool one_row) {
+    static_assert(COUNT % 2 == 0 || COUNT == 1, "pairs of query tiles, or one");
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int c = 0; c < COUNT; c += 2) {
+        constexpr int kTiles = COUNT == 1 ? 1 : 2;  // query tiles an ldmatrix takes
+        const int nt = nt0 + c, query = one_row ? 0 : 8 * (nt + lane / 16 % kTiles) + lane % 8;
+        const uint32 at = tile + swizzled_offset(query, key0 + 8 * (lane / 8 % 2), 8 * TILES);
+        uint32 r[4];
+        if (kTiles == 1) ldmatrix_x2_trans(reinterpret_cast<uint32(&)[2]>(r), at);
+        else ldmatrix_x4_trans(r, at);
+#pragma unroll
+        for (int m = 0; m < 2 * kTiles; ++m) {
+            float(&e)[4] = acc[nt + m / 2];
+            e[2 * (m % 2)] = fmaf(to_float<BF16>(static_cast<uint16>(r[m])), scale, e[2 * (m % 2)]);
+            e[2 * (m % 2) + 1] = fmaf(to_float<BF16>(static_cast<uint16>(r[m] >> 16)), scale, e[2 * (m % 2) + 1]);
+        }
+    }
+}
+
 // After a __syncwarp that follows stage_rows: visit(row, chunk, offset) for each 16-byte chunk this
 // lane reads back (the warp's 16 rows, 32 chunks a step).
 template <int TILES, typename Visit>

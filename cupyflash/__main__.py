@@ -70,8 +70,9 @@ def _versions():
 
 def _tile_text(tile, table):
     family = f"wgmma hd{tile.headdim}: " if tile.kernel_family == _config.WGMMA else ""
+    features = ("bias",) if table == "fwd_bias" else ()  # (its kernels' ring of bias tiles)
     return (f"{family}{tile.block_m}x{tile.block_n}, {tile.warps} warps, {tile.stages} stage(s), "
-            f"{tile.smem_bytes(table) // 1024} KiB")
+            f"{tile.smem_bytes(table, features) // 1024} KiB")
 
 
 # A column per tile table (_config.TABLES; a table without its header here is a KeyError).

@@ -73,9 +73,10 @@ def parse_decode_cell(text):
 def compile_jobs(pass_, dtype, given):
     """(arch, kernel) of this process's cupyflash that the H200 runs for `pass_` at `dtype`, plain and
     causal: the forward's wgmma kernels where the version has them, else its sm_90 mma.sync ones,
-    with the features of the options `given`; the backward's with options, its wgmma 'bwd_options'
-    tiles where it has them (the mma.sync ones compile on the GPU machine, in the untimed first
-    calls); for decode the KV cache's kernels (not causal)."""
+    with the features of the options `given` (with a bias, the version's 'fwd_bias' tiles where it
+    has them); the backward's with options, its wgmma 'bwd_options' tiles where it has them (the
+    mma.sync ones compile on the GPU machine, in the untimed first calls); for decode the KV
+    cache's kernels (not causal)."""
     import dataclasses
     from cupyflash import _config, _kernels, options
     jobs = [(arch, k) for arch, k in _kernels.compile_jobs()
@@ -83,10 +84,11 @@ def compile_jobs(pass_, dtype, given):
     features = tuple(f for f in _kernels.FEATURES if any(options.by_name(name).kernels == f for name in given))
     if pass_ == "decode":
         return [(arch, k) for arch, k in jobs if k.pass_ in _kernels.KVCACHE_PASSES and not k.local]
-    if pass_ == "bwd" and features:
-        table = _config.TILES.get(_config.WGMMA, {}).get("sm90", {}).get("bwd_options", {})
-        return [("90a", _kernels.Kernel("bwd", dtype, _config.Tile(hd, *entry, _config.WGMMA), local, False, features))
-                for hd, entry in table.items() for local in (False, True)]
+    wgmma_tables = _config.TILES.get(_config.WGMMA, {}).get("sm90", {})
+    own_table = "bwd_options" if pass_ == "bwd" else "fwd_bias" if "bias" in features else None
+    if features and own_table in wgmma_tables:  # (a version's tiles for these options' calls alone)
+        return [("90a", _kernels.Kernel(pass_, dtype, _config.Tile(hd, *entry, _config.WGMMA), local, False, features))
+                for hd, entry in wgmma_tables[own_table].items() for local in (False, True)]
     if pass_ == "fwd":
         wgmma = [(arch, k) for arch, k in jobs if k.pass_ == "fwd" and getattr(k, "wgmma", False)]
         return [(arch, dataclasses.replace(k, features=features))

@@ -6,6 +6,7 @@
     python bench/ab.py --options '{"alibi_slopes": "random"}' TREE ...       # slopes drawn per cell
     python bench/ab.py --options '{"attn_bias": "random"}' TREE ...          # a (b, h, s, s) bias per cell
     python bench/ab.py --options '{"attn_bias": "padding"}' TREE ...         # a (b, 1, 1, s) one (a key mask's)
+    python bench/ab.py --pass bwd --options '{"attn_bias": "random", "return_dbias": true}' TREE ...  # with dbias
     python bench/ab.py --pass decode TREE ...    # flash_attn_with_kvcache steps, TB/s of K and V read
     python bench/ab.py --pass decode --decode-step append TREE ...   # each step appends a token first
 
@@ -81,7 +82,8 @@ def compile_jobs(pass_, dtype, given):
     from cupyflash import _config, _kernels, options
     jobs = [(arch, k) for arch, k in _kernels.compile_jobs()
             if arch.startswith("90") and k.dtype == dtype and not k.options]
-    features = tuple(f for f in _kernels.FEATURES if any(options.by_name(name).kernels == f for name in given))
+    named = [options.by_name(name).kernels for name in given if name != "return_dbias"]
+    features = tuple(f for f in _kernels.FEATURES if f in named)
     if pass_ == "decode":
         return [(arch, k) for arch, k in jobs if k.pass_ in _kernels.KVCACHE_PASSES and not k.local]
     wgmma_tables = _config.TILES.get(_config.WGMMA, {}).get("sm90", {})
@@ -126,9 +128,10 @@ def worker_time(pass_, dtype, cells, given):
         if options.get("attn_bias") in bias_shape:  # (of the inputs' dtype, as the options table's)
             options["attn_bias"] = cupy.random.standard_normal(bias_shape[options["attn_bias"]],
                                                                dtype=cupy.float32).astype(element)
+        backward_only = {name: options.pop(name) for name in ("return_dbias", "deterministic") if name in options}
         out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, **options)
         call = ((lambda: flash_attn_func(q, k, v, causal=causal, **options)) if pass_ == "fwd"
-                else (lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **options)))
+                else (lambda: flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **options, **backward_only)))
         for _ in range(3):
             call()
         start, end, times = cupy.cuda.Event(), cupy.cuda.Event(), []

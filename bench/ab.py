@@ -6,6 +6,7 @@
     python bench/ab.py --options '{"alibi_slopes": "random"}' TREE ...       # slopes drawn per cell
     python bench/ab.py --options '{"attn_bias": "random"}' TREE ...          # a (b, h, s, s) bias per cell
     python bench/ab.py --options '{"attn_bias": "padding"}' TREE ...         # a (b, 1, 1, s) one (a key mask's)
+    python bench/ab.py --options '{"attn_bias": "padding_float32"}' TREE ... # the same in float32 ("random_float32" too)
     python bench/ab.py --pass bwd --options '{"attn_bias": "random", "return_dbias": true}' TREE ...  # with dbias
     python bench/ab.py --pass decode TREE ...    # flash_attn_with_kvcache steps, TB/s of K and V read
     python bench/ab.py --pass decode --decode-step append TREE ...   # each step appends a token first
@@ -125,9 +126,12 @@ def worker_time(pass_, dtype, cells, given):
         if options.get("alibi_slopes") == "random":  # (one slope per head, as the options table draws them)
             options["alibi_slopes"] = cupy.random.random_sample(nheads, dtype=cupy.float32) * 0.1
         bias_shape = {"random": (batch, nheads, seqlen, seqlen), "padding": (batch, 1, 1, seqlen)}
-        if options.get("attn_bias") in bias_shape:  # (of the inputs' dtype, as the options table's)
-            options["attn_bias"] = cupy.random.standard_normal(bias_shape[options["attn_bias"]],
-                                                               dtype=cupy.float32).astype(element)
+        form = str(options.get("attn_bias"))
+        if form.removesuffix("_float32") in bias_shape:  # (of the inputs' dtype, as the options table's, or float32)
+            options["attn_bias"] = cupy.random.standard_normal(bias_shape[form.removesuffix("_float32")],
+                                                               dtype=cupy.float32)
+            if not form.endswith("_float32"):
+                options["attn_bias"] = options["attn_bias"].astype(element)
         backward_only = {name: options.pop(name) for name in ("return_dbias", "deterministic") if name in options}
         out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, **options)
         call = ((lambda: flash_attn_func(q, k, v, causal=causal, **options)) if pass_ == "fwd"

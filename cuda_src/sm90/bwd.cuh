@@ -344,10 +344,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                                         bias_tiles ? p.bias_box_rows * BLOCK_N * 2 : 0);
             if (bias_tiles) {  // (its bytes are q_full's too)
                 const int3 at = Bias<BF16>::map_coordinates(p, batch, head, row0);
-#pragma unroll
-                for (int cb = 0; cb < BLOCK_N / 64; ++cb)
-                    tma_load_4d(s_bias(stage) + cb * BLOCK_M * kSwizzleRowBytes, &maps.bias, q_full(stage), key0 + 64 * cb,
-                                at.x, at.y, at.z);
+                copy_column_blocks<BLOCK_M, BLOCK_N>(s_bias(stage), &maps.bias, q_full(stage), key0, at.x, at.y, at.z);
             }
             load_tile<BLOCK_M, HEADDIM>(s_do(stage), &maps.dout, q_full(stage), seq.first_row_q + row0, head,
                                         batch_coord);

@@ -238,10 +238,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                                             bias_tiles ? p.bias_box_rows * BLOCK_N * 2 : 0);
                 if (bias_tiles) {  // (its bytes are k_full's too; a box past the sequence reads as zeros)
                     const int3 at = Bias<BF16>::map_coordinates(p, tile.batch, tile.head, row0);
-#pragma unroll
-                    for (int cb = 0; cb < BLOCK_N / 64; ++cb)
-                        tma_load_4d(s_bias(stage) + cb * BLOCK_M * kSwizzleRowBytes, &maps.bias, k_full(stage),
-                                    n_block * BLOCK_N + 64 * cb, at.x, at.y, at.z);
+                    copy_column_blocks<BLOCK_M, BLOCK_N>(s_bias(stage), &maps.bias, k_full(stage), n_block * BLOCK_N,
+                                                         at.x, at.y, at.z);
                 }
                 if (i >= STAGES) mbarrier_wait(v_empty(stage), reuse);
                 load_tile<BLOCK_N, HEADDIM>(s_v(stage), &maps.v, v_full(stage), key_row, head_k, batch_coord);

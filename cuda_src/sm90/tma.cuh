@@ -51,16 +51,24 @@ __device__ __forceinline__ void tma_load_4d(uint32 dst, const TensorMap* map, ui
         :: "r"(dst), "l"(map), "r"(bar), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
 }
 
-// A ROWS x HEADDIM tile of `map` from (row, head, batch) into dst, as 64-wide column blocks one
-// after another (the swizzled layout of wgmma.cuh), completing on `bar`, which also waits for
-// `other_bytes` of copies the caller issues after it.
+// COLS columns from col0 of `map`'s ROWS rows from (row, head, batch) into dst, as 64-wide column
+// blocks one after another (the swizzled layout of wgmma.cuh), completing on `bar` (whose bytes the
+// caller expects).
+template <int ROWS, int COLS>
+__device__ __forceinline__ void copy_column_blocks(uint32 dst, const TensorMap* map, uint32 bar, int col0, int row,
+                                                   int head, int batch) {
+#pragma unroll
+    for (int cb = 0; cb < COLS / 64; ++cb)
+        tma_load_4d(dst + cb * ROWS * kSwizzleRowBytes, map, bar, col0 + 64 * cb, row, head, batch);
+}
+
+// A ROWS x HEADDIM tile of `map` from (row, head, batch) into dst (copy_column_blocks), completing
+// on `bar`, which also waits for `other_bytes` of copies the caller issues after it.
 template <int ROWS, int HEADDIM>
 __device__ __forceinline__ void load_tile(uint32 dst, const TensorMap* map, uint32 bar, int row, int head, int batch,
                                           uint32 other_bytes = 0) {
     mbarrier_arrive_expect_tx(bar, ROWS * HEADDIM * 2 + other_bytes);
-#pragma unroll
-    for (int cb = 0; cb < HEADDIM / 64; ++cb)
-        tma_load_4d(dst + cb * ROWS * kSwizzleRowBytes, map, bar, 64 * cb, row, head, batch);
+    copy_column_blocks<ROWS, HEADDIM>(dst, map, bar, 0, row, head, batch);
 }
 
 // `bytes` (a multiple of 16) from global `src` (16-byte aligned) into shared memory at `dst`,

@@ -216,6 +216,13 @@ __device__ __forceinline__ void stage_rows(uint32 stage, const float (&acc)[1][T
                     pack_pair<BF16>(acc[0][dt + 1][2] * scale, acc[0][dt + 1][3] * scale));
 }
 
+// Adds a word's two 16-bit values, the low one first, times `scale` to two accumulator elements.
+template <bool BF16>
+__device__ __forceinline__ void add_word(float& first, float& second, uint32 word, float scale) {
+    first = fmaf(to_float<BF16>(static_cast<uint16>(word)), scale, first);
+    second = fmaf(to_float<BF16>(static_cast<uint16>(word >> 16)), scale, second);
+}
+
 // Adds a swizzled tile's 16-bit values (of `rows` rows, as TMA writes them) times `scale` to a
 // warpgroup accumulator of TILES column tiles: this warp's 16 rows from `row0`, or where `one_row`
 // the tile's row 0 to every row. ldmatrix hands each lane its fragment's elements (matrix m =
@@ -229,11 +236,8 @@ __device__ __forceinline__ void add_swizzled_tile(float (&acc)[1][TILES][4], uin
         uint32 r[4];  // r[2 j + h]: tile nt + j, rows 8 h to 8 h + 7
         ldmatrix_x4(r, tile + swizzled_offset(row, 8 * (nt + lane / 16), rows));
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
-            float (&e)[4] = acc[0][nt + m / 2];
-            e[2 * (m % 2)] = fmaf(to_float<BF16>(static_cast<uint16>(r[m])), scale, e[2 * (m % 2)]);
-            e[2 * (m % 2) + 1] = fmaf(to_float<BF16>(static_cast<uint16>(r[m] >> 16)), scale, e[2 * (m % 2) + 1]);
-        }
+        for (int m = 0; m < 4; ++m)
+            add_word<BF16>(acc[0][nt + m / 2][2 * (m % 2)], acc[0][nt + m / 2][2 * (m % 2) + 1], r[m], scale);
     }
 }
 
@@ -256,11 +260,8 @@ __device__ __forceinline__ void add_swizzled_tile_transposed(float (&acc)[TILES]
         if (kTiles == 1) ldmatrix_x2_trans(reinterpret_cast<uint32(&)[2]>(r), at);
         else ldmatrix_x4_trans(r, at);
 #pragma unroll
-        for (int m = 0; m < 2 * kTiles; ++m) {
-            float(&e)[4] = acc[nt + m / 2];
-            e[2 * (m % 2)] = fmaf(to_float<BF16>(static_cast<uint16>(r[m])), scale, e[2 * (m % 2)]);
-            e[2 * (m % 2) + 1] = fmaf(to_float<BF16>(static_cast<uint16>(r[m] >> 16)), scale, e[2 * (m % 2) + 1]);
-        }
+        for (int m = 0; m < 2 * kTiles; ++m)
+            add_word<BF16>(acc[nt + m / 2][2 * (m % 2)], acc[nt + m / 2][2 * (m % 2) + 1], r[m], scale);
     }
 }
 

@@ -115,7 +115,7 @@ class Kernel:
 
     @property
     def smem_bytes(self):
-        return self.tile.smem_bytes(self.pass_, self.features if self.wgmma else ()) if self.tile is not None else 0
+        return self.tile.smem_bytes(self.pass_, self.features) if self.tile is not None else 0
 
     def source(self):
         bf16 = _bool(self.dtype == "bfloat16")

@@ -420,11 +420,12 @@ def _kernel(pass_, call, tile):
     return _kernels.Kernel(pass_, call.dtype, tile, call.local, even_k, call.features, deterministic)
 
 
-def _tensor_maps(call, inputs, strides, boxes, bias_spec=None):
-    """The TMA maps of `inputs` named in `boxes` (name -> rows per box), and of attn_bias where
-    `bias_spec` gives its map (_bias_map_spec), or None where the driver cannot map one (say a
-    broadcast dimension's zero stride): the mma.sync kernels read any layout the plan accepts."""
+def _tensor_maps(call, inputs, strides, boxes, tile):
+    """The TMA maps of `inputs` named in `boxes` (name -> rows per box), and of attn_bias where the
+    call's kernel on `tile` copies it (_bias_map_spec), or None where the driver cannot map one (say
+    a broadcast dimension's zero stride): the mma.sync kernels read any layout the plan accepts."""
     shape, varlen = call.shape, call.varlen is not None
+    bias_spec = _bias_map_spec(call, inputs, tile)
     specs = []
     for name, block in boxes.items():
         batch_stride, row_stride, head_stride = strides[name]
@@ -466,6 +467,14 @@ def _bias_map_spec(call, inputs, tile):
             (64, tile.block_m if row else 1, 1, 1))
 
 
+def _bias_box_rows(maps):
+    """FlashParams.bias_box_rows of a plan with these tensor maps: the rows of the attn_bias map's
+    boxes where it has one (_bias_map_spec), else 0 (the kernel reads the bias itself, or none)."""
+    if maps is None or "attn_bias" not in maps.inputs:
+        return 0
+    return maps.specs[maps.inputs.index("attn_bias")][3][1]
+
+
 def _forward_plan(call, inputs, return_dbias):
     shape, varlen = call.shape, call.varlen is not None
     q = inputs["q"]
@@ -495,8 +504,7 @@ def _wgmma_forward_plan(call, inputs, strides):
     reads_bias = "bias" in call.features
     tile = _schedule.tile(_config.forward_table(shape.headdim, shape.seqlen_q, call.local, reads_bias),
                           shape.headdim, call.caller.device_id, _config.WGMMA)
-    bias_spec = _bias_map_spec(call, inputs, tile)
-    maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n}, bias_spec)
+    maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n}, tile)
     if maps is None:
         return None
     kernel = _kernel("fwd", call, tile)
@@ -516,7 +524,7 @@ def _wgmma_forward_plan(call, inputs, strides):
         if counter and block_major < pairs:  # the CTAs take tiles from a counter (next_tile in cuda_src/sm90/fwd.cuh)
             outputs.append(_Output("tile_counter", (1,), "int32", zeroed=True, scratch=True))
     params = _param_block(call, tile, strides, inputs, block_major)
-    params["bias_box_rows"] = 0 if bias_spec is None else bias_spec[3][1]
+    params["bias_box_rows"] = _bias_box_rows(maps)
     return Plan(call.caller, params, inputs, outputs, [_Launch(kernel, grid)], maps=maps)
 
 
@@ -533,12 +541,11 @@ def _backward_plan(call, inputs, return_dbias):
                for name in ("dout", "q", "k", "v", "out")}
     strides.update({name: _tensor_strides(_contiguous_strides(like.shape), varlen)
                     for name, like in (("dq", q), ("dk", k), ("dv", v))})
-    maps = bias_spec = None
+    maps = None
     if _schedule.kernel_family(table, device_id, shape.headdim) == _config.WGMMA:
         tile = _schedule.tile(table, shape.headdim, device_id, _config.WGMMA)
-        bias_spec = _bias_map_spec(call, inputs, tile)
         maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n,
-                                                    "dout": tile.block_m}, bias_spec)
+                                                    "dout": tile.block_m}, tile)
     if maps is None:  # the mma.sync kernels ('bwd_full' is wgmma's alone)
         tile = _schedule.tile("bwd" if table == "bwd_full" else table, shape.headdim, device_id)
     padded = (*shape.stats[:-1], _padded_rows(shape, tile))
@@ -563,7 +570,7 @@ def _backward_plan(call, inputs, return_dbias):
         if pairs // group <= MAX_GRID_YZ:
             grid = (group, grid[1], pairs // group)
     params = _param_block(call, tile, strides, inputs, block_major, semaphore_blocks)
-    params["bias_box_rows"] = 0 if maps is None or bias_spec is None else bias_spec[3][1]
+    params["bias_box_rows"] = _bias_box_rows(maps)
     if tile.transposes_dq:  # dq_accum in dQ^T's fragment order
         params["dq_accum_fragment_rows"] = tile.block_m
     if not (call.local or kernel.options or kernel.deterministic or varlen or kernel.wgmma):  # those that may split (sm80/bwd.cuh, kMaySplit)

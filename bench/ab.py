@@ -76,8 +76,9 @@ def compile_jobs(pass_, dtype, given):
     """(arch, kernel) of this process's cupyflash that the H200 runs for `pass_` at `dtype`, plain and
     causal: the forward's wgmma kernels where the version has them, else its sm_90 mma.sync ones,
     with the features of the options `given` (with a bias, the version's 'fwd_bias' tiles where it
-    has them); the backward's with options, its wgmma 'bwd_options' tiles where it has them (the
-    mma.sync ones compile on the GPU machine, in the untimed first calls); for decode the KV
+    has them; where its kernels have bias tiles, those and their tiles for a 16-bit bias alone); the
+    backward's with options, its wgmma 'bwd_options' tiles where it has them (the mma.sync ones
+    compile on the GPU machine, in the untimed first calls); for decode the KV
     cache's kernels (not causal)."""
     import dataclasses
     from cupyflash import _config, _kernels, options
@@ -88,10 +89,17 @@ def compile_jobs(pass_, dtype, given):
     if pass_ == "decode":
         return [(arch, k) for arch, k in jobs if k.pass_ in _kernels.KVCACHE_PASSES and not k.local]
     wgmma_tables = _config.TILES.get(_config.WGMMA, {}).get("sm90", {})
-    own_table = "bwd_options" if pass_ == "bwd" else "fwd_bias" if "bias" in features else None
+    # (a 16-bit bias comes in tiles where the version's kernels have them, a float32 one does not)
+    has_bias_tiles = any(field.name == "bias_tiles" for field in dataclasses.fields(_kernels.Kernel))
+    tiles = "bias" in features and has_bias_tiles and not str(given.get("attn_bias")).endswith("_float32")
+    own_table = "bwd_options" if pass_ == "bwd" else (
+        "fwd_bias" if "bias" in features and (tiles or not has_bias_tiles) else None)
     if features and own_table in wgmma_tables:  # (a version's tiles for these options' calls alone)
-        return [("90a", _kernels.Kernel(pass_, dtype, _config.Tile(hd, *entry, _config.WGMMA), local, False, features))
-                for hd, entry in wgmma_tables[own_table].items() for local in (False, True)]
+        kernels = [_kernels.Kernel(pass_, dtype, _config.Tile(hd, *entry, _config.WGMMA), local, False, features)
+                   for hd, entry in wgmma_tables[own_table].items() for local in (False, True)]
+        if tiles:
+            kernels = [dataclasses.replace(k, bias_tiles=k.tile.fits_bias_tiles(pass_, features)) for k in kernels]
+        return [("90a", k) for k in kernels]
     if pass_ == "fwd":
         wgmma = [(arch, k) for arch, k in jobs if k.pass_ == "fwd" and getattr(k, "wgmma", False)]
         return [(arch, dataclasses.replace(k, features=features))

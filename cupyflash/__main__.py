@@ -70,9 +70,9 @@ def _versions():
 
 def _tile_text(tile, table):
     family = f"wgmma hd{tile.headdim}: " if tile.kernel_family == _config.WGMMA else ""
-    features = ("bias",) if table == "fwd_bias" else ()  # (its kernels' ring of bias tiles)
+    ring = table == "fwd_bias"  # (its kernels' ring of bias tiles)
     return (f"{family}{tile.block_m}x{tile.block_n}, {tile.warps} warps, {tile.stages} stage(s), "
-            f"{tile.smem_bytes(table, features) // 1024} KiB")
+            f"{tile.smem_bytes(table, ('bias',) * ring, ring) // 1024} KiB")
 
 
 # A column per tile table (_config.TABLES; a table without its header here is a KeyError).
@@ -138,7 +138,7 @@ def info():
 
 def _print_wgmma_tables(family):
     """The wgmma family's tables: each pass's, then the forward's by length and masking (forward_table)."""
-    instead = {"fwd_bias": "its calls with an attn_bias take (bias tiles in the ring beside K's)",
+    instead = {"fwd_bias": "its calls with a 16-bit attn_bias of aligned rows take (bias tiles in a ring beside K's)",
                "fwd_short": f"its calls of at most {_config.SHORT_SEQLEN} query rows take",
                "fwd_local": "its causal or windowed calls take",
                "bwd_options": "its calls with score options or deterministic take",

@@ -147,8 +147,9 @@ TILES[WGMMA] = {"sm90": {
     "fwd_local": {
         128: (128, 128, 12, 2),
     },
-    # The forwards that read an attn_bias (forward_table): two stages and 64-key column blocks, so
-    # that a ring of bias tiles fits beside K's and V's (Sm90FwdTile::kBiasTiles; hd256 on 64 keys).
+    # The forwards whose attn_bias comes in tiles (forward_table): two stages and 64-key column
+    # blocks, so that a ring of bias tiles fits beside K's and V's (Sm90FwdTile::kBiasTiles; hd256 on
+    # 64 keys). A bias that TMA cannot copy (float32, unaligned rows) runs the other tables' tiles.
     "fwd_bias": {
         64: (192, 128, 16, 2),
         128: (128, 128, 12, 2),
@@ -170,13 +171,13 @@ TILES[WGMMA]["sm90"]["bwd_full"] = {128: (80, 128, 12, 2)}
 SHORT_SEQLEN = 1024
 
 
-def forward_table(headdim, seqlen_q, local, reads_bias=False):
-    """The wgmma forward's tile table for a call: 'fwd_bias' where it reads an attn_bias, else
+def forward_table(headdim, seqlen_q, local, bias_tiles=False):
+    """The wgmma forward's tile table for a call: 'fwd_bias' where its attn_bias comes in tiles, else
     'fwd_short' where the call has at most SHORT_SEQLEN query rows (the longest of a varlen batch),
     else 'fwd_local' where it is LOCAL, where that table has the head dim's tile; else 'fwd'."""
     tables = TILES[WGMMA]["sm90"]
     padded = padded_headdim(headdim, tuple(tables["fwd"]))
-    for table, applies in (("fwd_bias", reads_bias), ("fwd_short", seqlen_q <= SHORT_SEQLEN), ("fwd_local", local)):
+    for table, applies in (("fwd_bias", bias_tiles), ("fwd_short", seqlen_q <= SHORT_SEQLEN), ("fwd_local", local)):
         if applies and padded in tables[table]:
             return table
     return "fwd"
@@ -244,12 +245,12 @@ class Tile:
         order, a block of block_m rows at a time (kDQTransposed in cuda_src/sm90/bwd.cuh)."""
         return self.kernel_family == WGMMA and self.headdim == 128 and self.block_m == 80
 
-    def bias_tiles(self, pass_, features):
+    def fits_bias_tiles(self, pass_, features):
         """Whether this tile's wgmma kernel for `pass_` with these score features (a call's, or
-        _kernels.Kernel's) reads its attn_bias from a ring of bias tiles in shared memory
-        (kBiasTiles of Sm90FwdTile and Sm90BwdTile): 64-key column blocks of block_m x block_n,
-        16-bit, one per stage, where they fit (the forward's beside one Q buffer; the backward's up
-        to hd128, and beside dropout's words only where those fit too)."""
+        _kernels.Kernel's) has room for a ring of attn_bias tiles in shared memory (kBiasTiles of
+        Sm90FwdTile and Sm90BwdTile): 64-key column blocks of block_m x block_n, 16-bit, one per
+        stage (the forward's beside one Q buffer; the backward's up to hd128, and beside dropout's
+        words only where those fit too)."""
         if not (self.kernel_family == WGMMA and "bias" in features):
             return False
         if kernel_pass(pass_) == "fwd":
@@ -276,13 +277,12 @@ class Tile:
         return (1024 + 2 * self.headdim * (2 * self.block_n + 2 * self.stages * self.block_m) + trade + bias_ring
                 + 8 * self.stages * self.block_m + kept + 8 * (3 + 2 * self.stages))
 
-    def smem_bytes(self, pass_, features=()):
+    def smem_bytes(self, pass_, features=(), bias_tiles=False):
         """Shared memory of this tile's kernel for `pass_`; a wgmma kernel's also by its score features
-        (an attn_bias's ring, bias_tiles; the backward's dropout words)."""
+        (the backward's dropout words) and its ring of bias tiles, if it has one."""
         if self.kernel_family == WGMMA and kernel_pass(pass_) == "fwd":
             # Q x 2 with two consumers where they fit, else 1; O where it fits but in hd64's 128-row
             # tile (Sm90FwdTile::kStagedO)
-            bias_tiles = self.bias_tiles(pass_, features)
             with_q_buffers = lambda n: self._forward_bytes(n, bias_tiles)  # noqa: E731
             two = self.block_m == 128 and with_q_buffers(2) <= FAMILY_SMEM_LIMIT["sm90"]
             bytes_ = with_q_buffers(2 if two else 1)
@@ -291,7 +291,7 @@ class Tile:
                         and not (self.headdim == 64 and self.block_m == 128))
             return bytes_ + (o_bytes if staged_o else 0)
         if self.kernel_family == WGMMA:
-            return self._backward_bytes("dropout" in features, self.bias_tiles(pass_, features))
+            return self._backward_bytes("dropout" in features, bias_tiles)
         row = row_bytes(self.headdim)
         if kernel_pass(pass_) == "decode":  # Q, then per warp (K, V) x stages
             return (self.block_m + 2 * self.stages * self.block_n * self.warps) * row

@@ -21,9 +21,6 @@ KVCACHE_PASSES = ("decode", "decode_combine", "kvcache_append")  # flash_attn_wi
 # cuda_src/common/score.cuh (namespace feature), and the `kernels` of their cupyflash.options entries.
 FEATURES = ("softcap", "alibi", "bias", "dropout")
 DECODE_FEATURES = ("softcap", "alibi")  # flash_attn_with_kvcache's
-# A wgmma forward that reads an attn_bias runs a tile table of its own ('fwd_bias'), so the other
-# wgmma forwards' kernel with every feature has every feature but the bias.
-UNBIASED_FEATURES = tuple(f for f in FEATURES if f != "bias")
 # The wgmma kernels' (cuda_src/sm90/): header, tile traits, template, tensor maps, by pass.
 _WGMMA = {"fwd": ("sm90/fwd.cuh", "Sm90FwdTile", "flash_fwd_sm90", "FwdMaps"),
           "bwd": ("sm90/bwd.cuh", "Sm90BwdTile", "flash_bwd_sm90", "BwdMaps")}
@@ -51,6 +48,7 @@ class Kernel:
     even_k: bool = False                     # caller's head dim == tile head dim: no column bounds
     features: tuple = ()                     # the score options compiled in (FEATURES, in order)
     deterministic: bool = False              # bwd: dQ added in a fixed key-block order
+    bias_tiles: bool = False                 # wgmma: the attn_bias comes by TMA into a ring of tiles (Tile.fits_bias_tiles)
 
     def __post_init__(self):
         allowed = DECODE_FEATURES if self.pass_ == "decode" else FEATURES if self.tile is not None else ()
@@ -60,12 +58,8 @@ class Kernel:
             raise ValueError("a deterministic kernel is a backward")
         if self.wgmma and (self.pass_ not in _WGMMA or self.even_k):
             raise ValueError("the wgmma kernels are forwards and backwards, without even_k")
-
-    @property
-    def reads_bias(self):
-        """Whether this is a wgmma kernel that reads an attn_bias (READS_BIAS of Sm90FwdTile and
-        Sm90BwdTile: a ring of bias tiles where its tile has room, Tile.bias_tiles)."""
-        return self.wgmma and "bias" in self.features
+        if self.bias_tiles and not (self.wgmma and self.tile.fits_bias_tiles(self.pass_, self.features)):
+            raise ValueError(f"no ring of bias tiles fits a {self.pass_} kernel with {self.features} on {self.tile}")
 
     @property
     def options(self):
@@ -74,13 +68,12 @@ class Kernel:
 
     def with_every_feature(self):
         """The same kernel with every feature its pass can take, where it has any (_compile.spill_free;
-        a wgmma forward without the bias, UNBIASED_FEATURES)."""
+        with bias tiles, every feature that leaves them room: ring_features)."""
         if not self.features:
             return self
         if self.pass_ == "decode":
             return dataclasses.replace(self, features=DECODE_FEATURES)
-        unbiased = self.wgmma and self.pass_ == "fwd" and "bias" not in self.features
-        return dataclasses.replace(self, features=UNBIASED_FEATURES if unbiased else FEATURES)
+        return dataclasses.replace(self, features=ring_features(self.tile, self.pass_) if self.bias_tiles else FEATURES)
 
     @property
     def wgmma(self):
@@ -104,7 +97,8 @@ class Kernel:
         return name
 
     def _suffix(self):
-        return "".join("_" + f for f in self.features) + "_deterministic" * self.deterministic
+        return ("".join("_" + f for f in self.features) + "_tiles" * self.bias_tiles
+                + "_deterministic" * self.deterministic)
 
     def _features_argument(self):
         return " | ".join(f"feature::{f}" for f in self.features) or "0"
@@ -115,7 +109,7 @@ class Kernel:
 
     @property
     def smem_bytes(self):
-        return self.tile.smem_bytes(self.pass_, self.features) if self.tile is not None else 0
+        return self.tile.smem_bytes(self.pass_, self.features, self.bias_tiles) if self.tile is not None else 0
 
     def source(self):
         bf16 = _bool(self.dtype == "bfloat16")
@@ -124,10 +118,11 @@ class Kernel:
             header, traits, template, maps = _WGMMA[self.pass_]
             args = (f"{t.headdim}, {t.block_n}, {t.stages}, {t.block_m // 64}" if self.pass_ == "fwd"
                     else f"{t.headdim}, {t.block_m}, {t.block_n}, {t.stages}")
-            flags = [_bool(self.local), self._features_argument()] + [_bool(self.deterministic)] * (self.pass_ == "bwd")
+            flags = ([_bool(self.local), self._features_argument()] + [_bool(self.deterministic)] * (self.pass_ == "bwd")
+                     + [_bool(self.bias_tiles)])
             flags = ", ".join(flags)
-            tile_traits = (f"{traits}<{args}, {_bool(self.local)}, {_bool(self.reads_bias)}>" if self.pass_ == "fwd"
-                           else f"{traits}<{args}, {_bool(self.reads_bias)}, {_bool('dropout' in self.features)}>")
+            tile_traits = (f"{traits}<{args}, {_bool(self.local)}, {_bool(self.bias_tiles)}>" if self.pass_ == "fwd"
+                           else f"{traits}<{args}, {_bool(self.bias_tiles)}, {_bool('dropout' in self.features)}>")
             return (_sources.translation_unit(header) + "\n" + _params.size_assert() + "\n"
                     + f"static_assert({tile_traits}::kSmemBytes == {self.smem_bytes} && "
                     + f"{tile_traits}::kThreads == {self.threads}"
@@ -176,7 +171,8 @@ def backward_table(features, deterministic):
 
 # The (features, deterministic) pairs the compile checks build per tile table (or its pass): the plain kernel and
 # the one with every feature (a call's own subset compiles on first use); and, for the hd128 tiles
-# (first dtype, LOCAL), each feature alone.
+# (first dtype, LOCAL), each feature alone. 'fwd_bias' kernels have bias tiles, and a wgmma
+# backward's bias kernels a twin with them (ring_features).
 _CHECKED_FLAGS = {"fwd": (((), False), (FEATURES, False)), "bwd": (((), False),),
                   "bwd_options": ((FEATURES, False), (FEATURES, True)), "bwd_deterministic": (((), True),),
                   "bwd_full": (((), False),), "fwd_bias": ((("bias",), False), (FEATURES, False)),
@@ -211,12 +207,22 @@ def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
             flags += _SINGLE_FLAGS.get(table, ())
         if dtype == "bfloat16":
             flags += _BOUNDED_FLAGS.get(_config.kernel_pass(table), ())
-        if wgmma and _config.kernel_pass(table) == "fwd" and table != "fwd_bias":  # (UNBIASED_FEATURES)
-            flags = tuple((UNBIASED_FEATURES if features == FEATURES else features, deterministic)
-                          for features, deterministic in flags if features != ("bias",))
+        pass_ = _config.kernel_pass(table)
         for features, deterministic in flags:
-            kernels.append(Kernel(_config.kernel_pass(table), dtype, tile, local, even_k, features, deterministic))
+            if table == "fwd_bias" and "bias" not in features:
+                continue  # (its tile serves the forwards with bias tiles alone)
+            kernel = Kernel(pass_, dtype, tile, local, even_k, features, deterministic, table == "fwd_bias")
+            kernels.append(kernel)
+            twin = tuple(f for f in features if f in ring_features(tile, pass_))
+            if wgmma and pass_ == "bwd" and "bias" in features and tile.fits_bias_tiles(pass_, twin):
+                kernels.append(dataclasses.replace(kernel, features=twin, bias_tiles=True))
     return list(dict.fromkeys(kernels))  # (a tile in two tables of one pass is one kernel)
+
+
+def ring_features(tile, pass_):
+    """The most features a wgmma kernel with bias tiles on `tile` can have: every one, or all but
+    dropout where its words leave the ring no room (Tile.fits_bias_tiles)."""
+    return FEATURES if tile.fits_bias_tiles(pass_, FEATURES) else tuple(f for f in FEATURES if f != "dropout")
 
 
 def compile_jobs():
@@ -267,7 +273,8 @@ def representative_jobs(jobs):
         if k.features == ("softcap",) and k.dtype == "bfloat16":  # the fixed maximum's code (_BOUNDED_FLAGS)
             return k.tile.headdim == 128 and k.local and not k.even_k and (k.wgmma or (arch == primary
                                                                                       and native(arch, k)))
-        if k.features not in ((), FEATURES, DECODE_FEATURES, UNBIASED_FEATURES) or (
+        if k.features not in ((), FEATURES, DECODE_FEATURES) and not (k.bias_tiles and k.features == ring_features(
+                k.tile, k.pass_)) or (
                 k.deterministic and not k.features and not own_deterministic_tile(arch, k)):
             return False  # (the sweep's single features: their code is the full set's, less)
         if k.wgmma:  # every tile with the heaviest flags, and every flag at hd128

@@ -412,20 +412,23 @@ def _padded_rows(shape, tile):
     return pad(pad(shape.seqlen_q, tile.block_m), _PADDED_ROWS)
 
 
-def _kernel(pass_, call, tile):
+def _kernel(pass_, call, tile, copyable_bias=False):
     """The kernel variant of a forward or backward call on `tile`. EVEN_K where the caller's head dim
-    is the tile's (the wgmma kernels have no such flag: TMA zero-fills the columns past the head dim)."""
+    is the tile's (the wgmma kernels have no such flag: TMA zero-fills the columns past the head dim);
+    bias tiles where the attn_bias is `copyable_bias` (_copyable_bias) and the tile has room for them."""
     deterministic = pass_ == "bwd" and call.needs("deterministic")
-    even_k = call.shape.headdim == tile.headdim and tile.kernel_family != _config.WGMMA
-    return _kernels.Kernel(pass_, call.dtype, tile, call.local, even_k, call.features, deterministic)
+    wgmma = tile.kernel_family == _config.WGMMA
+    even_k = call.shape.headdim == tile.headdim and not wgmma
+    bias_tiles = copyable_bias and wgmma and tile.fits_bias_tiles(pass_, call.features)
+    return _kernels.Kernel(pass_, call.dtype, tile, call.local, even_k, call.features, deterministic, bias_tiles)
 
 
-def _tensor_maps(call, inputs, strides, boxes, tile):
+def _tensor_maps(call, inputs, strides, boxes, kernel):
     """The TMA maps of `inputs` named in `boxes` (name -> rows per box), and of attn_bias where the
-    call's kernel on `tile` copies it (_bias_map_spec), or None where the driver cannot map one (say
-    a broadcast dimension's zero stride): the mma.sync kernels read any layout the plan accepts."""
+    call's `kernel` has bias tiles (_bias_map_spec), or None where the driver cannot map one (say a
+    broadcast dimension's zero stride): the mma.sync kernels read any layout the plan accepts."""
     shape, varlen = call.shape, call.varlen is not None
-    bias_spec = _bias_map_spec(call, inputs, tile)
+    bias_spec = _bias_map_spec(call, inputs, kernel.tile) if kernel.bias_tiles else None
     specs = []
     for name, block in boxes.items():
         batch_stride, row_stride, head_stride = strides[name]
@@ -447,19 +450,23 @@ def _tensor_maps(call, inputs, strides, boxes, tile):
         return None
 
 
-def _bias_map_spec(call, inputs, tile):
-    """The attn_bias's tensor map (as _tma.Maps takes it) where the call's wgmma kernel on `tile`
-    copies it into its ring of bias tiles (Tile.bias_tiles): a 16-bit bias whose rows (and heads and batch
-    entries) start on 16-byte boundaries, as TMA reads them; else None, and the kernel's consumers
-    read it. Keys, rows, heads, batch: a broadcast dimension has size 1 (broadcast rows: boxes of
-    one row, which the consumers add to every row)."""
+def _copyable_bias(call, inputs):
+    """Whether the call has an attn_bias that TMA can copy into a wgmma kernel's ring of bias tiles:
+    16-bit, its rows (and heads and batch entries) starting on 16-byte boundaries; the kernels'
+    consumers read any other."""
     bias = inputs.get("attn_bias")
-    if bias is None or _arrays.dtype_name(bias) == "float32" or not tile.bias_tiles(call.pass_, call.features):
-        return None
+    if bias is None or _arrays.dtype_name(bias) == "float32":
+        return False
     strides = options.broadcast_strides(bias.shape, _arrays.element_strides(bias))[:3]
-    if any(2 * stride % 16 for stride in strides) or call.caller.data_pointer(bias) % 16:
-        return None
-    batch, head, row = strides
+    return not (any(2 * stride % 16 for stride in strides) or call.caller.data_pointer(bias) % 16)
+
+
+def _bias_map_spec(call, inputs, tile):
+    """The attn_bias's tensor map (as _tma.Maps takes it) for a kernel on `tile` with bias tiles (a
+    _copyable_bias). Keys, rows, heads, batch: a broadcast dimension has size 1 (broadcast rows:
+    boxes of one row, which the consumers add to every row)."""
+    bias = inputs["attn_bias"]
+    batch, head, row = options.broadcast_strides(bias.shape, _arrays.element_strides(bias))[:3]
     shape = call.shape
     unstepped = -(-2 * shape.seqlen_k // 16) * 16 * shape.seqlen_q  # (a size-1 dimension's: a whole matrix's)
     dims = (shape.seqlen_k, shape.seqlen_q if row else 1, shape.nheads if head else 1, shape.batch if batch else 1)
@@ -501,13 +508,13 @@ def _forward_plan(call, inputs, return_dbias):
 def _wgmma_forward_plan(call, inputs, strides):
     """The forward on the wgmma kernels, or None where the driver cannot map an input for TMA."""
     shape = call.shape
-    reads_bias = "bias" in call.features
-    tile = _schedule.tile(_config.forward_table(shape.headdim, shape.seqlen_q, call.local, reads_bias),
+    copyable_bias = _copyable_bias(call, inputs)
+    tile = _schedule.tile(_config.forward_table(shape.headdim, shape.seqlen_q, call.local, copyable_bias),
                           shape.headdim, call.caller.device_id, _config.WGMMA)
-    maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n}, tile)
+    kernel = _kernel("fwd", call, tile, copyable_bias)
+    maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n}, kernel)
     if maps is None:
         return None
-    kernel = _kernel("fwd", call, tile)
     # Persistent: a CTA per SM (one fits), taking tiles in turn (fwd_tile in cuda_src/sm90/fwd.cuh).
     m_blocks = -(-shape.seqlen_q // tile.block_m)
     tiles = m_blocks * shape.nheads * shape.batch
@@ -544,10 +551,12 @@ def _backward_plan(call, inputs, return_dbias):
     maps = None
     if _schedule.kernel_family(table, device_id, shape.headdim) == _config.WGMMA:
         tile = _schedule.tile(table, shape.headdim, device_id, _config.WGMMA)
+        kernel = _kernel("bwd", call, tile, _copyable_bias(call, inputs))
         maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n,
-                                                    "dout": tile.block_m}, tile)
+                                                    "dout": tile.block_m}, kernel)
     if maps is None:  # the mma.sync kernels ('bwd_full' is wgmma's alone)
         tile = _schedule.tile("bwd" if table == "bwd_full" else table, shape.headdim, device_id)
+        kernel = _kernel("bwd", call, tile)
     padded = (*shape.stats[:-1], _padded_rows(shape, tile))
     outputs = [_Output("dq", tuple(q.shape), call.dtype), _Output("dk", tuple(k.shape), call.dtype),
                _Output("dv", tuple(v.shape), call.dtype), _Output("dout_dot_out", padded, "float32", scratch=True),
@@ -560,7 +569,6 @@ def _backward_plan(call, inputs, return_dbias):
     finish = lambda o: (o["dq"], o["dk"], o["dv"])  # noqa: E731
     grid, block_major = _schedule.block_grid(-(-shape.seqlen_k // tile.block_n), shape.nheads_k, shape.batch,
                                              call.local)
-    kernel = _kernel("bwd", call, tile)
     if block_major and kernel.wgmma:  # (batch, kv head) pairs in groups whose rows fit the L2 (grid_slot in common/mask.cuh)
         pairs = shape.batch * shape.nheads_k
         bytes_per_pair = shape.nheads // shape.nheads_k * shape.seqlen_q * tile.headdim * (2 + 2 + 4)

@@ -138,17 +138,18 @@ def test_the_full_and_the_edged_backward_tables(case, block_m, monkeypatch):
 ], ids=str)
 def test_the_short_and_the_long_forward_tables(short_seqlen, case, monkeypatch):
     """A forward of at most SHORT_SEQLEN query rows runs the 'fwd_short' table's tile (hd64: 128
-    rows, two consumers), a longer one the 'fwd' table's (192 rows, three), one with an attn_bias
-    the 'fwd_bias' table's at any length: each runs these cases (every option, tails, varlen with an
-    empty sequence)."""
+    rows, two consumers), a longer one the 'fwd' table's (192 rows, three), one with a 16-bit
+    attn_bias of 16-byte aligned rows the 'fwd_bias' table's at any length (seqlen_k 113's bias does
+    not qualify): each runs these cases (every option, tails, varlen with an empty sequence)."""
     _needs_hopper(monkeypatch)
     from cupyflash import _config, _plan
     monkeypatch.setattr(_plan, "_plans", {})
     monkeypatch.setattr(_config, "SHORT_SEQLEN", short_seqlen)
     _assert_ok(_check.run_gpu_case(case, _seed(case) + bool(short_seqlen), backward=False))
-    reads_bias = any(name == "attn_bias" for name, _ in case.options)
-    table = _config.TILES[_config.WGMMA]["sm90"]["fwd_bias" if reads_bias else "fwd_short" if short_seqlen else "fwd"]
-    assert {k.tile.block_m for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "fwd"} == {table[64][0]}
+    bias_tiles = any(name == "attn_bias" for name, _ in case.options) and case.seqlen_k % 8 == 0  # ('heads': 16-bit)
+    table = _config.TILES[_config.WGMMA]["sm90"]["fwd_bias" if bias_tiles else "fwd_short" if short_seqlen else "fwd"]
+    kernels = [k for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "fwd"]
+    assert {(k.tile.block_m, k.bias_tiles) for k in kernels} == {(table[64][0], bias_tiles)}
 
 
 @pytest.mark.parametrize("case", [

@@ -141,12 +141,14 @@ def test_bias_tiles(case, form, monkeypatch):
     as64 = lambda x: cupy.asnumpy(x).astype(numpy.float64)  # noqa: E731
     result = _check.compare(case, inputs, as64(out), as64(lse), [as64(g) for g in grads])
     assert result.ok, result.describe()
-    # Tiles wherever the kernel has their ring (every wgmma forward; the backward up to hd128, without dropout)
+    # Tiles wherever the kernel has room for their ring (every wgmma forward; the backward up to
+    # hd128, without dropout), and a kernel with the ring where the plan maps the bias
     kernels = [(plan, k) for plan in _plan._plans.values() for k in plan.kernels if k.pass_ in ("fwd", "bwd")]
     assert {k.pass_ for _, k in kernels} == {"fwd", "bwd"}
     for plan, k in kernels:
-        assert (int(plan.params["bias_box_rows"][0]) > 0) == (k.wgmma and k.tile.bias_tiles(k.pass_, k.features)), k.name
-    assert all(k.tile.bias_tiles("fwd", k.features) for _, k in kernels if k.wgmma and k.pass_ == "fwd")
+        assert k.bias_tiles == (k.wgmma and k.tile.fits_bias_tiles(k.pass_, k.features)), k.name
+        assert (int(plan.params["bias_box_rows"][0]) > 0) == k.bias_tiles, k.name
+    assert all(k.bias_tiles for _, k in kernels if k.wgmma and k.pass_ == "fwd")
 
 
 def test_packed_forms_take_views():

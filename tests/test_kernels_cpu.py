@@ -270,28 +270,46 @@ def test_the_local_wgmma_backward_groups_pairs_whose_rows_fit_the_l2(batch, head
 
 
 def test_the_bias_kernels_hold_a_ring_of_bias_tiles():
-    """Every 'fwd_bias' tile has room for its ring of bias tiles (Tile.bias_tiles, kBiasTiles in
+    """Every 'fwd_bias' tile has room for its ring of bias tiles (Tile.fits_bias_tiles, kBiasTiles in
     cuda_src/sm90/fwd.cuh, whose shared memory the kernels' static_assert checks against), and every
-    forward with an attn_bias runs that table; hd128's three-stage 'fwd' tile has none. The
+    forward with bias tiles runs that table; hd128's three-stage 'fwd' tile has none. The
     backward's 'bwd_options' tiles up to hd128 have room beside Q's ring, but hd128's not beside
-    dropout's words."""
+    dropout's words. A kernel has bias tiles only where they fit, and compiles with them: the
+    compile checks hold a twin with them of every wgmma backward bias kernel that has room."""
     tables = _config.TILES[_config.WGMMA]["sm90"]
     for hd, entry in tables["fwd_bias"].items():
         tile = _config.Tile(hd, *entry, _config.WGMMA)
-        kernel = _kernels.Kernel("fwd", "bfloat16", tile, features=("bias",))
-        assert tile.bias_tiles("fwd", ("bias",)) and not tile.bias_tiles("fwd", ("softcap",)) and kernel.reads_bias
+        kernel = _kernels.Kernel("fwd", "bfloat16", tile, features=("bias",), bias_tiles=True)
+        assert tile.fits_bias_tiles("fwd", ("bias",)) and not tile.fits_bias_tiles("fwd", ("softcap",))
         ring = 2 * tile.block_m * tile.block_n * tile.stages
         kv_ring = 4 * hd * tile.block_n * tile.stages
         assert ring + kv_ring + 2 * hd * tile.block_m < kernel.smem_bytes <= _config.FAMILY_SMEM_LIMIT["sm90"]
+        assert kernel.with_every_feature().bias_tiles and "_tiles" in kernel.name
         for seqlen_q, local in itertools.product((1, 1 << 16), (False, True)):
             assert _config.forward_table(hd, seqlen_q, local, True) == "fwd_bias"
-    assert not _config.Tile(128, *tables["fwd"][128], _config.WGMMA).bias_tiles("fwd", ("bias",))
+            assert _config.forward_table(hd, seqlen_q, local, False) != "fwd_bias"
+    three_stages = _config.Tile(128, *tables["fwd"][128], _config.WGMMA)
+    assert not three_stages.fits_bias_tiles("fwd", ("bias",))
+    with pytest.raises(ValueError, match="no ring of bias tiles"):
+        _kernels.Kernel("fwd", "bfloat16", three_stages, features=("bias",), bias_tiles=True)
+    with pytest.raises(ValueError, match="no ring of bias tiles"):
+        _kernels.Kernel("fwd", "bfloat16", _config.Tile(128, *tables["fwd_bias"][128], _config.WGMMA),
+                        features=("softcap",), bias_tiles=True)
+    wgmma = _kernels.all_kernels(("sm90",), _config.WGMMA)
     for hd, entry in tables["bwd_options"].items():
         tile = _config.Tile(hd, *entry, _config.WGMMA)
-        assert tile.bias_tiles("bwd", ("bias",)) == (hd <= 128)
-        assert tile.bias_tiles("bwd", ("bias", "dropout")) == (hd == 64)
+        assert tile.fits_bias_tiles("bwd", ("bias",)) == (hd <= 128)
+        assert tile.fits_bias_tiles("bwd", ("bias", "dropout")) == (hd == 64)
         for features in (("bias",), ("bias", "dropout"), ("dropout",)):
-            assert _kernels.Kernel("bwd", "bfloat16", tile, features=features).smem_bytes <= _config.FAMILY_SMEM_LIMIT["sm90"]
+            ring = tile.fits_bias_tiles("bwd", features)
+            assert _kernels.Kernel("bwd", "bfloat16", tile, features=features,
+                                   bias_tiles=ring).smem_bytes <= _config.FAMILY_SMEM_LIMIT["sm90"]
+        twins = {k.features for k in wgmma if k.pass_ == "bwd" and k.tile == tile and k.bias_tiles and k.local
+                 and k.deterministic}
+        assert twins == ({_kernels.ring_features(tile, "bwd")} if hd <= 128 else set())
+    # every wgmma forward with an attn_bias on the other tables reads it without tiles
+    assert any("bias" in k.features and not k.bias_tiles for k in wgmma if k.pass_ == "fwd")
+    assert all(k.tile.block_n % 64 == 0 for k in wgmma if k.bias_tiles)
 
 
 def test_the_local_wgmma_forwards_can_take_tiles_from_a_counter():

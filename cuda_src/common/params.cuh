@@ -101,8 +101,8 @@ struct FlashParams {
     long long bias_head_stride;
     long long bias_row_stride;
     int bias_is_float32;            // else it has q's 16-bit dtype
-    int bias_box_rows;              // where set, the sm90 forward copies it through its tensor map (sm90/fwd.cuh), boxes
-                                    //   of this many rows: a tile's, or 1 where it is broadcast over the rows; Bias is off
+    int bias_box_rows;              // the sm90 kernels with bias tiles: the rows of its tensor map's boxes, a tile's,
+                                    //   or 1 where it is broadcast over the rows (sm90/fwd.cuh; their Bias is off)
     void* dbias;                    // dS, with the strides below (common/score.cuh, BiasGradient); null: not asked
     int dbias_is_float32;           // else it has q's 16-bit dtype (a bias of that dtype, not broadcast)
     long long dbias_batch_stride;

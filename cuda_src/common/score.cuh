@@ -101,7 +101,7 @@ struct Alibi {
 // attn_bias: s + bias[row][col] / scale; d/ds = 1. The bias is fp32 or the inputs' 16-bit type;
 // rows and columns past the sequence are never read. A 16-bit bias whose rows start on 4-byte
 // boundaries can be read as words (added_as_words), where the forward does so. Off where the
-// kernel has it `in_tiles` instead (sm90's, through the tensor map of p.bias_box_rows).
+// kernel has it `in_tiles` instead (sm90's with bias tiles, through the bias's tensor map).
 template <bool BF16>
 struct Bias {
     const FlashParams& p;
@@ -114,7 +114,7 @@ struct Bias {
             matrix = advanced(p.attn_bias, batch * p.bias_batch_stride + head * p.bias_head_stride);
     }
     __device__ __forceinline__ bool on() const { return matrix != nullptr; }
-    // (row, head, batch) of a (batch, head)'s rows from row0 in the tensor map of p.bias_box_rows
+    // (row, head, batch) of a (batch, head)'s rows from row0 in the bias's tensor map
     // (sm90/fwd.cuh), whose broadcast dimensions have size 1.
     static __device__ __forceinline__ int3 map_coordinates(const FlashParams& p, int batch, int head, int row0) {
         return make_int3(p.bias_row_stride != 0 ? row0 : 0, p.bias_head_stride != 0 ? head : 0,

@@ -41,12 +41,12 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32 addr, uint32 r0, uint32
 
 // Tensor maps of q, k, v and dout, 4-D as the forward's (FwdMaps): boxes of 64 columns by
 // BLOCK_M (q, dout) or BLOCK_N (k, v) rows; and the attn_bias's as the forward's (boxes of 64 keys
-// by BLOCK_M rows), where p.bias_box_rows is set.
+// by BLOCK_M rows), where the kernel has bias tiles.
 struct BwdMaps {
     TensorMap q, k, v, dout, bias;
 };
 
-template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool READS_BIAS = false, bool DROPOUT = false>
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BIAS_TILES = false, bool DROPOUT = false>
 struct Sm90BwdTile {
     // Up to hd128 the consumers split the keys (64 each); at hd256, whose dK and dV of 64 keys would
     // take all of a consumer's registers, both work on BLOCK_N = 64 keys and split dK's and dV's
@@ -90,15 +90,17 @@ struct Sm90BwdTile {
     // them in a register, and its tile fills the 227 KiB.)
     static constexpr int kKeptBytes = DROPOUT && kSplitKeys && BLOCK_M == 64 ? 128 * kConsumers * 4 : 0;
     static constexpr int kBarrierBytes = 8 * (3 + 2 * STAGES);
-    // A kernel that reads an attn_bias has a ring of its tiles beside Q's (BLOCK_M rows by BLOCK_N
-    // keys, 16-bit, in 64-key column blocks: a consumer's keys each), copied with Q, where they fit
-    // (kBiasTiles): read by the consumers element by element, the bias's latency sat in every step.
+    // A kernel whose attn_bias comes in tiles (BIAS_TILES, as the forward's) has a ring of them beside
+    // Q's (BLOCK_M rows by BLOCK_N keys, 16-bit, in 64-key column blocks: a consumer's keys each),
+    // copied with Q: read by the consumers element by element, the bias's latency sits in every step.
     static constexpr int kBiasTileBytes = BLOCK_M * BLOCK_N * 2;
     static constexpr int smem_bytes_with(bool bias_tiles) {
         return 1024 + 2 * kKVBytes + STAGES * 2 * kQBytes + kTradeBytes + (bias_tiles ? STAGES * kBiasTileBytes : 0)
                + STAGES * 2 * kRowBytes + kKeptBytes + kBarrierBytes;
     }
-    static constexpr bool kBiasTiles = READS_BIAS && kSplitKeys && smem_bytes_with(true) <= 227 * 1024;
+    static constexpr bool kBiasTiles = BIAS_TILES;
+    static_assert(!BIAS_TILES || (kSplitKeys && smem_bytes_with(true) <= 227 * 1024),
+                  "the ring of bias tiles fits, a consumer's 64 keys a column block");
     // Tiles first (each a multiple of 1024 bytes, as the swizzle needs), then the rows' floats and
     // the barriers; the dynamic shared memory's start is aligned up to 1024 bytes in the kernel.
     static constexpr int kSmemBytes = smem_bytes_with(kBiasTiles);
@@ -223,10 +225,12 @@ __device__ __forceinline__ void store_dk_dv(const FlashParams& p, const Sequence
     });
 }
 
-template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, int FEATURES, bool DETERMINISTIC>
+template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, int FEATURES, bool DETERMINISTIC,
+          bool BIAS_TILES>
 __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMaps& maps) {
     constexpr bool DROPOUT = (FEATURES & feature::dropout) != 0;
-    typedef Sm90BwdTile<HEADDIM, BLOCK_M, BLOCK_N, STAGES, (FEATURES & feature::bias) != 0, DROPOUT> T;
+    typedef Sm90BwdTile<HEADDIM, BLOCK_M, BLOCK_N, STAGES, BIAS_TILES, DROPOUT> T;
+    static_assert(!BIAS_TILES || (FEATURES & feature::bias) != 0, "bias tiles are an attn_bias's");
     // P^T is computed while dP^T's product runs (its elements then wait for dP^T); softcap's d/ds
     // would wait with them, and a bias read from global memory, its pointers beside dP^T's
     // accumulators, spills (LOCAL hd128; from its ring of tiles it does not): with either, each
@@ -260,8 +264,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     auto q_empty = [&](int stage) { return kv_full + 8 * (1 + STAGES + stage); };
     const uint32 dq_full = kv_full + 8 * (1 + 2 * STAGES), dq_empty = dq_full + 8;
 
-    // The bias through the ring (as the forward's), else read by the consumers.
-    const bool bias_tiles = T::kBiasTiles && p.bias_box_rows != 0;
     const GridSlot slot = grid_slot<LOCAL, true>(p);
     const int n_block = slot.block, head_k = slot.head, batch = slot.batch;
     const int key0 = n_block * BLOCK_N;
@@ -342,8 +344,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             const int stage = step % STAGES;
             if (step >= STAGES) mbarrier_wait(q_empty(stage), ((step / STAGES) & 1) ^ 1);
             load_tile<BLOCK_M, HEADDIM>(s_q(stage), &maps.q, q_full(stage), seq.first_row_q + row0, head, batch_coord,
-                                        bias_tiles ? p.bias_box_rows * BLOCK_N * 2 : 0);
-            if (bias_tiles) {  // (its bytes are q_full's too)
+                                        T::kBiasTiles ? p.bias_box_rows * BLOCK_N * 2 : 0);
+            if constexpr (T::kBiasTiles) {  // (its bytes are q_full's too)
                 const int3 at = Bias<BF16>::map_coordinates(p, batch, head, row0);
                 copy_column_blocks<BLOCK_M, BLOCK_N>(s_bias(stage), &maps.bias, q_full(stage), key0, at.x, at.y, at.z);
             }
@@ -532,7 +534,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         for (int step = 0; step < steps; ++step, advance(head, row0)) {
             const int stage = step % STAGES, buffer = step % 2;
             if constexpr ((FEATURES & feature::bias) != 0)  // the step's bias reads then wait on L1
-                Bias<BF16>(p, seq, batch, recomputed(head), bias_tiles).prefetch<BLOCK_M, 64>(row0, key0 + wg_key0);
+                Bias<BF16>(p, seq, batch, recomputed(head), T::kBiasTiles).prefetch<BLOCK_M, 64>(row0, key0 + wg_key0);
             mbarrier_wait(q_full(stage), (step / STAGES) & 1);
             if constexpr (BLOCK_M > Sequence::kPaddedRows) {
                 // flash_bwd_dot pads a sequence's rows to a multiple of kPaddedRows (lse_log2 +inf, D
@@ -575,7 +577,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             const float* dot = reinterpret_cast<const float*>(smem_raw + (s_dot(stage) - smem_address(smem_raw)));
             const bool masked = block_needs_mask<LOCAL>(p, seq, row0, key0 + wg_key0, BLOCK_M, 64);
             // The step's bias tile, this consumer's 64 keys (0: the bias is read from global memory, or none)
-            const uint32 bias_tile = bias_tiles ? s_bias(stage) + consumer * BLOCK_M * kSwizzleRowBytes : 0;
+            const uint32 bias_tile = T::kBiasTiles ? s_bias(stage) + consumer * BLOCK_M * kSwizzleRowBytes : 0;
             const int tile_key0 = 16 * (threadIdx.x / 32 % 4);
             // Dropout's decisions (tile nt's at bit 4 nt), drawn while the products run.
             if constexpr (DROPOUT) {

@@ -25,14 +25,14 @@
 #include "wgmma.cuh"
 
 // Tensor maps of q, k and v, 4-D (head dim, rows, heads, batch): boxes of 64 columns by a tile's
-// rows. A varlen call's maps have batch 1 and the packed rows. `bias`, where p.bias_box_rows is set:
+// rows. A varlen call's maps have batch 1 and the packed rows. `bias`, where the kernel has bias tiles:
 // the attn_bias's (keys, rows, heads, batch), boxes of 64 keys by a tile's rows (one row where the
 // bias is broadcast over them), a broadcast dimension of size 1.
 struct FwdMaps {
     TensorMap q, k, v, bias;
 };
 
-template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool LOCAL = false, bool READS_BIAS = false>
+template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool LOCAL = false, bool BIAS_TILES = false>
 struct Sm90FwdTile {
     static constexpr int kBlockM = 64 * CONSUMERS;          // a consumer warpgroup's 64 rows each
     static constexpr int kThreads = 128 * (1 + CONSUMERS);
@@ -45,16 +45,18 @@ struct Sm90FwdTile {
     // kernel. Q has two buffers with two consumers where they fit (the producer loads a tile's Q
     // while the consumers work on the tile before), else one (three consumers' LOCAL kernels spill
     // with the second's bookkeeping). After the barriers, a Q buffer's tile index (8 bytes each).
-    // A kernel that reads an attn_bias has a ring of bias tiles beside K's (a tile's rows by BLOCK_N
-    // keys, 16-bit, in 64-key column blocks), which the producer copies with K where they fit
-    // (kBiasTiles): the consumers' own reads of the bias, a block's products ahead, left its
-    // latency in every block's softmax.
+    // A kernel whose attn_bias comes in tiles (BIAS_TILES: a 16-bit bias with aligned rows, which
+    // the call's plan maps) has a ring of them beside K's (a tile's rows by BLOCK_N keys, in 64-key
+    // column blocks), which the producer copies with K: the consumers' own reads of the bias, a
+    // block's products ahead, leave its latency in every block's softmax. Other biases take those.
     static constexpr int kBiasTileBytes = kBlockM * BLOCK_N * 2;
     static constexpr int smem_bytes_with(int q_buffers, bool bias_tiles) {
         return 1024 + q_buffers * kQBytes + 2 * STAGES * kKVBytes + (bias_tiles ? STAGES * kBiasTileBytes : 0)
                + 8 * (3 * q_buffers + 4 * STAGES);
     }
-    static constexpr bool kBiasTiles = READS_BIAS && BLOCK_N % 64 == 0 && smem_bytes_with(1, true) <= 227 * 1024;
+    static constexpr bool kBiasTiles = BIAS_TILES;
+    static_assert(!BIAS_TILES || (BLOCK_N % 64 == 0 && smem_bytes_with(1, true) <= 227 * 1024),
+                  "the ring of bias tiles fits beside one Q buffer, in 64-key column blocks");
     static constexpr int kQBuffers = CONSUMERS == 2 && smem_bytes_with(2, kBiasTiles) <= 227 * 1024 ? 2 : 1;
     // O leaves through a buffer of its own (stage_rows) where one fits (hd64, and hd128 on two
     // stages), else straight from the registers. Measured on the H200 (v39): +5.5% at hd128 1k
@@ -138,9 +140,10 @@ __device__ __forceinline__ FwdTileSlot fwd_tile(const FlashParams& p, int t, int
     return FwdTileSlot{m_blocks - 1 - block, pair - batch * p.nheads, batch};
 }
 
-template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool BF16, bool LOCAL, int FEATURES>
+template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool BF16, bool LOCAL, int FEATURES, bool BIAS_TILES>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
-    typedef Sm90FwdTile<HEADDIM, BLOCK_N, STAGES, CONSUMERS, LOCAL, (FEATURES & feature::bias) != 0> T;
+    typedef Sm90FwdTile<HEADDIM, BLOCK_N, STAGES, CONSUMERS, LOCAL, BIAS_TILES> T;
+    static_assert(!BIAS_TILES || (FEATURES & feature::bias) != 0, "bias tiles are an attn_bias's");
     constexpr bool SLOTS = T::kTileSlots;
     constexpr bool OPTIONS = FEATURES != 0, DROPOUT = (FEATURES & feature::dropout) != 0;  // (as in sm80/fwd.cuh)
     constexpr int BLOCK_M = T::kBlockM, NT = BLOCK_N / 8, DT = HEADDIM / 8;
@@ -172,9 +175,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     // With tile slots: the index of the tile whose Q buffer `buffer` holds, written before its q_full arrival
     auto tile_slot = [&](int buffer) { return barriers + 8 * (2 * QB + 4 * STAGES + buffer); };
 
-    // The bias through the ring (its map made by the call's plan: a 16-bit bias with aligned rows),
-    // else read by the consumers (common/score.cuh Bias, off where it comes through the ring).
-    const bool bias_tiles = T::kBiasTiles && p.bias_box_rows != 0;
     const int m_blocks = ceil_div(p.seqlen_q, BLOCK_M), tiles = m_blocks * p.nheads * p.batch;
     // Broadcast where it pays: at hd64 the descriptors then leave vector registers (+7-9%); hd128
     // gains nothing measurable, and hd256's LOCAL kernel spills with it (v44 note).
@@ -235,8 +235,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 const int key_row = seq.first_row_k + n_block * BLOCK_N;
                 if (i >= STAGES) mbarrier_wait(k_empty(stage), reuse);
                 load_tile<BLOCK_N, HEADDIM>(s_k(stage), &maps.k, k_full(stage), key_row, head_k, batch_coord,
-                                            bias_tiles ? p.bias_box_rows * BLOCK_N * 2 : 0);
-                if (bias_tiles) {  // (its bytes are k_full's too; a box past the sequence reads as zeros)
+                                            T::kBiasTiles ? p.bias_box_rows * BLOCK_N * 2 : 0);
+                if constexpr (T::kBiasTiles) {  // (its bytes are k_full's too; a box past the sequence reads as zeros)
                     const int3 at = Bias<BF16>::map_coordinates(p, tile.batch, tile.head, row0);
                     copy_column_blocks<BLOCK_M, BLOCK_N>(s_bias(stage), &maps.bias, k_full(stage), n_block * BLOCK_N,
                                                          at.x, at.y, at.z);
@@ -373,7 +373,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         if (kCarry && carried && !sees_keys) finish_carried();  // its rows are zeros: the carried tile ends first
         if (!kCarry || !carried) zero(acc_o);  // (else after the carried tile's O has left, in the first block)
         float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
-        const ScoreMods<BF16, FEATURES> mods(p, seq, batch, head, bias_tiles);  // OPTIONS only; dead code otherwise
+        const ScoreMods<BF16, FEATURES> mods(p, seq, batch, head, T::kBiasTiles);  // OPTIONS only; dead code otherwise
 
         // Every block is computed by every consumer, even one whose keys a warpgroup's rows do
         // not see (its scores are all masked, so its P is zero): a branch around the products
@@ -417,13 +417,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             }
             fence_operands(flat(s));
             if (arrives) {
-                if (!bias_tiles) mbarrier_arrive(k_empty(stage));  // (else once its bias tile is read)
+                if (!T::kBiasTiles) mbarrier_arrive(k_empty(stage));  // (else once its bias tile is read)
                 if (n_block == blocks.first) mbarrier_arrive(q_empty(q_buffer));
             }
             // (The serial kernels, short of registers, leave ALiBi by rows: by columns some spill.)
             typename RowShiftFor<1, (FEATURES & feature::alibi) != 0 && !kSerial>::type shift = {};
             if constexpr (OPTIONS) apply_score_mods<T::kBiasWords>(s, mods, row0 + warp_row0, key0, shift);
-            if (bias_tiles) {
+            if constexpr (T::kBiasTiles) {
                 add_swizzled_tile<BF16>(s, s_bias(stage), BLOCK_M, warp_row0, p.inv_softmax_scale, p.bias_box_rows == 1);
                 if (arrives) mbarrier_arrive(k_empty(stage));
             }

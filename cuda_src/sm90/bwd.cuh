@@ -232,10 +232,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     typedef Sm90BwdTile<HEADDIM, BLOCK_M, BLOCK_N, STAGES, BIAS_TILES, DROPOUT> T;
     static_assert(!BIAS_TILES || (FEATURES & feature::bias) != 0, "bias tiles are an attn_bias's");
     // P^T is computed while dP^T's product runs (its elements then wait for dP^T); softcap's d/ds
-    // would wait with them, and a bias read from global memory, its pointers beside dP^T's
-    // accumulators, spills (LOCAL hd128; from its ring of tiles it does not): with either, each
-    // tile's P^T, d/ds and dS^T in one pass after both products.
-    constexpr bool kEarlyProbabilities = (FEATURES & feature::softcap) == 0 && ((FEATURES & feature::bias) == 0 || T::kBiasTiles);
+    // would wait with them, and the LOCAL hd128 kernel's pointers to a bias in global memory spill
+    // beside dP^T's accumulators: there each tile's P^T, d/ds and dS^T in one pass after both products.
+    constexpr bool kEarlyProbabilities =
+        (FEATURES & feature::softcap) == 0 && !((FEATURES & feature::bias) != 0 && !T::kBiasTiles && LOCAL && HEADDIM == 128);
     constexpr int DT = HEADDIM / 8, MT = BLOCK_M / 8;  // accumulator column tiles: of dK/dV, of S^T
     // (The 80-row tile's last block, which may reach past the rows that flash_bwd_dot pads, stays
     // inside its sequence's padded rows: a head's are whole blocks, a varlen sequence's gap 128 rows.)

@@ -83,7 +83,7 @@ if __name__ == "__main__":
             line = []
             for layout, (kk, vv, tab) in (("dense", (kc, vc, None)), ("paged", (kp, vp, table))):
                 slots = _kvcache.streaming_slots(w, sms, resident, cache, tab is not None)
-                default = _kvcache.splits(ctas, -(-cache // n), w, slots)
+                default = _kvcache.splits(ctas, -(-cache // n), w, slots, sms)
                 for splits in sorted({default, max(1, default // 2), min(1024, default * 2), min(1024, default * 4)}):
                     def step():
                         with no_host_sync():

@@ -114,19 +114,50 @@ def _short_stream_slots(warps, sms):
     return sms * max(1, round(STREAMING_WARPS / warps))
 
 
-def splits(ctas, key_blocks, warps, slots):
+def splits(ctas, key_blocks, warps, slots, sms):
     """How many key ranges each of `ctas` CTAs' keys are split into, `slots` CTAs streaming at once
-    (streaming_slots): as many as fit the slots in one wave (a CTA past them doubles its SM's
-    stream: v42's grid), none where the CTAs fill 80% of them (each split adds its partials to the
-    combine's reads and shortens each CTA's stream past its fixed costs). A split keeps whole key
-    blocks for each warp, and the count is that of the splits that get keys, so that none is
-    launched empty."""
-    if ctas >= 0.8 * slots:
-        return 1
-    count = min(MAX_SPLITS, -(-key_blocks // warps), slots // ctas)
-    blocks_per_split = -(-key_blocks // count)
-    per_split = -(-blocks_per_split // warps) * warps  # as flash_decode rounds it
-    return -(-key_blocks // per_split)
+    (streaming_slots) on `sms` SMs: as many as fit the slots in one wave (a CTA past them doubles
+    its SM's stream: v42's grid), none where the CTAs fill 80% of them (each split adds its
+    partials to the combine's reads and shortens each CTA's stream past its fixed costs). Where
+    the slots are one CTA per SM (one streams at about its SM's share of the bandwidth, however few
+    run: v42's 144 CTAs on 132 SMs took twice one wave's time) and that count leaves long streams'
+    waves partly idle (104 CTAs on 132 SMs; 140, whose last 8 stream a whole cache each after the
+    others are done), the count of least modelled time (_waves_time) if it saves a tenth. A split
+    keeps whole key blocks for each warp, and the count is that of the splits that get keys, so
+    that none is launched empty."""
+    most = min(MAX_SPLITS, -(-key_blocks // warps))  # at least a key block per warp
+    count, per_split = _splits_with_keys(key_blocks, warps, 1 if ctas >= 0.8 * slots else min(most, slots // ctas))
+    waves = ctas * count / slots
+    if slots <= sms and waves / math.ceil(waves) < UNEVEN_WAVES and per_split // warps >= LONG_STEPS:
+        times = {c: _waves_time(ctas, key_blocks, warps, slots, c) for c in range(1, most + 1)}
+        best = min(times, key=times.get)
+        if times[best] <= 0.9 * times[count]:
+            count = _splits_with_keys(key_blocks, warps, best)[0]
+    return count
+
+
+# splits() models the count where the waves fill less than UNEVEN_WAVES of their slots with splits of
+# at least LONG_STEPS steps (a key block per warp): powers of two of CTAs fill 97% of 132 SMs, so
+# the measured grid keeps its counts, and short caches keep the counts their sweeps chose (v41).
+UNEVEN_WAVES, LONG_STEPS = 0.85, 64
+# A decode CTA's fixed cost (its first loads' latency, the warps' merge, its partials) and the
+# combine's, in steps: about what v41's sweep read (128 x 1k hd128 8/1: one split of 11 steps
+# 20.9 us, two of 6 steps on two waves 28.3).
+CTA_STEPS, COMBINE_STEPS = 4, 4
+
+
+def _splits_with_keys(key_blocks, warps, count):
+    """(how many of `count` splits get keys, key blocks a split): flash_decode gives each split
+    ceil(key_blocks / count) blocks rounded up to a multiple of `warps`."""
+    per_split = -(-(-(-key_blocks // count)) // warps) * warps
+    return -(-key_blocks // per_split), per_split
+
+
+def _waves_time(ctas, key_blocks, warps, slots, count):
+    """The modelled time, in steps, of a decode of `ctas` CTAs split `count` ways: its waves of
+    `slots`, each a split's steps and a CTA's fixed cost long, and the combine."""
+    count, per_split = _splits_with_keys(key_blocks, warps, count)
+    return -(-ctas * count // slots) * (per_split // warps + CTA_STEPS) + (COMBINE_STEPS if count > 1 else 0)
 
 
 def _table(ctas, cache, headdim, sms, device_id):
@@ -142,7 +173,7 @@ def _table(ctas, cache, headdim, sms, device_id):
     def warps(name):  # launched after splitting, in a short cache's slots, residency aside
         tile = _schedule.tile(name, headdim, device_id)
         slots = _short_stream_slots(tile.warps, sms)
-        return ctas * splits(ctas, -(-cache.capacity // tile.block_n), tile.warps, slots) * tile.warps
+        return ctas * splits(ctas, -(-cache.capacity // tile.block_n), tile.warps, slots, sms) * tile.warps
     return "decode_small" if warps("decode_small") >= 2 * warps(table) else table
 
 
@@ -161,7 +192,7 @@ def _new_plan(call, cache, arrays):
     if not count:
         slots = streaming_slots(tile.warps, sms, _schedule.resident_ctas(kernel, caller.device()), cache.capacity,
                                 cache.page_size > 0)
-        count = splits(ctas, key_blocks, tile.warps, slots)
+        count = splits(ctas, key_blocks, tile.warps, slots, sms)
     count = max(1, min(count, MAX_SPLITS, key_blocks))
 
     # One cluster per query block's splits, unless the clusters would take a second wave: a GPC

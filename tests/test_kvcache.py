@@ -429,31 +429,58 @@ def test_decode_streaming_slots_by_cache_length():
 
 def test_decode_splits_fill_the_slots_in_one_wave_with_no_empty_split():
     from cupyflash._kvcache import MAX_SPLITS, splits
-    assert splits(ctas=128, key_blocks=1024, warps=8, slots=132) == 1  # 97% of the slots: no split
-    assert splits(ctas=128, key_blocks=64, warps=6, slots=132) == 1    # (v41: one split 20.9 us, two 28.3)
-    assert splits(ctas=128, key_blocks=4096, warps=6, slots=396) == 3  # a long paged cache
-    assert splits(ctas=1024, key_blocks=64, warps=4, slots=264) == 1
-    assert splits(ctas=64, key_blocks=64, warps=4, slots=264) == 4     # 16 blocks a split
-    assert splits(ctas=16, key_blocks=4096, warps=8, slots=132) == 8   # 128 CTAs (v42: 9, 144, read at half speed)
-    assert splits(ctas=3, key_blocks=4096, warps=8, slots=132) == 43   # 44 asked: 94 -> 96 blocks each -> 43
-    assert splits(ctas=8, key_blocks=256, warps=4, slots=264) == 32    # 33 asked: 8 blocks each -> 32 splits
-    assert splits(ctas=4, key_blocks=256, warps=6, slots=132) == 22    # 33 asked: 8 -> 12 blocks each -> 22
-    assert splits(ctas=1, key_blocks=256, warps=6, slots=132) == 43    # one block per warp and split
-    assert splits(ctas=8, key_blocks=8, warps=4, slots=264) == 2
-    assert splits(ctas=1, key_blocks=10 ** 6, warps=8, slots=132) == MAX_SPLITS
+    # sms=132: the H200; slots of 264 or 396 are two or three CTAs per SM
+    assert splits(ctas=128, key_blocks=1024, warps=8, slots=132, sms=132) == 1  # 97% of the slots: no split
+    assert splits(ctas=128, key_blocks=64, warps=6, slots=132, sms=132) == 1    # (v41: one split 20.9 us, two 28.3)
+    assert splits(ctas=128, key_blocks=4096, warps=6, slots=396, sms=132) == 3  # a long paged cache
+    assert splits(ctas=1024, key_blocks=64, warps=4, slots=264, sms=132) == 1
+    assert splits(ctas=64, key_blocks=64, warps=4, slots=264, sms=132) == 4     # 16 blocks a split
+    assert splits(ctas=16, key_blocks=4096, warps=8, slots=132, sms=132) == 8   # 128 CTAs (v42: 9, 144, read at half speed)
+    assert splits(ctas=3, key_blocks=4096, warps=8, slots=132, sms=132) == 43   # 44 asked: 94 -> 96 blocks each -> 43
+    assert splits(ctas=8, key_blocks=256, warps=4, slots=264, sms=132) == 32    # 33 asked: 8 blocks each -> 32 splits
+    assert splits(ctas=4, key_blocks=256, warps=6, slots=132, sms=132) == 22    # 33 asked: 8 -> 12 blocks each -> 22
+    assert splits(ctas=1, key_blocks=256, warps=6, slots=132, sms=132) == 43    # one block per warp and split
+    assert splits(ctas=8, key_blocks=8, warps=4, slots=264, sms=132) == 2
+    assert splits(ctas=1, key_blocks=10 ** 6, warps=8, slots=132, sms=132) == MAX_SPLITS
     for slots in (46, 108, 132, 264, 528):
         for warps in (4, 6, 8):
             for ctas in (1, 3, 8, 64, 100, 200, 1000):
                 for key_blocks in (1, 5, 64, 255, 4096, 10 ** 6):
-                    count = splits(ctas, key_blocks, warps, slots)
+                    count = splits(ctas, key_blocks, warps, slots, sms=132)
                     assert 1 <= count <= min(MAX_SPLITS, max(1, -(-key_blocks // warps)))
                     blocks_per_split = -(-key_blocks // count)
                     per_split = -(-blocks_per_split // warps) * warps  # flash_decode's share of a split
                     assert (count - 1) * per_split < key_blocks <= count * per_split  # every split gets keys
-                    if ctas >= 0.8 * slots:
-                        assert count == 1
-                    else:  # one wave: no SM streams two CTAs' keys
-                        assert ctas * count <= slots
+                    if slots > 132 or key_blocks <= 63 * warps:  # several CTAs a SM, or short streams (64 steps)
+                        if ctas >= 0.8 * slots:
+                            assert count == 1
+                        else:  # one wave: no SM streams two CTAs' keys
+                            assert ctas * count <= slots
+
+
+def test_decode_splits_spread_long_streams_over_whole_waves_of_one_cta_per_sm():
+    from cupyflash._kvcache import _splits_with_keys, _waves_time, splits
+    # Powers of two of CTAs fill 97% of 132 SMs: the counts the measured grid ran stay
+    for ctas in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096):
+        for key_blocks in (64, 256, 1024, 4096, 8192):
+            one_wave = 1 if ctas >= 0.8 * 132 else min(128, -(-key_blocks // 8), 132 // ctas)
+            assert splits(ctas, key_blocks, 8, 132, sms=132) == splits(ctas, key_blocks, 8, 132, sms=1) != 0
+            assert splits(ctas, key_blocks, 8, 132, sms=132) <= one_wave
+    # One CTA per SM over 64k caches (4096 blocks of 16 keys, 8 warps): CTA counts that leave a
+    # wave partly idle are split into whole waves where the model saves at least a tenth
+    assert splits(ctas=104, key_blocks=4096, warps=8, slots=132, sms=132) == 5   # 520 CTAs: 3.94 waves, not 0.79
+    assert splits(ctas=140, key_blocks=4096, warps=8, slots=132, sms=132) == 9   # 9.55 waves, not a second of 8 CTAs
+    assert splits(ctas=72, key_blocks=4096, warps=8, slots=132, sms=132) == 9    # 4.91 waves, not 0.55
+    assert splits(ctas=120, key_blocks=4096, warps=8, slots=132, sms=132) == 1   # 91% of the SMs: kept
+    assert splits(ctas=140, key_blocks=4096, warps=8, slots=264, sms=132) == 1   # two a SM: the SMs stay busy
+    assert splits(ctas=140, key_blocks=256, warps=8, slots=132, sms=132) == 1    # a 4k cache: short streams
+    for ctas in range(1, 300):
+        count = splits(ctas, 4096, 8, 132, sms=132)
+        one_wave = _splits_with_keys(4096, 8, 1 if ctas >= 0.8 * 132 else min(128, 512, 132 // ctas))[0]
+        if count != one_wave:
+            assert _waves_time(ctas, 4096, 8, 132, count) <= 0.9 * _waves_time(ctas, 4096, 8, 132, one_wave)
+            waves = ctas * one_wave / 132
+            assert waves / -(-ctas * one_wave // 132) < 0.85
 
 
 def test_tiny_short_calls_take_the_small_tile_where_it_runs_twice_the_warps(monkeypatch):

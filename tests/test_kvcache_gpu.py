@@ -436,3 +436,23 @@ def test_torch_varlen_prefill_from_a_paged_cache_captures_and_replays_with_new_l
         torch.cuda.synchronize()
         want = attention()
         assert bool(torch.isfinite(want).all()) and torch.equal(captured, want), lengths
+
+
+def test_an_odd_batch_of_long_caches_spreads_its_splits_over_whole_waves(monkeypatch):
+    """17 sequences x 8 KV heads are 136 CTAs: past a wave of the long-cache tile's one CTA per SM on
+    an H200 (132) by four, which the split rule spreads over whole waves of splits (_kvcache.splits)
+    merged by the combine. The result is checked; on 132 SMs, that the rule split it."""
+    import cupy
+    from cupyflash import _kvcache
+    picked, rule = [], _kvcache.splits
+    monkeypatch.setattr(_kvcache, "splits", lambda *args: picked.append(rule(*args)) or picked[-1])
+    rng = np.random.default_rng(17)
+    case = _case(rng, "bfloat16", batch=17, nheads=32, nheads_k=8, headdim=128, capacity=8320, seqlen_new=0,
+                 rotary_dim=0)
+    case["cache_seqlens"][:] = 8320
+    case["cache_seqlens"][3] = 0      # a sequence without keys: its splits weigh nothing
+    case["cache_seqlens"][5] = 4000   # a shorter one: its later splits see no key
+    _run_and_check(case, "bfloat16", "cupy")
+    assert picked
+    if cupy.cuda.Device().attributes["MultiProcessorCount"] == 132:
+        assert picked[-1] > 1

@@ -177,6 +177,28 @@ def _table(ctas, cache, headdim, sms, device_id):
     return "decode_small" if warps("decode_small") >= 2 * warps(table) else table
 
 
+# Splits of at most this many steps (a key block per warp) are short enough that the combine's
+# launch and round trip weigh more than doubling them (fewer_splits_in_clusters): the second
+# block's loads are in flight with the first's (v58, H100: dense 1k cells of 1-2 steps a split
+# +2-15%; 16 x 4k hd128's 8 splits of 4 steps 9% slower as fewer, longer ones in clusters).
+SHORT_SPLIT_STEPS = 2
+
+
+def fewer_splits_in_clusters(count, key_blocks, warps, clusters_fit):
+    """`count` splits of a short step (at most SHORT_SPLIT_STEPS steps each) whose clusters would
+    not fit one wave, so that the combine merges them: the most splits, at least half of `count`,
+    whose clusters do fit (`clusters_fit(splits)`), as each split that gets keys counts them; a
+    cluster merges its splits with no combine launch (v46: +5-17% on 1k cells). Else `count`."""
+    count, per_split = _splits_with_keys(key_blocks, warps, count)
+    if count <= 1 or clusters_fit(count) or per_split // warps > SHORT_SPLIT_STEPS:
+        return count
+    for fewer in range(min(count, _launch.MAX_CLUSTER), -(-count // 2) - 1, -1):
+        fewer = _splits_with_keys(key_blocks, warps, fewer)[0]
+        if 2 * fewer >= count and clusters_fit(fewer):
+            return fewer
+    return count
+
+
 def _new_plan(call, cache, arrays):
     shape, caller = call.shape, call.caller
     device_id = caller.device_id
@@ -198,8 +220,12 @@ def _new_plan(call, cache, arrays):
     # One cluster per query block's splits, unless the clusters would take a second wave: a GPC
     # holds a whole number of them, so fewer fit than SMs over the cluster size (bench/notes/v46:
     # 16 clusters of 8 where 15 fit ran at 0.63x the combine's speed; 8 of 8 and 64 of 2 gained 13-17%).
-    merge_in_cluster = (1 < count <= _launch.MAX_CLUSTER and _launch.available(_schedule.device_info(device_id)[1])
-                        and ctas <= _schedule.cluster_slots(kernel, device_id, count))
+    def clusters_fit(splits_):
+        return (1 < splits_ <= _launch.MAX_CLUSTER and _launch.available(_schedule.device_info(device_id)[1])
+                and ctas <= _schedule.cluster_slots(kernel, device_id, splits_))
+    if not cache.num_splits and not cache.page_size:  # (paged 1k caches: 3-6% slower with fewer, v58)
+        count = fewer_splits_in_clusters(count, key_blocks, tile.warps, clusters_fit)
+    merge_in_cluster = clusters_fit(count)
     params = params_of(call, cache, arrays, tile, count)
     params["merge_in_cluster"] = int(merge_in_cluster)
     q = arrays["q"]

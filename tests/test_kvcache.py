@@ -574,3 +574,26 @@ def test_the_caches_are_never_copied_but_misaligned_q_is():
         _kvcache._launchable(caller, dict(arrays, k=odd))
     _, copied = _kvcache._launchable(caller, dict(arrays, q=torch.zeros(2, 1, 4, 16, dtype=torch.bfloat16)))
     assert not copied
+
+
+def test_short_steps_take_fewer_splits_where_their_clusters_then_fit():
+    from cupyflash._kvcache import fewer_splits_in_clusters
+    # clusters of each size that one wave holds, for `ctas` query blocks (an H200-like GPU: 15 of 8, 30 of 4)
+    def fit(ctas):
+        return lambda splits: 1 < splits <= 8 and ctas <= {2: 60, 3: 40, 4: 30, 5: 22, 6: 20, 7: 15, 8: 15}[splits]
+    assert fewer_splits_in_clusters(8, 64, 8, fit(16)) == 4     # 16 x 8 do not fit, 16 x 4 do (6 and 7 round to 4)
+    assert fewer_splits_in_clusters(4, 64, 8, fit(32)) == 3     # 32 x 4 do not, 32 x 3 do
+    assert fewer_splits_in_clusters(16, 64, 4, fit(8)) == 8     # past a cluster: 8 x 8 fit
+    assert fewer_splits_in_clusters(8, 64, 8, fit(15)) == 8     # they fit already
+    assert fewer_splits_in_clusters(4, 256, 8, fit(32)) == 4    # 8 steps a split: the combine stays
+    assert fewer_splits_in_clusters(8, 256, 8, fit(16)) == 8    # 4 steps a split: so does it (v58: 6 ran 9% slower)
+    assert fewer_splits_in_clusters(16, 64, 8, fit(16)) == 4    # 16 asked, 8 get keys: as the first case
+    assert fewer_splits_in_clusters(32, 64, 2, fit(16)) == 32   # half would be 16: no cluster holds them
+    for ctas in (1, 8, 16, 24, 32, 64):
+        for count in range(1, 40):
+            for key_blocks in (8, 64, 256):
+                fewer = fewer_splits_in_clusters(count, key_blocks, 8, fit(ctas))
+                per_split = -(-(-(-key_blocks // fewer)) // 8) * 8
+                assert (fewer - 1) * per_split < key_blocks <= fewer * per_split  # every split gets keys
+                asked = -(-key_blocks // (-(-(-(-key_blocks // count)) // 8) * 8))  # of `count`, those with keys
+                assert fewer == asked or (2 * fewer >= asked and fit(ctas)(fewer) and not fit(ctas)(asked))

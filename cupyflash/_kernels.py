@@ -213,9 +213,10 @@ def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
                 continue  # (its tile serves the forwards with bias tiles alone)
             kernel = Kernel(pass_, dtype, tile, local, even_k, features, deterministic, table == "fwd_bias")
             kernels.append(kernel)
-            twin = tuple(f for f in features if f in ring_features(tile, pass_))
-            if wgmma and pass_ == "bwd" and "bias" in features and tile.fits_bias_tiles(pass_, twin):
-                kernels.append(dataclasses.replace(kernel, features=twin, bias_tiles=True))
+            if wgmma and pass_ == "bwd" and "bias" in features:
+                twin = tuple(f for f in features if f in ring_features(tile, pass_))
+                if tile.fits_bias_tiles(pass_, twin):
+                    kernels.append(dataclasses.replace(kernel, features=twin, bias_tiles=True))
     return list(dict.fromkeys(kernels))  # (a tile in two tables of one pass is one kernel)
 
 
@@ -273,9 +274,9 @@ def representative_jobs(jobs):
         if k.features == ("softcap",) and k.dtype == "bfloat16":  # the fixed maximum's code (_BOUNDED_FLAGS)
             return k.tile.headdim == 128 and k.local and not k.even_k and (k.wgmma or (arch == primary
                                                                                       and native(arch, k)))
-        if k.features not in ((), FEATURES, DECODE_FEATURES) and not (k.bias_tiles and k.features == ring_features(
-                k.tile, k.pass_)) or (
-                k.deterministic and not k.features and not own_deterministic_tile(arch, k)):
+        heaviest_features = k.features in ((), FEATURES, DECODE_FEATURES) or (
+            k.bias_tiles and k.features == ring_features(k.tile, k.pass_))
+        if not heaviest_features or (k.deterministic and not k.features and not own_deterministic_tile(arch, k)):
             return False  # (the sweep's single features: their code is the full set's, less)
         if k.wgmma:  # every tile with the heaviest flags, and every flag at hd128
             return k.dtype == DTYPES[0] and ((k.local and k.options and (k.deterministic or k.pass_ == "fwd"))

@@ -92,7 +92,8 @@ struct Sm90BwdTile {
     static constexpr int kBarrierBytes = 8 * (3 + 2 * STAGES);
     // A kernel whose attn_bias comes in tiles (BIAS_TILES, as the forward's) has a ring of them beside
     // Q's (BLOCK_M rows by BLOCK_N keys, 16-bit, in 64-key column blocks: a consumer's keys each),
-    // copied with Q: read by the consumers element by element, the bias's latency sits in every step.
+    // copied with Q. Other biases are read by the consumers element by element, their latency in
+    // every step.
     static constexpr int kBiasTileBytes = BLOCK_M * BLOCK_N * 2;
     static constexpr int smem_bytes_with(bool bias_tiles) {
         return 1024 + 2 * kKVBytes + STAGES * 2 * kQBytes + kTradeBytes + (bias_tiles ? STAGES * kBiasTileBytes : 0)

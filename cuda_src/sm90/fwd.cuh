@@ -47,8 +47,8 @@ struct Sm90FwdTile {
     // with the second's bookkeeping). After the barriers, a Q buffer's tile index (8 bytes each).
     // A kernel whose attn_bias comes in tiles (BIAS_TILES: a 16-bit bias with aligned rows, which
     // the call's plan maps) has a ring of them beside K's (a tile's rows by BLOCK_N keys, in 64-key
-    // column blocks), which the producer copies with K: the consumers' own reads of the bias, a
-    // block's products ahead, leave its latency in every block's softmax. Other biases take those.
+    // column blocks), which the producer copies with K. Other biases are the consumers' own reads, a
+    // block's products ahead, which leave their latency in every block's softmax.
     static constexpr int kBiasTileBytes = kBlockM * BLOCK_N * 2;
     static constexpr int smem_bytes_with(int q_buffers, bool bias_tiles) {
         return 1024 + q_buffers * kQBytes + 2 * STAGES * kKVBytes + (bias_tiles ? STAGES * kBiasTileBytes : 0)

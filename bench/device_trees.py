@@ -2,15 +2,15 @@
 for all of them, packed to travel as `carry` (bench/DEVICE.md says how a call uses them).
 
     python bench/device_trees.py DIR main=HEAD pdl=HEAD+bench/notes/x.patch [--kernels ab|all]
-                                 [--options '{"softcap": 30.0}' ...]
+                                 [--options '{"softcap": 30.0}' ...] [--dtypes bfloat16 float16]
 
 A version is NAME=REV[+PATCH...]: `git archive REV` of cupyflash/, cuda_src/, tests/ and
 setup.cfg into DIR/NAME, then each patch applied with `patch -p1`. The kernels compile here with
 NVRTC (no GPU), each version with its own code, into .device_cache/ (git-ignored, kept between
 runs: an unchanged kernel compiles once for every version); DIR/cache.tar.xz then holds the
 versions' kernels (not the rest of that cache), so that DIR alone travels (well under the 64 MiB a
-call carries): `ab` (default) the kernels bench/ab.py times (bf16: the plain and causal fwd and bwd,
-and decode), `all` every sm_90 variant of the compile checks (about 4 minutes a version on two
+call carries): `ab` (default) the kernels bench/ab.py times (the plain and causal fwd and bwd in each
+of --dtypes, bf16 unless told; and decode), `all` every sm_90 variant of the compile checks (about 4 minutes a version on two
 cores), `kvcache` ab's and every sm_90 variant of the KV cache's kernels (what its GPU tests run),
 and with each --options the forwards and backwards bench/ab.py times with those options.
 """
@@ -56,12 +56,13 @@ def make_tree(directory, spec):
     return tree
 
 
-def compile_kernels(tree, cache, which, options):
+def compile_kernels(tree, cache, which, options, dtypes):
     """Compiles the tree's kernels into `cache`; returns the names of the cache files they are."""
     env = dict(os.environ, PYTHONPATH=str(tree), CUPYFLASH_CACHE_DIR=str(cache))
     ab = [sys.executable, str(REPO / "bench" / "ab.py"), "--worker-compile"]
     commands = [[sys.executable, "-c", COMPILE_ALL]] if which == "all" else [
-        [*ab, "--pass", pass_] for pass_ in ("fwd", "bwd", "decode")]
+        [*ab, "--pass", pass_, "--dtype", dtype] for pass_ in ("fwd", "bwd") for dtype in dtypes]
+    commands += [[*ab, "--pass", "decode"]] if which != "all" else []
     if which == "kvcache":
         commands.append([sys.executable, "-c", COMPILE_ALL, "kvcache"])
     commands += [[*ab, "--pass", pass_, "--options", given] for given in options for pass_ in ("fwd", "bwd")]
@@ -84,13 +85,15 @@ def main(argv):
     parser.add_argument("--kernels", choices=("ab", "all", "kvcache"), default="ab")
     parser.add_argument("--options", action="append", default=[],
                         help="JSON options of a forward A/B (bench/ab.py --options) whose kernels to add; repeatable")
+    parser.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float16"), default=["bfloat16"],
+                        help="the dtypes of `ab`'s plain kernels (the speed grid runs both)")
     args = parser.parse_args(argv)
     directory = args.directory.resolve()
     cache = REPO / ".device_cache"
     cache.mkdir(parents=True, exist_ok=True)
     files = set()
     for spec in args.versions:
-        files |= compile_kernels(make_tree(directory, spec), cache, args.kernels, args.options)
+        files |= compile_kernels(make_tree(directory, spec), cache, args.kernels, args.options, args.dtypes)
     with tarfile.open(directory / "cache.tar.xz", "w:xz") as archive:
         for name in sorted(files):
             archive.add(cache / name, arcname=f"cache/{name}")

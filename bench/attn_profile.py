@@ -26,23 +26,28 @@ def main(argv=None):
     parser.add_argument("--impl", action="append", choices=list(benchmark.IMPLEMENTATIONS),
                         help="an implementation to profile (repeatable; default: cupyflash and SDPA cuDNN)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--tokens", type=int, default=benchmark.TOKENS, help="batch x seqlen")
+    parser.add_argument("--device", default="cuda", help="another device only runs the plumbing (the CPU test)")
     parser.add_argument("cells", type=parse_cell, nargs="+", help="PASS:HD:SEQLEN[:causal]")
     args = parser.parse_args(argv)
     import torch
     for pass_, hd, seqlen, causal in args.cells:
-        batch, nheads = benchmark.TOKENS // seqlen, benchmark.HIDDEN // hd
-        q, k, v, dout = (torch.randn(batch, seqlen, nheads, hd, device="cuda", dtype=getattr(torch, args.dtype))
+        batch, nheads = max(1, args.tokens // seqlen), benchmark.HIDDEN // hd
+        q, k, v, dout = (torch.randn(batch, seqlen, nheads, hd, device=args.device, dtype=getattr(torch, args.dtype))
                          for _ in range(4))
         for impl in args.impl or ["cupyflash", "SDPA cuDNN"]:
             call, _ = benchmark.IMPLEMENTATIONS[impl](q, k, v, dout, causal).timed[pass_]
             for _ in range(3):
                 call()
             print(f"profiled: {pass_} hd{hd} s{seqlen}{' causal' if causal else ''} {impl}", flush=True)
-            torch.cuda.synchronize()
-            torch.cuda.profiler.start()
+            profiled = args.device == "cuda"
+            if profiled:
+                torch.cuda.synchronize()
+                torch.cuda.profiler.start()
             call()
-            torch.cuda.synchronize()
-            torch.cuda.profiler.stop()
+            if profiled:
+                torch.cuda.synchronize()
+                torch.cuda.profiler.stop()
 
 
 if __name__ == "__main__":

@@ -123,3 +123,24 @@ def test_the_decode_profile_runs_each_implementation_once_checked_on_cpu(monkeyp
     monkeypatch.setitem(benchmark.DECODE_IMPLEMENTATIONS, "wrong", lambda shape, q, k, v, generator: lambda: q * 0 + 1)
     with pytest.raises(SystemExit, match="wrong disagrees"):
         decode_profile.main(["--device", "cpu", "--impl", "cupyflash", "--impl", "wrong", "2:64:4:2:64:dense"])
+
+
+def test_the_attention_profile_names_each_call_it_profiles(monkeypatch, capsys):
+    """bench/attn_profile.py (for ncu) on CPU tensors: each implementation's call of each cell runs
+    and is named in the order its profiled range comes; a malformed cell is refused by name."""
+    pytest.importorskip("torch")
+    import os
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), os.pardir, "bench"))
+    import attn_profile
+    calls = []
+
+    def fake(q, k, v, dout, causal):
+        record = lambda pass_: lambda: calls.append((pass_, q.shape, causal))  # noqa: E731
+        return benchmark.Calls({p: (record(p), None) for p in ("fwd", "bwd")}, None)
+    monkeypatch.setitem(benchmark.IMPLEMENTATIONS, "fake", fake)
+    attn_profile.main(["--device", "cpu", "--tokens", "64", "--impl", "fake", "fwd:64:32:causal", "bwd:128:64"])
+    assert capsys.readouterr().out.splitlines() == ["profiled: fwd hd64 s32 causal fake", "profiled: bwd hd128 s64 fake"]
+    assert calls == [("fwd", (2, 32, 32, 64), True)] * 4 + [("bwd", (1, 64, 16, 128), False)] * 4
+    with pytest.raises(SystemExit):
+        attn_profile.main(["--device", "cpu", "fwd:64:1024:sideways"])
+    assert "a cell is PASS:HD:SEQLEN[:causal], got 'fwd:64:1024:sideways'" in capsys.readouterr().err

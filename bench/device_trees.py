@@ -9,10 +9,11 @@ setup.cfg into DIR/NAME, then each patch applied with `patch -p1`. The kernels c
 NVRTC (no GPU), each version with its own code, into .device_cache/ (git-ignored, kept between
 runs: an unchanged kernel compiles once for every version); DIR/cache.tar.xz then holds the
 versions' kernels (not the rest of that cache), so that DIR alone travels (well under the 64 MiB a
-call carries): `ab` (default) the kernels bench/ab.py times (the plain and causal fwd and bwd in each
-of --dtypes, bf16 unless told; and decode), `all` every sm_90 variant of the compile checks (about 4 minutes a version on two
-cores), `kvcache` ab's and every sm_90 variant of the KV cache's kernels (what its GPU tests run),
-and with each --options the forwards and backwards bench/ab.py times with those options.
+call carries): `ab` (default) the kernels bench/ab.py times (the plain and causal fwd and bwd in
+each of --dtypes, bf16 unless told, and decode), `all` every sm_90 variant of the compile checks
+(about 4 minutes a version on two cores), `kvcache` ab's and every sm_90 variant of the KV cache's
+kernels (what its GPU tests run), and with each --options the forwards and backwards bench/ab.py
+times with those options.
 """
 
 import argparse
@@ -60,9 +61,9 @@ def compile_kernels(tree, cache, which, options, dtypes):
     """Compiles the tree's kernels into `cache`; returns the names of the cache files they are."""
     env = dict(os.environ, PYTHONPATH=str(tree), CUPYFLASH_CACHE_DIR=str(cache))
     ab = [sys.executable, str(REPO / "bench" / "ab.py"), "--worker-compile"]
-    commands = [[sys.executable, "-c", COMPILE_ALL]] if which == "all" else [
-        [*ab, "--pass", pass_, "--dtype", dtype] for pass_ in ("fwd", "bwd") for dtype in dtypes]
-    commands += [[*ab, "--pass", "decode"]] if which != "all" else []
+    commands = [[sys.executable, "-c", COMPILE_ALL]] if which == "all" else (
+        [[*ab, "--pass", pass_, "--dtype", dtype] for pass_ in ("fwd", "bwd") for dtype in dtypes]
+        + [[*ab, "--pass", "decode"]])
     if which == "kvcache":
         commands.append([sys.executable, "-c", COMPILE_ALL, "kvcache"])
     commands += [[*ab, "--pass", pass_, "--options", given] for given in options for pass_ in ("fwd", "bwd")]

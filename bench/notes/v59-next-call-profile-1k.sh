@@ -1,11 +1,11 @@
 #!/bin/bash
-# A device call (v59; about 120 s warm; right after v51-next-call-fa4-b.sh, whose FA4 install in
+# A device call (v59; about 180 s warm; right after v51-next-call-fa4-b.sh, whose FA4 install in
 # /tmp/fa4site it then profiles too): ncu of the 1k cells where cuDNN leads the forward most (hd64
 # causal 0.83, hd128 causal 0.88, hd64 0.90 in v45's grid) beside a cell where we lead (hd64 4k),
 # the hd64 1k causal backward (0.86 of FA4's) and the 80-row hd128 4k backward (0.89, about 0.94
-# since v49): ours, cuDNN's and FA4's kernels, one call each (bench/attn_profile.py). The question: at 1k, is a CTA short of tensor-pipe work because of
-# its L2 traffic (hd64's 128-row tile reads 32 KB of K and V per 4.2 MFLOP step), its tile starts
-# and ends, or its instruction stream?
+# since v49): ours, cuDNN's and FA4's kernels, one call each (bench/attn_profile.py). The question:
+# at 1k, is a CTA short of tensor-pipe work because of its L2 traffic (hd64's 128-row tile reads
+# 32 KB of K and V per 4.2 MFLOP step), its tile starts and ends, or its instruction stream?
 # Run from the repository root: bash bench/notes/v59-next-call-profile-1k.sh
 cd "$(dirname "$0")/../.."
 L=$OUT/log.txt

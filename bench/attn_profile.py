@@ -31,7 +31,6 @@ def main(argv=None):
     parser.add_argument("cells", type=parse_cell, nargs="+", help="PASS:HD:SEQLEN[:causal]")
     args = parser.parse_args(argv)
     import torch
-    profiled = args.device == "cuda"
     for pass_, hd, seqlen, causal in args.cells:
         batch, nheads = max(1, args.tokens // seqlen), benchmark.HIDDEN // hd
         q, k, v, dout = (torch.randn(batch, seqlen, nheads, hd, device=args.device, dtype=getattr(torch, args.dtype))
@@ -41,13 +40,7 @@ def main(argv=None):
             for _ in range(3):
                 call()
             print(f"profiled: {pass_} hd{hd} s{seqlen}{' causal' if causal else ''} {impl}", flush=True)
-            if profiled:
-                torch.cuda.synchronize()
-                torch.cuda.profiler.start()
-            call()
-            if profiled:
-                torch.cuda.synchronize()
-                torch.cuda.profiler.stop()
+            benchmark.run_profiled(call, args.device)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ def main(argv=None):
     parser.add_argument("cells", type=parse_decode_cell, nargs="+", help="batch:cache:nheads:nheads_k:hd:layout")
     args = parser.parse_args(argv)
     impls = args.impl or list(benchmark.DECODE_IMPLEMENTATIONS)
-    import torch
     for batch, cache, nheads, nheads_k, headdim, page in args.cells:
         shape = benchmark.DecodeShape(batch, cache, nheads, nheads_k, headdim, args.seqlen_q,
                                       f"paged{page}" if page else "dense")
@@ -47,16 +46,9 @@ def main(argv=None):
             elif not benchmark._agrees(out, expected):
                 raise SystemExit(f"{impl} disagrees with {impls[0]} at {shape}")
             steps[impl] = step
-        profiled = args.device == "cuda"
         for impl, step in steps.items():
             print(f"profiled: {benchmark._decode_label(shape)} {impl}", flush=True)
-            if profiled:
-                torch.cuda.synchronize()
-                torch.cuda.profiler.start()
-            step()
-            if profiled:
-                torch.cuda.synchronize()
-                torch.cuda.profiler.stop()
+            benchmark.run_profiled(step, args.device)
         del q, k, v, steps, expected
 
 

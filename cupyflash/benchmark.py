@@ -1279,6 +1279,20 @@ def _agrees(got, want):
     return bool(got.isfinite().all()) and (got - want).abs().max().item() <= 0.05 * want.abs().max().item() + 1e-3
 
 
+def run_profiled(call, device="cuda"):
+    """Runs `call` once between cudaProfilerStart and Stop, the GPU idle on both sides, so that
+    `ncu --profile-from-start off` measures exactly its kernels (bench/attn_profile.py,
+    bench/decode_profile.py); on another device it only runs it (their CPU tests)."""
+    import torch
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+    call()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+
+
 def _decode_label(shape):
     return (f"b{shape.batch} cache{shape.cache} h{shape.nheads}/{shape.nheads_k} d{shape.headdim} "
             f"sq{shape.seqlen_q} {shape.layout}")

@@ -1,22 +1,22 @@
 #!/bin/bash
-# A device call (v60; about 90 s warm): where the hd64 1k forwards stall, ours beside cuDNN's (v60's
+# A device call (v60; about 120 s warm): where the hd64 1k forwards and the causal backward stall, ours beside cuDNN's (v60's
 # H100 profile: causal 434k cycles against cuDNN's 363k, tensor pipe 34% against 41%, the same
 # instruction count within 5%). Per kernel the stall reasons per issued instruction; for ours, the
 # SASS page of stall samples (SourceCounters), to find the instructions the warps wait at.
 # Run from the repository root: bash bench/notes/v60-next-call-stalls-1k.sh (carry .device_scratch for the kernel cache).
 cd "$(dirname "$0")/../.."
-L=$OUT/log.txt
+L=$OUT/stalls_log.txt
 nvidia-smi --query-gpu=name --format=csv,noheader > $L
 if [ -f .device_scratch/cache.tar.xz ]; then
   mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
   export CUPYFLASH_CACHE_DIR=/tmp/pcache
 fi
-CELLS="fwd:64:1024:causal fwd:64:1024"
-PYTHONPATH=. timeout 200 ncu --profile-from-start off --clock-control none -k regex:"cupyflash_fwd|cudnn" \
+CELLS="fwd:64:1024:causal fwd:64:1024 bwd:64:1024:causal"
+PYTHONPATH=. timeout 200 ncu --profile-from-start off --clock-control none -k regex:"cupyflash_(fwd|bwd)_bfloat16_wgmma|cudnn_generated" \
   --section WarpStateStats --metrics regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
   python bench/attn_profile.py --impl cupyflash --impl "SDPA cuDNN" $CELLS > $OUT/stalls.txt 2>&1
 echo "stalls rc $? ($(date +%T))" >> $L
-PYTHONPATH=. timeout 200 ncu --profile-from-start off --clock-control none -k regex:cupyflash_fwd \
+PYTHONPATH=. timeout 200 ncu --profile-from-start off --clock-control none -k regex:"cupyflash_(fwd|bwd)_bfloat16_wgmma" \
   --section SourceCounters --section WarpStateStats --import-source no -f -o /tmp/ours \
   python bench/attn_profile.py --impl cupyflash $CELLS > $OUT/source_run.txt 2>&1
 echo "source rc $? ($(date +%T))" >> $L

@@ -1,7 +1,8 @@
 # Sourced from the repository root by a device call's script (bench/notes/*-next-call*.sh, run as
 # .device_scratch/next_callN.sh): the carried kernel cache unpacked and used, S the carried trees,
-# L the call's log (in $OUT). save_new_kernels packs what the call compiled into $OUT, to unpack
-# into .device_cache/ here (bench/DEVICE.md).
+# L the call's log (in $OUT). gpu_tests runs a tree's GPU tests and logs how they ended;
+# save_new_kernels packs what the call compiled into $OUT, to unpack into .device_cache/ here
+# (bench/DEVICE.md).
 mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
 export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
 touch /tmp/t0
@@ -9,3 +10,12 @@ cp bench/ab.py /tmp/
 S=$PWD/.device_scratch
 L=$OUT/log.txt
 save_new_kernels() { find /tmp/pcache -newer /tmp/t0 -type f | tar -cJf "$OUT/newcache.tar.xz" -T - 2>/dev/null; }
+# gpu_tests TREE NAME SECONDS PYTEST_ARGS...: the GPU tests of $S/TREE on 15 workers, their output in
+# $OUT/NAME.log; their exit status, last line and failures in $L.
+gpu_tests() {
+  local tree=$1 log=$OUT/$2.log seconds=$3
+  shift 3
+  (cd "$S/$tree" && PYTHONPATH=. timeout "$seconds" python -m pytest -m gpu -p no:cacheprovider -n 15 -q -rf \
+    -p no:warnings "$@" > "$log" 2>&1)
+  echo "rc $? ($(date +%T))" >> $L; tail -1 "$log" >> $L; grep -E "^FAILED|^ERROR" "$log" | head -10 >> $L
+}

@@ -5,12 +5,9 @@
 # SASS page of stall samples (SourceCounters), to find the instructions the warps wait at.
 # Run from the repository root: bash bench/notes/v60-next-call-stalls-1k.sh (carry .device_scratch for the kernel cache).
 cd "$(dirname "$0")/../.."
-L=$OUT/stalls_log.txt
+source bench/device_call.sh
+L=$OUT/stalls_log.txt  # (beside the log of the call before it on the same machine)
 nvidia-smi --query-gpu=name --format=csv,noheader > $L
-if [ -f .device_scratch/cache.tar.xz ]; then
-  mkdir -p /tmp/pcache && tar -xJf .device_scratch/cache.tar.xz -C /tmp/pcache --strip-components=1
-  export CUPYFLASH_CACHE_DIR=/tmp/pcache
-fi
 CELLS="fwd:64:1024:causal fwd:64:1024 bwd:64:1024:causal"
 PYTHONPATH=. timeout 200 ncu --profile-from-start off --clock-control none -k regex:"cupyflash_(fwd|bwd)_bfloat16_wgmma|cudnn_generated" \
   --section WarpStateStats --metrics regex:"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \

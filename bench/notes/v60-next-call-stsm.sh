@@ -14,9 +14,7 @@ source bench/device_call.sh
 : > $L
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L
 echo "== stsm: the backward tests ($(date +%T))" >> $L
-(cd $S/stsm && PYTHONPATH=. timeout 110 python -m pytest -m gpu -p no:cacheprovider -n 15 -q -rf -p no:warnings \
-  tests/test_gpu.py -k "forward_backward or full_and_the_edged or pair_groups or no_key or deterministic" > $OUT/tests_stsm.log 2>&1)
-echo "rc $? ($(date +%T))" >> $L; tail -1 $OUT/tests_stsm.log >> $L; grep -E "^FAILED|^ERROR" $OUT/tests_stsm.log | head -10 >> $L
+gpu_tests stsm tests_stsm 110 tests/test_gpu.py -k "forward_backward or full_and_the_edged or pair_groups or no_key or deterministic"
 echo "== ab bwd, main stsm ($(date +%T))" >> $L
 timeout 80 python /tmp/ab.py --pass bwd --rounds 5 --cells 64:1024:1,128:1024:1,64:4096:0,128:4096:1,64:16384:1,128:1024:0 \
   $S/main $S/stsm >> $L 2>&1

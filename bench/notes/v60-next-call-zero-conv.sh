@@ -20,9 +20,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader >> $L
 for family in default mma_sync; do
   echo "== zero, $family family: bias tests ($(date +%T))" >> $L
   [ $family = mma_sync ] && export CUPYFLASH_FAMILY=mma_sync
-  (cd $S/zero && PYTHONPATH=. timeout 100 python -m pytest -m gpu -p no:cacheprovider -n 15 -q -rf -p no:warnings \
-    tests/test_gpu.py tests/test_gpu_variants.py tests/test_torch_options.py -k "bias" > $OUT/tests_zero_$family.log 2>&1)
-  echo "rc $? ($(date +%T))" >> $L; tail -1 $OUT/tests_zero_$family.log >> $L; grep -E "^FAILED|^ERROR" $OUT/tests_zero_$family.log | head -10 >> $L
+  gpu_tests zero tests_zero_$family 100 tests/test_gpu.py tests/test_gpu_variants.py tests/test_torch_options.py -k "bias"
   unset CUPYFLASH_FAMILY
 done
 echo "== ab bwd, zero conv ($(date +%T))" >> $L
@@ -31,9 +29,7 @@ timeout 80 python /tmp/ab.py --pass bwd --rounds 5 --cells 128:1024:1,64:1024:1,
 echo "== ab bwd deterministic, zero conv ($(date +%T))" >> $L
 timeout 30 python /tmp/ab.py --pass bwd --rounds 3 --options '{"deterministic": true}' --cells 64:1024:1,128:1024:1 $S/zero $S/conv >> $L 2>&1
 echo "== conv: the tests that cover it ($(date +%T))" >> $L
-(cd $S/conv && PYTHONPATH=. timeout 110 python -m pytest -m gpu -p no:cacheprovider -n 15 -q -rf -p no:warnings \
-  tests/test_gpu.py -k "converts_dq or pair_groups or no_key or full_and_the_edged or bias" > $OUT/tests_conv.log 2>&1)
-echo "rc $? ($(date +%T))" >> $L; tail -1 $OUT/tests_conv.log >> $L; grep -E "^FAILED|^ERROR" $OUT/tests_conv.log | head -10 >> $L
+gpu_tests conv tests_conv 110 tests/test_gpu.py -k "converts_dq or pair_groups or no_key or full_and_the_edged or bias"
 echo "== ab bwd, main g1 (pair groups of one pair) ($(date +%T))" >> $L
 timeout 30 python /tmp/ab.py --pass bwd --rounds 3 --cells 64:1024:1,128:1024:1 $S/main $S/g1 >> $L 2>&1
 save_new_kernels

@@ -5,9 +5,9 @@
 # Prediction: within 3% of plain at hd64 (same tile) and at hd128 (fwd_local's two stages against
 # three); if LOCAL loses 8% or more, the causal cells' gap to FA4 (hd128 4k 0.84) is the LOCAL
 # machinery (tile counter, slots), not the masked steps.
-# Run from the repository root with .device_scratch carried (its cache and main tree).
+# Run from the repository root with .device_scratch_one carried (its cache and main tree).
 cd "$(dirname "$0")/../.."
-source bench/device_call.sh
+SCRATCH=.device_scratch_one source bench/device_call.sh
 L=$OUT/local_log.txt
 nvidia-smi --query-gpu=name --format=csv,noheader > $L
 for seqlen in 4096 16384; do

@@ -10,17 +10,13 @@
 #   one128=HEAD+bench/notes/v61-one-consumer-two-ctas.patch+bench/notes/v61-one-consumer-hd128.patch
 # Run from the repository root, carrying .device_scratch_one.
 cd "$(dirname "$0")/../.."
-mkdir -p /tmp/pcache && tar -xJf .device_scratch_one/cache.tar.xz -C /tmp/pcache --strip-components=1
-export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
-touch /tmp/t0; cp bench/ab.py /tmp/
-S=$PWD/.device_scratch_one
+SCRATCH=.device_scratch_one source bench/device_call.sh
 L=$OUT/one_log.txt
-source <(sed -n '/^gpu_tests()/,/^}/p' bench/device_call.sh)
 nvidia-smi --query-gpu=name --format=csv,noheader > $L
 echo "== ab fwd, main one one128 ($(date +%T))" >> $L
 timeout 150 python /tmp/ab.py --pass fwd --rounds 5 --cells 64:1024:0,64:1024:1,128:1024:0,128:1024:1,64:512:1,128:512:1,64:1024:1:4096 \
   $S/main $S/one $S/one128 >> $L 2>&1
 echo "== one128: test_gpu.py ($(date +%T))" >> $L
 gpu_tests one128 tests_one128 240 tests/test_gpu.py
-find /tmp/pcache -newer /tmp/t0 -type f | tar -cJf "$OUT/newcache_one.tar.xz" -T - 2>/dev/null
+save_new_kernels
 echo "done ($(date +%T))" >> $L

@@ -583,7 +583,7 @@ def _backward_plan(call, inputs, return_dbias):
     if not (call.local or kernel.options or kernel.deterministic or varlen or kernel.wgmma):  # those that may split (sm80/bwd.cuh, kMaySplit)
         grid = _split_last_wave(kernel, call.caller.device(), shape, grid, params, outputs)
     if return_dbias:
-        finish = _add_dbias(call, params, outputs, inputs.get(options.DIFFERENTIABLE))
+        finish = _add_dbias(call, kernel, params, outputs, inputs.get(options.DIFFERENTIABLE))
     row_grid = (-(-shape.seqlen_q // _kernels.ROW_KERNEL_ROWS), shape.nheads, shape.batch)
     launches = [_Launch(_kernels.Kernel("bwd_dot", call.dtype), row_grid),
                 _Launch(kernel, grid),
@@ -608,11 +608,13 @@ def _split_last_wave(kernel, device, shape, grid, params, outputs):
     return blocks, heads_k, batch + extra_z
 
 
-def _add_dbias(call, params, outputs, bias):
-    """Adds dbias to a backward plan; returns its finish: (dq, dk, dv, dbias).
+def _add_dbias(call, kernel, params, outputs, bias):
+    """Adds dbias to a backward plan of `kernel`; returns its finish: (dq, dk, dv, dbias).
 
     A bias that is not broadcast gets its gradient straight from the kernel, in its own dtype: each
-    element has one writer (zeroed first only where a causal or window mask skips blocks). A
+    element has one writer (where a causal or window mask skips blocks, the wgmma kernels zero their
+    rows where they start on 16-byte boundaries, zero_unseen_dbias in cuda_src/sm90/bwd.cuh; else it
+    is zeroed first). A
     broadcast one's dS goes into a zeroed float32 array with stride 0 along the broadcast
     dimensions, added by atomics; where a deterministic backward would have them collide, or only
     the rows are broadcast (the kernels add by atomics along a zero batch or head stride), the
@@ -633,9 +635,13 @@ def _add_dbias(call, params, outputs, bias):
                     for size, want, stride in zip(dbias_shape, full, _contiguous_strides(dbias_shape)))
     params["dbias_batch_stride"], params["dbias_head_stride"], params["dbias_row_stride"] = strides[:3]
     params["dbias_is_float32"] = int(not direct or bias_dtype == "float32")
+    row_bytes = shape.seqlen_k * (2 if direct and bias_dtype != "float32" else 4)
+    zero_unseen = call.local and kernel.wgmma and dbias_shape == full and row_bytes % 16 == 0
+    params["dbias_zero_unseen"] = int(zero_unseen)
+    zeroed = dbias_shape != full or (call.local and not zero_unseen)  # (a broadcast one: atomics add into it)
     if direct:
-        outputs.append(_Output("dbias", full, bias_dtype, call.local))
+        outputs.append(_Output("dbias", full, bias_dtype, zeroed))
         return lambda o: (o["dq"], o["dk"], o["dv"], o["dbias"].reshape(bias_shape))
-    outputs.append(_Output("dbias", dbias_shape, "float32", True))
+    outputs.append(_Output("dbias", dbias_shape, "float32", zeroed))
     axes = tuple(axis for axis in range(4) if dbias_shape[axis] != bias4[axis])
     return lambda o: (o["dq"], o["dk"], o["dv"], caller.reduce(o["dbias"], axes, bias_shape, bias_dtype))

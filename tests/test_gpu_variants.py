@@ -149,6 +149,14 @@ def test_bias_tiles(case, form, monkeypatch):
         assert k.bias_tiles == (k.wgmma and k.tile.fits_bias_tiles(k.pass_, k.features)), k.name
         assert (int(plan.params["bias_box_rows"][0]) > 0) == k.bias_tiles, k.name
     assert all(k.bias_tiles for _, k in kernels if k.wgmma and k.pass_ == "fwd")
+    # A LOCAL wgmma backward zeros the dbias rows its key blocks skip (one writer an element, rows on
+    # 16-byte boundaries); the poisoned allocations show any it misses
+    for plan, k in kernels:
+        if k.pass_ == "bwd":
+            zero_unseen = bool(plan.params["dbias_zero_unseen"][0])
+            assert not zero_unseen or (k.wgmma and k.local), k.name
+            if k.wgmma and k.local and form == "full" and case.seqlen_k % 8 == 0:
+                assert zero_unseen, k.name
 
 
 def test_packed_forms_take_views():

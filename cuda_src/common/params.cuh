@@ -105,6 +105,7 @@ struct FlashParams {
                                     //   or 1 where it is broadcast over the rows (sm90/fwd.cuh; their Bias is off)
     void* dbias;                    // dS, with the strides below (common/score.cuh, BiasGradient); null: not asked
     int dbias_is_float32;           // else it has q's 16-bit dtype (a bias of that dtype, not broadcast)
+    int dbias_zero_unseen;          // the sm90 LOCAL backward zeros the rows its key blocks skip (sm90/bwd.cuh)
     long long dbias_batch_stride;
     long long dbias_head_stride;
     long long dbias_row_stride;

@@ -202,6 +202,33 @@ __device__ __forceinline__ void gradients_transposed(float (&s)[4], float (&dp)[
     }
 }
 
+// A LOCAL backward's dbias rows that no step of this key block writes (the query rows outside the
+// blocks of `seen`, of every head of the kv group), zeroed by `threads` threads from `t` in 16-byte
+// stores where p.dbias_zero_unseen says so (one writer an element, rows on 16-byte boundaries), so
+// that the plan need not zero the whole matrix first. Not inlined: inlined, its registers beside the
+// producer's spill the LOCAL hd128 kernel.
+template <int BLOCK_M, int BLOCK_N>
+__device__ __noinline__ void zero_unseen_dbias(const FlashParams& p, int seqlen_q, int seqlen_k, int batch,
+                                               int first_head, int group, int key0, BlockRange seen, int t,
+                                               int threads) {
+    const int element_bytes = p.dbias_is_float32 ? 4 : 2;
+    const int chunks = BLOCK_N * element_bytes / 16, chunk = t % chunks;  // (threads: a multiple of chunks)
+    if (chunk * 16 >= (seqlen_k - key0) * element_bytes) return;  // (the last key block's)
+    const int seen_begin = seen.first * BLOCK_M, seen_end = max(seen_begin, min(seen.end * BLOCK_M, seqlen_q));
+    const long long row_bytes = p.dbias_row_stride * element_bytes;
+    const int rows_a_pass = threads / chunks;
+#pragma unroll 1
+    for (int head = first_head; head < first_head + group; ++head) {
+        char* const matrix = static_cast<char*>(p.dbias) + chunk * 16 +
+                             (batch * p.dbias_batch_stride + head * p.dbias_head_stride + key0) * element_bytes;
+#pragma unroll 1
+        for (int row = t / chunks; row < seqlen_q; row += rows_a_pass) {
+            if (row >= seen_begin && row < seen_end) row += seen_end - seen_begin;  // (a multiple of rows_a_pass)
+            if (row < seqlen_q) st_global_u128(matrix + row * row_bytes, make_uint4(0, 0, 0, 0));
+        }
+    }
+}
+
 // dK (times the softmax scale) and dV of a consumer warpgroup's 64 keys from key0 and TILES column
 // tiles from col0, through shared memory (stage_rows; stage_dk, stage_dv) to 16-byte global stores.
 // dk and dv are the plan's own arrays: rows 16-byte aligned.
@@ -335,6 +362,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 for (int step = 0; step < steps; ++step, advance(head, row0)) add_step(step, head, row0);
             }
             bulk_wait_all<false>();
+        }
+        if constexpr (LOCAL && (FEATURES & feature::bias) != 0) {
+            if (threadIdx.x >= 64 && p.dbias_zero_unseen)  // warps 2 and 3, idle but for this
+                zero_unseen_dbias<BLOCK_M, BLOCK_N>(p, seq.seqlen_q, seq.seqlen_k, batch, first_head, group, key0,
+                                                    query_blocks, threadIdx.x - 64, 64);
         }
         if (threadIdx.x != 0) return;
         const int batch_coord = p.cu_seqlens_q == nullptr ? batch : 0;

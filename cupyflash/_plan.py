@@ -614,12 +614,11 @@ def _add_dbias(call, kernel, params, outputs, bias):
     A bias that is not broadcast gets its gradient straight from the kernel, in its own dtype: each
     element has one writer (where a causal or window mask skips blocks, the wgmma kernels zero their
     rows where they start on 16-byte boundaries, zero_unseen_dbias in cuda_src/sm90/bwd.cuh; else it
-    is zeroed first). A
-    broadcast one's dS goes into a zeroed float32 array with stride 0 along the broadcast
-    dimensions, added by atomics; where a deterministic backward would have them collide, or only
-    the rows are broadcast (the kernels add by atomics along a zero batch or head stride), the
-    kernel writes the full (batch, nheads, seqlen_q, seqlen_k) instead, summed afterwards in a fixed
-    order (common/score.cuh, BiasGradient)."""
+    is zeroed first). A broadcast one's dS goes into a zeroed float32 array with stride 0 along the
+    broadcast dimensions, added by atomics; where a deterministic backward would have them collide,
+    or only the rows are broadcast (the kernels add by atomics along a zero batch or head stride),
+    the kernel writes the full (batch, nheads, seqlen_q, seqlen_k) instead, summed afterwards in a
+    fixed order (common/score.cuh, BiasGradient)."""
     if bias is None:
         return lambda o: (o["dq"], o["dk"], o["dv"], None)
     shape = call.shape

@@ -1,8 +1,8 @@
 # Sourced from the repository root by a device call's script (bench/notes/*-next-call*.sh, run as
 # .device_scratch/next_callN.sh): the carried kernel cache unpacked and used, S the carried trees
-# (.device_scratch, or the folder SCRATCH names), L the call's log (in $OUT). gpu_tests runs a tree's GPU tests and logs how they ended;
-# save_new_kernels packs what the call compiled into $OUT, to unpack into .device_cache/ here
-# (bench/DEVICE.md).
+# (.device_scratch, or the folder SCRATCH names), L the call's log (in $OUT). gpu_tests runs a
+# tree's GPU tests and logs how they ended; save_new_kernels packs what the call compiled into
+# $OUT, to unpack into .device_cache/ here (bench/DEVICE.md).
 S=$PWD/${SCRATCH:-.device_scratch}
 mkdir -p /tmp/pcache && tar -xJf "$S/cache.tar.xz" -C /tmp/pcache --strip-components=1
 export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false

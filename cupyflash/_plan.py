@@ -633,8 +633,9 @@ def _add_dbias(call, kernel, params, outputs, bias):
     strides = tuple(0 if size < want else stride
                     for size, want, stride in zip(dbias_shape, full, _contiguous_strides(dbias_shape)))
     params["dbias_batch_stride"], params["dbias_head_stride"], params["dbias_row_stride"] = strides[:3]
-    params["dbias_is_float32"] = int(not direct or bias_dtype == "float32")
-    row_bytes = shape.seqlen_k * (2 if direct and bias_dtype != "float32" else 4)
+    dbias_is_float32 = not direct or bias_dtype == "float32"
+    params["dbias_is_float32"] = int(dbias_is_float32)
+    row_bytes = shape.seqlen_k * (4 if dbias_is_float32 else 2)
     zero_unseen = call.local and kernel.wgmma and dbias_shape == full and row_bytes % 16 == 0
     params["dbias_zero_unseen"] = int(zero_unseen)
     zeroed = dbias_shape != full or (call.local and not zero_unseen)  # (a broadcast one: atomics add into it)

@@ -4,7 +4,7 @@
 # leave) against HEAD's CTA per tile, then its backward GPU tests; and v61's queued exps-on-FMA A/B.
 # Prediction: +3-8% on the 1k backwards (v61's ncu: 9% of the hd64 1k causal samples wait for a
 # CTA's first K and V), +0-2% from 4k on. Trees: device_trees.py .device_scratch2 main=HEAD
-# pers2=HEAD+persistent.patch --kernels all; carry .device_scratch2 and .device_scratch_fma.
+# pers2=HEAD+bench/notes/v62-persistent-backward.patch --kernels all; carry .device_scratch2 and .device_scratch_fma.
 cd "$(dirname "$0")/../.."
 SCRATCH=.device_scratch2 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L

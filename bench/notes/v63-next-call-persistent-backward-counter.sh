@@ -3,7 +3,7 @@
 # counter and each tile's first Q stage loaded before its K and V (v62's in static rounds lost
 # 15-44% on causal grids), against HEAD's CTA per tile; then its backward GPU tests.
 # Prediction: causal within +-2% of HEAD at 4k and 16k, +2-6% at 1k; non-causal 1k +1-4%.
-# Trees: device_trees.py .device_scratch3 main=HEAD pers3=HEAD+v63-persistent-backward.patch --kernels all;
+# Trees: device_trees.py .device_scratch3 main=HEAD pers3=HEAD+bench/notes/v63-persistent-backward.patch --kernels all;
 # carry .device_scratch3.
 cd "$(dirname "$0")/../.."
 SCRATCH=.device_scratch3 source bench/device_call.sh

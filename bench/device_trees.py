@@ -13,7 +13,9 @@ call carries): `ab` (default) the kernels bench/ab.py times (the plain and causa
 each of --dtypes, bf16 unless told, and decode), `all` every sm_90 variant of the compile checks
 (about 4 minutes a version on two cores), `kvcache` ab's and every sm_90 variant of the KV cache's
 kernels (what its GPU tests run), and with each --options the forwards and backwards bench/ab.py
-times with those options.
+times with those options. --named FILE adds the sm_90 kernels named in FILE, one name a line
+(bench/device-test-kernels.txt: what the GPU tests compiled beyond `all` in an earlier call, read
+off that call's newcache.tar.xz), so that a call's tests do not spend its minutes compiling them.
 """
 
 import argparse
@@ -38,6 +40,33 @@ if __name__ == "__main__":
     files = [_compile.compile_kernel(k, arch)[0].name for arch, k in jobs]  # (compiled: the cache's paths)
     print(json.dumps({"kernels": len(jobs), "unclean": unclean, "code": _compile.__file__, "files": files}))
 """
+# The sm_90 kernels of a list of names: every variant the tables allow, kept where its name is listed.
+COMPILE_NAMED = """
+import itertools, json, sys
+from cupyflash import _compile, _config, _kernels
+if __name__ == "__main__":
+    names = set(open(sys.argv[1]).read().split())
+    jobs = {}
+    for kernel_family, archs in _config.COMPILE_CHECKS.items():
+        for arch, families in archs.items():
+            if not arch.startswith("90"):
+                continue
+            for (table, tile), dtype, local, even_k, deterministic, bias_tiles in itertools.product(
+                    _config.all_tiles(families, kernel_family), _kernels.DTYPES, *[(False, True)] * 4):
+                pass_ = _config.kernel_pass(table)
+                allowed = _kernels.DECODE_FEATURES if pass_ == "decode" else _kernels.FEATURES
+                for features in (f for n in range(len(allowed) + 1) for f in itertools.combinations(allowed, n)):
+                    try:
+                        kernel = _kernels.Kernel(pass_, dtype, tile, local, even_k, features, deterministic, bias_tiles)
+                    except ValueError:
+                        continue
+                    if kernel.name in names:
+                        jobs[kernel.name] = (arch, kernel)
+    jobs = list(jobs.values())
+    unclean = [k.name for _, k, report in _compile.compile_all(jobs) if not report.clean]
+    files = [_compile.compile_kernel(k, arch)[0].name for arch, k in jobs]
+    print(json.dumps({"named": len(names), "kernels": len(jobs), "unclean": unclean, "files": files}))
+"""
 
 
 def make_tree(directory, spec):
@@ -57,7 +86,7 @@ def make_tree(directory, spec):
     return tree
 
 
-def compile_kernels(tree, cache, which, options, dtypes):
+def compile_kernels(tree, cache, which, options, dtypes, named=None):
     """Compiles the tree's kernels into `cache`; returns the names of the cache files they are."""
     env = dict(os.environ, PYTHONPATH=str(tree), CUPYFLASH_CACHE_DIR=str(cache))
     ab = [sys.executable, str(REPO / "bench" / "ab.py"), "--worker-compile"]
@@ -67,6 +96,8 @@ def compile_kernels(tree, cache, which, options, dtypes):
     if which == "kvcache":
         commands.append([sys.executable, "-c", COMPILE_ALL, "kvcache"])
     commands += [[*ab, "--pass", pass_, "--options", given] for given in options for pass_ in ("fwd", "bwd")]
+    if named is not None:
+        commands.append([sys.executable, "-c", COMPILE_NAMED, str(named.resolve())])
     files = set()
     for command in commands:
         # (from the tree: `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH)
@@ -88,13 +119,15 @@ def main(argv):
                         help="JSON options of a forward A/B (bench/ab.py --options) whose kernels to add; repeatable")
     parser.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float16"), default=["bfloat16"],
                         help="the dtypes of `ab`'s plain kernels (the speed grid runs both)")
+    parser.add_argument("--named", type=pathlib.Path, help="a file of kernel names to add (sm_90 variants)")
     args = parser.parse_args(argv)
     directory = args.directory.resolve()
     cache = REPO / ".device_cache"
     cache.mkdir(parents=True, exist_ok=True)
     files = set()
     for spec in args.versions:
-        files |= compile_kernels(make_tree(directory, spec), cache, args.kernels, args.options, args.dtypes)
+        files |= compile_kernels(make_tree(directory, spec), cache, args.kernels, args.options, args.dtypes,
+                                 args.named)
     with tarfile.open(directory / "cache.tar.xz", "w:xz") as archive:
         for name in sorted(files):
             archive.add(cache / name, arcname=f"cache/{name}")

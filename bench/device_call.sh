@@ -11,11 +11,17 @@ cp bench/ab.py /tmp/
 L=$OUT/log.txt
 save_new_kernels() { find /tmp/pcache -newer /tmp/t0 -type f | tar -cJf "$OUT/newcache.tar.xz" -T - 2>/dev/null; }
 # gpu_tests TREE NAME SECONDS PYTEST_ARGS...: the GPU tests of $S/TREE on 15 workers, their output in
-# $OUT/NAME.log; their exit status, last line and failures in $L.
+# $OUT/NAME.log; their exit status, last line and failures in $L, and, where the time ran out before
+# pytest's summary, the outcomes its progress lines had shown (. passed, F failed, E error, s skipped).
 gpu_tests() {
   local tree=$1 log=$OUT/$2.log seconds=$3
   shift 3
   (cd "$S/$tree" && PYTHONPATH=. timeout "$seconds" python -m pytest -m gpu -p no:cacheprovider -n 15 -q -rf \
     -p no:warnings "$@" > "$log" 2>&1)
-  echo "rc $? ($(date +%T))" >> $L; tail -1 "$log" >> $L; grep -E "^FAILED|^ERROR" "$log" | head -10 >> $L
+  local rc=$?
+  echo "rc $rc ($(date +%T))" >> $L; tail -1 "$log" >> $L; grep -E "^FAILED|^ERROR" "$log" | head -10 >> $L
+  if [ $rc = 124 ]; then
+    grep -E '^[.FEsx]+( +\[ *[0-9]+%\])?$' "$log" | tr -d ' \n[]%0-9' | fold -w1 | sort | uniq -c | tr '\n' ' ' >> $L
+    echo "(progress before the timeout)" >> $L
+  fi
 }

@@ -2,8 +2,9 @@
 # A device call (v65; about 9.5 min warm, best on an H200): the GPU tests v64 did not run at HEAD,
 # the framework files (the Llama training equivalence, torch.compile, the graph replays, the JAX
 # and torch options, varlen, KV-cache and ring files) on the default family, then the forced
-# mma.sync family's framework and KV-cache GPU files. Carry .device_scratch4 (its tree main = HEAD;
-# the bench tests need bench/, which the trees lack; rebuild it with v65-next-call-persistent-backward-variants.sh's command if HEAD's kernels moved).
+# mma.sync family's framework and KV-cache GPU files (not the bench modules' tests: the trees have
+# no bench/). Carry .device_scratch4, whose tree main is HEAD (if HEAD's kernels have moved, rebuild
+# it as v65-next-call-persistent-backward-variants.sh says).
 cd "$(dirname "$0")/../.."
 SCRATCH=.device_scratch4 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L

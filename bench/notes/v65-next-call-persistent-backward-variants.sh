@@ -10,7 +10,8 @@
 #   two query columns in one 8-byte shared load (ptxas issued two 4-byte ones): step loops hd64
 #   738 -> 706, hd128 545 -> 525 (80 rows) and 484 -> 468, hd256 861 -> 845, and half the
 #   shared-memory queue's entries for them (v61's ncu: mio throttle 0.72 cycles an instruction at
-#   hd64 1k causal, cuDNN's 0.07). Prediction: hd64 +1-3%, hd128 +0.5-2%, hd256 +0-1%.
+#   hd64 1k causal, cuDNN's 0.07). v39's pairs on that time's kernels: 0 at 64 rows, -1 to -1.7%
+#   at 80. Prediction: hd64 0 to +2%, hd128 -1.5 to +0.5%, hd256 within 1%.
 # Then the backward GPU tests of pcpair (pcount with pair) on both families.
 # Trees: device_trees.py .device_scratch4 main=HEAD pcount=HEAD+bench/notes/v63-persistent-backward.patch+bench/notes/v65-backward-counter-everywhere.patch
 # plocal=HEAD+...v63...+bench/notes/v65-backward-persistent-local-only.patch pair=HEAD+bench/notes/v65-bwd-lse-d-pairs.patch

@@ -29,45 +29,43 @@ import tarfile
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PATHS = ("cupyflash", "cuda_src", "tests", "setup.cfg")
-COMPILE_ALL = """
-import json, sys
-from cupyflash import _compile, _kernels
-if __name__ == "__main__":
-    kvcache_only = sys.argv[1:] == ["kvcache"]
-    jobs = [(arch, k) for arch, k in _kernels.compile_jobs()
-            if arch.startswith("90") and (not kvcache_only or k.pass_ in _kernels.KVCACHE_PASSES)]
-    unclean = [k.name for _, k, report in _compile.compile_all(jobs) if not report.clean]
-    files = [_compile.compile_kernel(k, arch)[0].name for arch, k in jobs]  # (compiled: the cache's paths)
-    print(json.dumps({"kernels": len(jobs), "unclean": unclean, "code": _compile.__file__, "files": files}))
-"""
-# The sm_90 kernels of a list of names: every variant the tables allow, kept where its name is listed.
-COMPILE_NAMED = """
+# A tree's sm_90 kernels compiled into the cache, as `python -c COMPILE MODE`: `all` every variant
+# of the compile checks, `kvcache` the KV cache's among them, `named FILE` the variants the tables
+# allow (any subset of the features) whose names FILE lists.
+COMPILE = """
 import itertools, json, sys
 from cupyflash import _compile, _config, _kernels
-if __name__ == "__main__":
-    names = set(open(sys.argv[1]).read().split())
-    jobs = {}
+
+
+def every_variant():
     for kernel_family, archs in _config.COMPILE_CHECKS.items():
-        for arch, families in archs.items():
-            if not arch.startswith("90"):
-                continue
+        for arch, families in ((a, f) for a, f in archs.items() if a.startswith("90")):
             for (table, tile), dtype, local, even_k, deterministic, bias_tiles in itertools.product(
                     _config.all_tiles(families, kernel_family), _kernels.DTYPES, *[(False, True)] * 4):
                 pass_ = _config.kernel_pass(table)
                 allowed = _kernels.DECODE_FEATURES if pass_ == "decode" else _kernels.FEATURES
                 for features in (f for n in range(len(allowed) + 1) for f in itertools.combinations(allowed, n)):
                     try:
-                        kernel = _kernels.Kernel(pass_, dtype, tile, local, even_k, features, deterministic, bias_tiles)
+                        yield arch, _kernels.Kernel(pass_, dtype, tile, local, even_k, features, deterministic, bias_tiles)
                     except ValueError:
-                        continue
-                    if kernel.name in names:
-                        jobs[kernel.name] = (arch, kernel)
-    jobs = list(jobs.values())
-    unclean = [k.name for _, k, report in _compile.compile_all(jobs) if not report.clean]
-    files = [_compile.compile_kernel(k, arch)[0].name for arch, k in jobs]
-    print(json.dumps({"named": len(names), "kernels": len(jobs), "unclean": unclean, "files": files}))
-"""
+                        pass
 
+
+if __name__ == "__main__":
+    mode, report = sys.argv[1], {}
+    if mode == "named":
+        names = set(open(sys.argv[2]).read().split())
+        jobs = list({k.name: (arch, k) for arch, k in every_variant() if k.name in names}.values())
+        report["unknown"] = sorted(names - {k.name for _, k in jobs})
+    else:
+        jobs = [(arch, k) for arch, k in _kernels.compile_jobs()
+                if arch.startswith("90") and (mode == "all" or k.pass_ in _kernels.KVCACHE_PASSES)]
+    report["kernels"] = len(jobs)
+    report["unclean"] = [k.name for _, k, result in _compile.compile_all(jobs) if not result.clean]
+    report["code"] = _compile.__file__
+    report["files"] = [_compile.compile_kernel(k, arch)[0].name for arch, k in jobs]  # (compiled: the cache's paths)
+    print(json.dumps(report))
+"""
 
 def make_tree(directory, spec):
     """DIR/NAME from NAME=REV[+PATCH...]; returns its path."""
@@ -90,14 +88,14 @@ def compile_kernels(tree, cache, which, options, dtypes, named=None):
     """Compiles the tree's kernels into `cache`; returns the names of the cache files they are."""
     env = dict(os.environ, PYTHONPATH=str(tree), CUPYFLASH_CACHE_DIR=str(cache))
     ab = [sys.executable, str(REPO / "bench" / "ab.py"), "--worker-compile"]
-    commands = [[sys.executable, "-c", COMPILE_ALL]] if which == "all" else (
+    commands = [[sys.executable, "-c", COMPILE, "all"]] if which == "all" else (
         [[*ab, "--pass", pass_, "--dtype", dtype] for pass_ in ("fwd", "bwd") for dtype in dtypes]
         + [[*ab, "--pass", "decode"]])
     if which == "kvcache":
-        commands.append([sys.executable, "-c", COMPILE_ALL, "kvcache"])
+        commands.append([sys.executable, "-c", COMPILE, "kvcache"])
     commands += [[*ab, "--pass", pass_, "--options", given] for given in options for pass_ in ("fwd", "bwd")]
     if named is not None:
-        commands.append([sys.executable, "-c", COMPILE_NAMED, str(named.resolve())])
+        commands.append([sys.executable, "-c", COMPILE, "named", str(named.resolve())])
     files = set()
     for command in commands:
         # (from the tree: `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH)

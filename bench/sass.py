@@ -4,6 +4,7 @@ change altered, and the sizes of their loops, before any device call.
     python bench/sass.py diff TREE_A TREE_B [FILTER ...]   # per kernel: identical, or what moved
     python bench/sass.py loops TREE [FILTER ...]            # per kernel: its loops' sizes and opcodes
     python bench/sass.py blocks TREE [FILTER ...]           # per kernel: its step loops' basic blocks
+    python bench/sass.py steps TREE_A TREE_B [FILTER ...]  # per kernel: its step loops' sizes, and what changed
 
 A TREE is a directory holding one version's cupyflash/ and cuda_src/ (as bench/ab.py's), or `.`.
 The kernels are the sm_90 ones of `--dtype` (without options unless `--options`) whose names hold every FILTER; each
@@ -16,13 +17,16 @@ landed changes), and ptxas's coded messages (C7520: it serialised the kernel's w
 splits the step loops (the innermost ones with exps, MUFU.EX2) into basic blocks, each with
 its size, label, closing branch and opcodes: which blocks a step skips (a mask, O's rescale) says
 how many instructions it executes, and an option's executed count over the plain kernel's predicted
-its cost (v49). `--options` takes the option kernels too. nvdisasm comes from $NVDISASM or PATH
+its cost (v49). `steps` compares two trees' step loops instruction by instruction, registers and
+constants aside (v65: a persistent kernel's step that recomputed the shared-window base, `S2UR
+SR_CgaCtaId`, in every step). `--options` takes the option kernels too. nvdisasm comes from $NVDISASM or PATH
 (`pip download --no-deps nvidia-cuda-nvdisasm`, unzipped outside the checkout; not a dependency of
 the package).
 """
 
 import argparse
 import collections
+import difflib
 import json
 import os
 import pathlib
@@ -147,16 +151,35 @@ def step_loops(lines, shortest):
     return [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
 
 
+def normalised(text):
+    """An instruction without its registers, constants and labels: what differs between two
+    compilations of one step beyond register allocation."""
+    return re.sub(r"\bU?R\d+\b", "R", re.sub(r"0x[0-9a-f]+", "#", re.sub(r"\.L_x_\d+", "L", text)))
+
+
+def step_changes(old_lines, new_lines, shortest):
+    """([sizes of old's step loops], [new's], [the normalised instructions each pair of them does not
+    share, '-' old's and '+' new's])."""
+    loops = []
+    for lines in (old_lines, new_lines):
+        texts = instructions(lines)
+        loops.append([[normalised(t) for t in texts[a:b]] for a, b in step_loops(lines, shortest)])
+    changes = [[line for line in difflib.unified_diff(old, new, lineterm="", n=0)
+                if line[:1] in "+-" and line[:3] not in ("+++", "---")] for old, new in zip(*loops)]
+    return [len(x) for x in loops[0]], [len(x) for x in loops[1]], changes
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("diff", "loops", "blocks"))
+    parser.add_argument("command", choices=("diff", "loops", "blocks", "steps"))
     parser.add_argument("trees_and_filters", nargs="+",
-                        help="diff: TREE_A TREE_B [FILTER ...]; loops, blocks: TREE [FILTER ...]")
+                        help="diff, steps: TREE_A TREE_B [FILTER ...]; loops, blocks: TREE [FILTER ...]")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--options", action="store_true", help="the option kernels too (softcap, alibi, ...)")
     parser.add_argument("--min", type=int, default=150, help="loops: the shortest loop listed (instructions)")
+    parser.add_argument("--lines", type=int, default=40, help="steps: the changed instructions shown a loop")
     args = parser.parse_args(argv)
-    count = 2 if args.command == "diff" else 1  # trees
+    count = 2 if args.command in ("diff", "steps") else 1  # trees
     trees, filters = [pathlib.Path(t) for t in args.trees_and_filters[:count]], args.trees_and_filters[count:]
     if len(trees) < count:
         parser.error(f"{args.command} takes {count} tree(s)")
@@ -182,6 +205,16 @@ def main(argv):
                 print(f"  loop of {size}: " + ", ".join(f"{op} {n}" for op, n in ops.most_common(12)))
         return
     a, b = kernels
+    if args.command == "steps":
+        for name in sorted(a.keys() & b.keys()):
+            old_sizes, new_sizes, changes = step_changes(listing(a[name][0]), listing(b[name][0]), args.min)
+            print(f"{name}: step loops {old_sizes} -> {new_sizes}")
+            for changed in changes:
+                for line in changed[:args.lines]:
+                    print(f"    {line}")
+                if len(changed) > args.lines:
+                    print(f"    ... {len(changed) - args.lines} more")
+        return
     for name in sorted(a.keys() | b.keys()):
         if name not in a or name not in b:
             print(f"{name}: only in {trees[0] if name in a else trees[1]}")

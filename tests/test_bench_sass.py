@@ -44,3 +44,12 @@ def test_blocks_split_the_main_loop_at_labels_and_branches():
     assert sass.basic_blocks(lines, 0, 7) == [(0, 1, [], None), (1, 5, [".L_x_0"], "@P1 BRA `(.L_x_0)"),
                                               (5, 6, [".L_x_1"], "BRA `(.L_x_2)"), (6, 7, [".L_x_2"], None)]
     assert sass.step_loops(lines, shortest=5) == []
+
+
+def test_steps_compare_the_step_loops_beyond_register_allocation():
+    renamed = LISTING.replace("R2", "R7").replace("R5", "R9")  # another allocation of the same step
+    longer = LISTING.replace("FFMA R2, R5, R4, R2 ;", "FFMA R2, R5, R4, R2 ;\n        /*0038*/ S2UR UR4, SR_CgaCtaId ;")
+    assert sass.normalised("@P1 BRA `(.L_x_0)") == "@P1 BRA `(L)"
+    assert sass.normalised("FFMA R2, R5, UR4, 0x3f800000") == "FFMA R, R, R, #"
+    assert sass.step_changes(sass.parse(LISTING), sass.parse(renamed), shortest=2) == ([4], [4], [[]])
+    assert sass.step_changes(sass.parse(LISTING), sass.parse(longer), shortest=2) == ([4], [5], [["+S2UR R, SR_CgaCtaId"]])

@@ -1,8 +1,8 @@
 # Sourced from the repository root by a device call's script (bench/notes/*-next-call*.sh, run as
 # .device_scratch/next_callN.sh): the carried kernel cache unpacked and used, S the carried trees
 # (.device_scratch, or the folder SCRATCH names), L the call's log (in $OUT). gpu_tests runs a
-# tree's GPU tests and logs how they ended; save_new_kernels packs what the call compiled into
-# $OUT, to unpack into .device_cache/ here (bench/DEVICE.md).
+# tree's GPU tests and logs how they ended, sanitizers its memcheck and racecheck; save_new_kernels
+# packs what the call compiled into $OUT, to unpack into .device_cache/ here (bench/DEVICE.md).
 S=$PWD/${SCRATCH:-.device_scratch}
 mkdir -p /tmp/pcache && tar -xJf "$S/cache.tar.xz" -C /tmp/pcache --strip-components=1
 export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -24,4 +24,15 @@ gpu_tests() {
     grep -E '^[.FEsx]+( +\[ *[0-9]+%\])?$' "$log" | tr -d ' \n[]%0-9' | fold -w1 | sort | uniq -c | tr '\n' ' ' >> $L
     echo "(progress before the timeout)" >> $L
   fi
+}
+# sanitizers TREE: memcheck, then racecheck's hazards, of $S/TREE's tests/sanitize_run.py; their
+# output in $OUT/memcheck.log and racecheck.log, exit status and last lines in $L.
+sanitizers() {
+  local tool seconds
+  for tool in memcheck:80 racecheck:120; do
+    seconds=${tool#*:} tool=${tool%:*}
+    (cd "$S/$1" && PYTHONPATH=. timeout "$seconds" compute-sanitizer --tool $tool \
+      $([ $tool = racecheck ] && echo --racecheck-report hazard) python tests/sanitize_run.py > "$OUT/$tool.log" 2>&1)
+    echo "$tool rc $? ($(date +%T))" >> $L; tail -2 "$OUT/$tool.log" >> $L
+  done
 }

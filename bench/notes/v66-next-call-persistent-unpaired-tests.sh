@@ -7,7 +7,5 @@ SCRATCH=.device_scratch6 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L
 K="backward or bwd or grad or persistent or pair_groups or deterministic or bias or dropout or varlen"
 gpu_tests pc6 bwd_tests 330 tests/test_gpu.py tests/test_gpu_variants.py -k "$K"
-T=$S/pc6
-(cd $T && PYTHONPATH=. timeout 80 compute-sanitizer --tool memcheck python tests/sanitize_run.py > $OUT/memcheck.log 2>&1; echo "memcheck rc $?"; tail -2 $OUT/memcheck.log) >> $L
-(cd $T && PYTHONPATH=. timeout 120 compute-sanitizer --tool racecheck --racecheck-report hazard python tests/sanitize_run.py > $OUT/racecheck.log 2>&1; echo "racecheck rc $?"; tail -2 $OUT/racecheck.log) >> $L
+sanitizers pc6
 save_new_kernels

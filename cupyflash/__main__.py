@@ -275,11 +275,12 @@ def bench(args):
     if args.decode:
         grid = dict(benchmark.DECODE_GRID, batches=args.decode_batches, caches=args.decode_caches)
         shapes = benchmark.decode_shapes(grid)
+        copy_tbps = benchmark.measure_copy_tbps()
         cells = benchmark.run_decode(shapes)
         done = len({c.shape for c in cells})
         environment = benchmark.host_environment() + (
             "" if done == len(shapes) else f"; interrupted after {done} of {len(shapes)} cells")
-        print(benchmark.write_decode(cells, args.out, environment))
+        print(benchmark.write_decode(cells, args.out, environment, copy_tbps))
         return status if done == len(shapes) else 130
     if args.options_only:
         print(benchmark.write_options(benchmark.run_options(words=args.option_rows), args.out))

@@ -41,6 +41,7 @@ import math
 import os
 import pstats
 import random
+import statistics
 import sys
 import time
 
@@ -1121,7 +1122,26 @@ DECODE_GRID = dict(batches=(1, 4, 16, 64, 128), caches=(1024, 4096, 16384, 65536
                    heads=((32, 8), (8, 1), (32, 32)), headdims=(64, 128), seqlens_q=(1, 4),
                    layouts=("dense", "paged16", "paged256"))
 DECODE_MAX_BYTES = 24 << 30  # K and V of a cell (each implementation holds its own copy); larger cells are left out
-COPY_TBPS = 4.24  # the H200's device-to-device copy (../shared/peers/README.md)
+COPY_BYTES = 2 << 30  # the copy that measure_copy_tbps times: far past the L2
+
+
+def measure_copy_tbps(nbytes=COPY_BYTES, reps=11):
+    """This GPU's device-to-device copy rate, TB/s of bytes read and written (as
+    ../shared/peers/README.md counts it: 4.24 on the H200, about 3.0 on an H100): the median of
+    `reps` timed copies after one warm-up, by CUDA events. The decode table's fractions are of it."""
+    import torch
+    source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    target.copy_(source)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 2 * nbytes / (statistics.median(times) * 1e-3) / 1e12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1298,10 +1318,10 @@ def _decode_label(shape):
             f"sq{shape.seqlen_q} {shape.layout}")
 
 
-def write_decode(cells, out_dir, environment):
+def write_decode(cells, out_dir, environment, copy_tbps):
     """decode.csv (a row per cell), decode.md (a row per shape: TB/s of each implementation, the
-    ratio to the best peer and the fraction of copy bandwidth; blank cells' reasons as footnotes)
-    and decode.png (TB/s against the cache length); returns the markdown."""
+    ratio to the best peer and the fraction of `copy_tbps`, the GPU's copy rate; blank cells'
+    reasons as footnotes) and decode.png (TB/s against the cache length); returns the markdown."""
     os.makedirs(out_dir, exist_ok=True)
     impls = list(dict.fromkeys(c.impl for c in cells))
     with open(os.path.join(out_dir, "decode.csv"), "w", newline="") as f:
@@ -1320,7 +1340,7 @@ def write_decode(cells, out_dir, environment):
              "bf16, not causal, the cache full (cache_seqlens = cache); peers read a dense copy of the same cache. "
              "Every implementation is timed as replays of a CUDA graph of back-to-back decode steps, as a serving "
              "loop runs them (GraphTimer); cupyflash.torch's calls run under no_host_sync (lengths and block "
-             f"table not read on the host). Copy bandwidth: {COPY_TBPS} TB/s.", "",
+             f"table not read on the host). Copy bandwidth: {copy_tbps:.2f} TB/s.", "",
              "| batch | cache | heads | hdim | seqlen_q | layout | " + " | ".join(impls)
              + " | cupyflash / best peer | cupyflash / copy |", "|" + "---|" * (8 + len(impls))]
     for shape, row in by_shape.items():
@@ -1335,7 +1355,7 @@ def write_decode(cells, out_dir, environment):
         ours = row.get("cupyflash")
         peers = [c.tbps for impl, c in row.items() if impl != "cupyflash" and not math.isnan(c.ms)]
         ratio = ours.tbps / max(peers) if ours is not None and not math.isnan(ours.ms) and peers else math.nan
-        fraction = ours.tbps / COPY_TBPS if ours is not None and not math.isnan(ours.ms) else math.nan
+        fraction = ours.tbps / copy_tbps if ours is not None and not math.isnan(ours.ms) else math.nan
         lines.append(f"| {shape.batch} | {shape.cache} | {shape.nheads}/{shape.nheads_k} | {shape.headdim} | "
                      f"{shape.seqlen_q} | {shape.layout} | " + " | ".join(texts) + f" | {_ratio(ratio)} | {_ratio(fraction)} |")
     if notes:
@@ -1343,7 +1363,7 @@ def write_decode(cells, out_dir, environment):
     markdown = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "decode.md"), "w") as f:
         f.write(markdown)
-    _plot_decode(cells, impls, os.path.join(out_dir, "decode.png"))
+    _plot_decode(cells, impls, os.path.join(out_dir, "decode.png"), copy_tbps)
     return markdown
 
 
@@ -1351,7 +1371,7 @@ def _ratio(x):
     return "" if math.isnan(x) else f"{x:.2f}"
 
 
-def _plot_decode(cells, impls, path):
+def _plot_decode(cells, impls, path, copy_tbps):
     """TB/s against the cache length, one panel per head layout and head dim (seqlen_q 1, dense,
     batch 16 where the grid has it)."""
     plt = _pyplot()
@@ -1369,7 +1389,7 @@ def _plot_decode(cells, impls, path):
                             and (c.shape.nheads, c.shape.nheads_k, c.shape.headdim) == (nheads, nheads_k, headdim))
             if points:
                 ax.plot(*zip(*points), marker="o", label=impl)
-        ax.axhline(COPY_TBPS, color="gray", linestyle=":", linewidth=1)
+        ax.axhline(copy_tbps, color="gray", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_title(f"h {nheads}/{nheads_k}, d {headdim}, batch {batch}", fontsize=9)
         ax.set_xlabel("cache length")

@@ -66,7 +66,7 @@ def test_the_table_has_ratios_fractions_and_footnotes(tmp_path):
              benchmark.DecodeCell(shape, "SDPA cuDNN", math.nan, "RuntimeError: no cuDNN"),
              benchmark.DecodeCell(other, "cupyflash", math.nan, "NotImplementedError: no kernels"),
              benchmark.DecodeCell(other, "SDPA flash (FA2)", ms), benchmark.DecodeCell(other, "SDPA cuDNN", ms / 2)]
-    markdown = benchmark.write_decode(cells, str(tmp_path), "NVIDIA H200; made up")
+    markdown = benchmark.write_decode(cells, str(tmp_path), "NVIDIA H200; made up", 4.24)
     assert "| 16 | 8192 | 32/8 | 128 | 1 | dense | 3.00 | 1.50 | - (1) | 2.00 | 0.71 |" in markdown
     assert "| 16 | 8192 | 32/8 | 128 | 1 | paged16 | - (2) | 3.00 | 6.00 |  |  |" in markdown
     assert "(1) SDPA cuDNN: RuntimeError: no cuDNN" in markdown and "(2) cupyflash: NotImplementedError" in markdown
@@ -144,3 +144,10 @@ def test_the_attention_profile_names_each_call_it_profiles(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         attn_profile.main(["--device", "cpu", "fwd:64:1024:sideways"])
     assert "a cell is PASS:HD:SEQLEN[:causal], got 'fwd:64:1024:sideways'" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_the_copy_rate_is_a_hopper_or_ampere_gpus():
+    """The decode table's fractions are of the copy rate measured in the run: bytes read and
+    written over the median copy's time, somewhere between a PCIe card's and an H200's."""
+    assert 0.5 < benchmark.measure_copy_tbps(256 << 20, reps=5) < 6.0

@@ -9,11 +9,8 @@
 # cp.async ring's per-lane copies and addresses held the streaming back; the short-row hd64 cells
 # (128-byte rows 1-4 KB apart) the most. The step is not shorter in instructions (hd128: 430 ->
 # ~440 executed; hd64 326 -> ~300), so if nothing moves the gap is the DRAM side.
-# warp: only the warp index by a shuffle (`v66-decode-warp-by-shuffle.patch`, on which the TMA patch
-# sits: ptxas then treats what derives from it as warp-uniform; cp.async steps 430 -> 423 at hd128,
-# 333 -> 326 at hd64). Trees: device_trees.py .device_scratch8 main=HEAD
-# warp=HEAD+bench/notes/v66-decode-warp-by-shuffle.patch tma=HEAD+bench/notes/v66-decode-warp-by-
-# shuffle.patch+bench/notes/v66-decode-tma-loads.patch --kernels kvcache; carry .device_scratch8.
+# Trees: device_trees.py .device_scratch8 main=HEAD tma=HEAD+bench/notes/v66-decode-tma-loads.patch
+# --kernels kvcache; carry .device_scratch8.
 cd "$(dirname "$0")/../.."
 SCRATCH=.device_scratch8 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L
@@ -29,5 +26,5 @@ C=64:131072:32:8:64:dense,128:65536:32:8:64:dense,16:131072:32:32:64:dense,16:65
 C=$C,64:65536:32:8:128:dense,128:131072:8:1:64:dense,1:131072:32:8:64:paged16,16:16384:32:8:128:paged16
 C=$C,128:1024:32:8:128:dense,1:4096:32:8:64:dense,1:16384:8:1:128:dense,16:1024:8:1:64:paged256
 C=$C,4:4096:32:8:64:paged16,8:131072:32:8:128:paged256
-timeout 200 python /tmp/ab.py --pass decode --rounds 5 --cells $C $S/main $S/warp $S/tma $S/main 2>&1 | tail -18 >> $L
+timeout 200 python /tmp/ab.py --pass decode --rounds 5 --cells $C $S/main $S/tma $S/main $S/tma 2>&1 | tail -18 >> $L
 save_new_kernels

@@ -147,7 +147,7 @@ def test_the_attention_profile_names_each_call_it_profiles(monkeypatch, capsys):
 
 
 @pytest.mark.gpu
-def test_the_copy_rate_is_a_hopper_or_ampere_gpus():
+def test_the_copy_rate_is_measured_in_a_plausible_range():
     """The decode table's fractions are of the copy rate measured in the run: bytes read and
     written over the median copy's time, somewhere between a PCIe card's and an H200's."""
     assert 0.5 < benchmark.measure_copy_tbps(256 << 20, reps=5) < 6.0

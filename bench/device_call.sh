@@ -25,14 +25,16 @@ gpu_tests() {
     echo "(progress before the timeout)" >> $L
   fi
 }
-# sanitizers TREE: memcheck, then racecheck's hazards, of $S/TREE's tests/sanitize_run.py; their
-# output in $OUT/memcheck.log and racecheck.log, exit status and last lines in $L.
+# sanitizers TREE [ARGS...]: memcheck, then racecheck's hazards, of $S/TREE's tests/sanitize_run.py
+# (with ARGS, such as --kvcache-only); their output in $OUT/memcheck.log and racecheck.log, exit
+# status and last lines in $L.
 sanitizers() {
-  local tool seconds
+  local tree=$1 tool seconds
+  shift
   for tool in memcheck:80 racecheck:120; do
     seconds=${tool#*:} tool=${tool%:*}
-    (cd "$S/$1" && PYTHONPATH=. timeout "$seconds" compute-sanitizer --tool $tool \
-      $([ $tool = racecheck ] && echo --racecheck-report hazard) python tests/sanitize_run.py > "$OUT/$tool.log" 2>&1)
+    (cd "$S/$tree" && PYTHONPATH=. timeout "$seconds" compute-sanitizer --tool $tool \
+      $([ $tool = racecheck ] && echo --racecheck-report hazard) python tests/sanitize_run.py "$@" > "$OUT/$tool.log" 2>&1)
     echo "$tool rc $? ($(date +%T))" >> $L; tail -2 "$OUT/$tool.log" >> $L
   done
 }

@@ -67,6 +67,7 @@ if __name__ == "__main__":
     print(json.dumps(report))
 """
 
+
 def make_tree(directory, spec):
     """DIR/NAME from NAME=REV[+PATCH...]; returns its path."""
     name, _, version = spec.partition("=")

@@ -41,7 +41,6 @@ import math
 import os
 import pstats
 import random
-import statistics
 import sys
 import time
 
@@ -1127,21 +1126,12 @@ COPY_BYTES = 2 << 30  # the copy that measure_copy_tbps times: far past the L2
 
 def measure_copy_tbps(nbytes=COPY_BYTES, reps=11):
     """This GPU's device-to-device copy rate, TB/s of bytes read and written (as
-    ../shared/peers/README.md counts it: 4.24 on the H200, about 3.0 on an H100): the median of
-    `reps` timed copies after one warm-up, by CUDA events. The decode table's fractions are of it."""
+    ../shared/peers/README.md counts it: 4.24 on the H200, about 3.0 on an H100), timed as every
+    call is (time_ms). The decode table's fractions are of it."""
     import torch
     source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     target = torch.empty_like(source)
-    target.copy_(source)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        target.copy_(source)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 2 * nbytes / (statistics.median(times) * 1e-3) / 1e12
+    return 2 * nbytes / (time_ms(lambda: target.copy_(source), reps=reps) * 1e-3) / 1e12
 
 
 @dataclasses.dataclass(frozen=True)

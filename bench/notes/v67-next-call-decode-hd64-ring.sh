@@ -12,8 +12,7 @@
 # the fix is CTAs over heads; if both read alike at full occupancy but not at two CTAs an SM, the
 # decode is short of loads in flight and deeper rings (the sweep below) are the fix.
 cd "$(dirname "$0")/../.."
-S=$PWD/.device_scratch8
-L=$OUT/log.txt
+SCRATCH=.device_scratch8 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L
 timeout 90 python bench/decode_stream.py >> $L 2>&1
 (cd $S/main && PYTHONPATH=. timeout 330 python $OLDPWD/bench/decode_tiles.py --tiles=16:8:3,16:8:4,16:8:5,32:8:3,32:8:4 \

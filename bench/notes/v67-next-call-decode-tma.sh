@@ -17,9 +17,5 @@ nvidia-smi --query-gpu=name --format=csv,noheader >> $L
 T="tests/test_kvcache_gpu.py tests/test_torch_kvcache.py tests/test_launch.py tests/test_graphs.py"
 gpu_tests tma kvcache_tests 150 $T
 CUPYFLASH_FAMILY=mma_sync gpu_tests tma kvcache_tests_mma 90 tests/test_kvcache_gpu.py
-for tool in memcheck racecheck; do
-  (cd $S/tma && PYTHONPATH=. timeout 60 compute-sanitizer --tool $tool $([ $tool = racecheck ] && echo --racecheck-report hazard) \
-    python tests/sanitize_run.py --kvcache-only > $OUT/$tool.log 2>&1)
-  echo "$tool rc $? ($(date +%T))" >> $L; tail -2 $OUT/$tool.log >> $L
-done
+sanitizers tma --kvcache-only
 save_new_kernels

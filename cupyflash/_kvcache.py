@@ -18,6 +18,7 @@ from . import _arrays, _config, _kernels, _launch, _plan, _schedule
 
 MAX_SPLITS = 128
 STREAMING_WARPS = 8  # warps per SM that keep a short cache's reads at the copy bandwidth (streaming_slots)
+PAGED_CTAS_PER_SM = 2  # resident CTAs per SM that read a long paged cache fastest (streaming_slots)
 # The plan's inputs by FlashParams field, in flash_attn_with_kvcache's order of array arguments: the
 # caches are `k` and `v`, the new keys and values `k_new` and `v_new`.
 FIELDS = ("q", "k", "v", "k_new", "v_new", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
@@ -101,12 +102,14 @@ def streaming_slots(warps, sms, resident, capacity, paged):
     streams (dense caches of at most SHORT_CACHE rows, paged ones of a quarter of that): about
     STREAMING_WARPS warps per SM (one CTA of the 6- and 8-warp tiles, two of the 4-warp one:
     bench/notes/v41's sweep), since a longer wave adds its fixed costs to streams of a few key
-    blocks. Longer ones, and pages, whose table reads add latency to each: every resident CTA
-    (v42's grid: 128 CTAs of long or 4k paged caches, one per SM, read at 0.6-0.85x the speed of
-    two per SM)."""
+    blocks. Longer dense ones: every resident CTA (v42's grid: 128 CTAs of long or 4k paged caches,
+    one per SM, read at 0.6-0.85x the speed of two per SM). Longer paged ones, whose table reads add
+    latency to each: up to PAGED_CTAS_PER_SM per SM (bench/notes/v67: hd64's 4-warp tile, five
+    resident per SM, reads 16-row pages of 16k-128k rows 1-3% faster split for two per SM than for
+    five, where dense caches of the same lengths read 1-4% slower)."""
     if capacity <= (_config.SHORT_CACHE // 4 if paged else _config.SHORT_CACHE):
         return min(resident, _short_stream_slots(warps, sms))
-    return resident
+    return min(resident, PAGED_CTAS_PER_SM * sms) if paged else resident
 
 
 def _short_stream_slots(warps, sms):

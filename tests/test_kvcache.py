@@ -416,7 +416,8 @@ def test_decode_streaming_slots_by_cache_length():
     from cupyflash._config import SHORT_CACHE
     from cupyflash._kvcache import streaming_slots
     # 132 SMs (the H200): short dense caches stream on one CTA per SM of the 6- and 8-warp tiles,
-    # two of the 4-warp one (fewer where fewer are resident); longer or paged ones on every resident CTA
+    # two of the 4-warp one (fewer where fewer are resident); longer dense ones on every resident CTA,
+    # longer paged ones on up to two an SM
     assert streaming_slots(warps=8, sms=132, resident=264, capacity=SHORT_CACHE, paged=False) == 132
     assert streaming_slots(warps=6, sms=132, resident=396, capacity=1024, paged=False) == 132
     assert streaming_slots(warps=4, sms=132, resident=528, capacity=1024, paged=False) == 264
@@ -424,7 +425,10 @@ def test_decode_streaming_slots_by_cache_length():
     assert streaming_slots(warps=6, sms=132, resident=396, capacity=SHORT_CACHE + 16, paged=False) == 396
     assert streaming_slots(warps=8, sms=132, resident=132, capacity=131072, paged=False) == 132
     assert streaming_slots(warps=6, sms=132, resident=396, capacity=SHORT_CACHE // 4, paged=True) == 132
-    assert streaming_slots(warps=6, sms=132, resident=396, capacity=SHORT_CACHE, paged=True) == 396
+    assert streaming_slots(warps=6, sms=132, resident=396, capacity=SHORT_CACHE, paged=True) == 264
+    assert streaming_slots(warps=4, sms=132, resident=660, capacity=131072, paged=True) == 264
+    assert streaming_slots(warps=4, sms=132, resident=660, capacity=131072, paged=False) == 660
+    assert streaming_slots(warps=6, sms=132, resident=264, capacity=131072, paged=True) == 264
 
 
 def test_decode_splits_fill_the_slots_in_one_wave_with_no_empty_split():

@@ -142,6 +142,23 @@ def test_paged_caches_by_cta_count(headdim, nheads_k):
     _run_and_check(case, "bfloat16", "cupy", causal=True)
 
 
+@pytest.mark.parametrize("page", [0, 256])
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_long_caches_of_more_ctas_than_sms_take_the_long_cache_tile(headdim, page, monkeypatch):
+    """3 x 48 KV heads over 4352 rows (past SHORT_CACHE), dense and in 256-row pages: more CTAs than
+    an H200 or H100 has SMs, so the 'decode' table's tile streams them (hd64 on a 4-stage ring)."""
+    from cupyflash import _kvcache
+    tables, rule = [], _kvcache._table
+    monkeypatch.setattr(_kvcache, "_table", lambda *args: tables.append(rule(*args)) or tables[-1])
+    monkeypatch.setattr(_kvcache._plan, "_plans", {})
+    rng = np.random.default_rng(headdim + page)
+    case = _case(rng, "bfloat16", seqlen_q=1, seqlen_new=1, nheads=48, nheads_k=48, capacity=4352, headdim=headdim,
+                 rotary_dim=0, paged_page=page)
+    case["cache_seqlens"][1] = 4351  # a full cache after the append
+    _run_and_check(case, "bfloat16", "cupy", causal=True)
+    assert tables and set(tables) == {"decode"}
+
+
 @pytest.mark.parametrize("headdim, nheads_k", [(64, 40), (128, 40)])
 def test_pages_of_an_odd_multiple_of_16_rows(headdim, nheads_k):
     """48-row pages: hd64's 32-row key blocks (the few-CTA tile) end within a page or run their

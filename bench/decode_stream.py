@@ -7,6 +7,8 @@ timings after one warm-up):
 
   per_head:  a CTA per (row split, head, batch entry) reads its head's 128-byte rows: the decode's
              pattern (8 warps, each 16 rows a step, warps interleaved by block as the decode's);
+  heads_by_warp: a CTA per (row split, 8 heads, batch entry), each warp one head's rows of the
+             CTA's keys (heads a multiple of 8), as many CTAs and bytes;
   all_heads: a CTA per (row split, batch entry) reads whole rows of every head (heads x 128 bytes
              contiguous), as many CTAs and bytes;
   contiguous: the same bytes as one flat array, CTAs over consecutive chunks (the copy's pattern);
@@ -38,6 +40,25 @@ extern "C" __global__ void per_head(const uint4* k, int seqlen, int heads, int r
         for (int i = 0; i < 4; ++i) acc += __int_as_float(x[i].x ^ x[i].y ^ x[i].z ^ x[i].w);
     }
     if (acc == 1.2345f) out[0] = acc;  // (keeps the loads)
+}
+extern "C" __global__ void heads_by_warp(const uint4* k, int seqlen, int heads, int rows_per_cta, float* out) {
+    // grid (splits, heads / 8, batch), 8 warps: warp w reads head 8 * blockIdx.y + w's rows, 16 a step,
+    // so that the CTA reads 8 heads' rows of the same keys together
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int r0 = blockIdx.x * rows_per_cta, h = blockIdx.y * 8 + warp, b = blockIdx.z;
+    const int row_in_step = lane / 8, chunk = lane % 8;
+    float acc = 0.f;
+    for (int step = 0; step * 16 < rows_per_cta; ++step) {
+        uint4 x[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = r0 + step * 16 + 4 * i + row_in_step;
+            x[i] = __ldg(k + ((static_cast<long long>(b) * seqlen + r) * heads + h) * 8 + chunk);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc += __int_as_float(x[i].x ^ x[i].y ^ x[i].z ^ x[i].w);
+    }
+    if (acc == 1.2345f) out[0] = acc;
 }
 extern "C" __global__ void all_heads(const uint4* k, int seqlen, int heads, int rows_per_cta, float* out) {
     // grid (splits, 1, batch): rows_per_cta rows of every head, heads x 8 uint4 contiguous a row
@@ -77,12 +98,13 @@ def main(argv):
         (64, 131072, 8), (16, 131072, 32), (128, 65536, 8), (128, 131072, 1)]
     module = cupy.RawModule(code=SOURCE)
     per_head, all_heads = module.get_function("per_head"), module.get_function("all_heads")
+    heads_by_warp = module.get_function("heads_by_warp")
     out = cupy.zeros(1, cupy.float32)
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: TB/s read (bf16, head dim 64); "
           f"each cell at two CTAs an SM (the decode's dense hd64 tile: 100 KB of shared memory each) and at as "
           f"many as fit (no shared memory)")
-    for function in (per_head, all_heads):
+    for function in (per_head, all_heads, heads_by_warp):
         function.max_dynamic_shared_size_bytes = DECODE_SMEM
     for batch, seqlen, heads in cells:
         k = cupy.empty((batch * seqlen * heads * 64 * 2 // 16, 4), dtype=cupy.uint32)  # 16-byte chunks
@@ -96,6 +118,11 @@ def main(argv):
             args = (k, cupy.int32(seqlen), cupy.int32(heads), cupy.int32(rows), out)
             line.append(f"per_head/{splits}{'' if smem else '*'} "
                         f"{timed_tbps(lambda: per_head((splits, heads, batch), (256,), args, shared_mem=smem), nbytes):.2f}")
+            if heads % 8 == 0:  # as many CTAs and bytes, each CTA an eighth of the rows of 8 heads
+                args = (k, cupy.int32(seqlen), cupy.int32(heads), cupy.int32(rows // 8), out)
+                rate = timed_tbps(lambda: heads_by_warp((splits * 8, heads // 8, batch), (256,), args, shared_mem=smem),
+                                  nbytes)
+                line.append(f"heads_by_warp/{splits * 8}{'' if smem else '*'} {rate:.2f}")
             # as many CTAs and bytes, each CTA a heads-th of the rows of every head
             args = (k, cupy.int32(seqlen), cupy.int32(heads), cupy.int32(rows // heads), out)
             line.append(f"all_heads/{splits * heads}{'' if smem else '*'} "

@@ -114,6 +114,29 @@ def _run_and_check(case, dtype, framework, **options):
                                    err_msg=name)
 
 
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("paged_page", [0, 16, 256])
+def test_cache_rows_past_the_keys_are_never_used(headdim, paged_page):
+    """Every cache row past a sequence's keys (and every block no table names) holds NaN or inf, as
+    a cache from torch.empty may: the kernels use the keys alone (their copies of rows past the
+    keys read nothing and fill zeros)."""
+    rng = np.random.default_rng(headdim + paged_page)
+    case = _case(rng, "bfloat16", batch=4, headdim=headdim, capacity=256 if paged_page != 256 else 512,
+                 paged_page=paged_page, rotary_dim=0)
+    case["cache_seqlens"] = np.array([0, 16, 112, 199], np.int32)  # (+1 appended: 1, 17, 113, 200 keys)
+    bad = np.array([np.nan, np.inf, -np.inf], np.float32)
+    for cache in (case["k_cache"], case["v_cache"]):
+        poison = np.ones(cache.shape[:-1], bool)
+        for b, length in enumerate(case["cache_seqlens"] + 1):
+            positions = np.arange(length)
+            if paged_page:
+                poison[case["block_table"][b, positions // paged_page], positions % paged_page] = False
+            else:
+                poison[b, positions] = False
+        cache[poison] = bad[rng.integers(0, 3, poison.sum())][:, None].astype(cache.dtype)
+    _run_and_check(case, "bfloat16", "cupy")
+
+
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 1), (4, 4), (1, 0), (33, 33)])

@@ -16,6 +16,8 @@ each at two CTAs an SM (as the decode's dense hd64 tile runs) and, marked *, as 
 
 Usage (GPU): python bench/decode_stream.py [batch seqlen heads ...]  (default: the v66 grid's worst
 hd64 cells, 64 x 131072 x 8, 16 x 131072 x 32, 128 x 65536 x 8, and MQA 128 x 131072 x 1).
+`--spans [batch seqlen heads headdim ...]`: per_head's steps with a row of 1, 2, 4, ... heads' rows
+read together (spans()).
 """
 import statistics
 import sys
@@ -60,6 +62,28 @@ extern "C" __global__ void heads_by_warp(const uint4* k, int seqlen, int heads, 
     }
     if (acc == 1.2345f) out[0] = acc;
 }
+extern "C" __global__ void spans(const uint4* k, int seqlen, int heads, int head_chunks, int span, int rows_per_cta,
+                                  float* out) {
+    // grid (splits, heads / span, batch), 8 warps taking 16-row steps in turn (as per_head); a row is
+    // `span` heads' 16-byte chunks, contiguous: span 1 is per_head's pattern, span = heads whole rows
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int r0 = blockIdx.x * rows_per_cta, h0 = blockIdx.y * span, b = blockIdx.z;
+    const int row_chunks = span * head_chunks, step_chunks = 16 * row_chunks;  // (a multiple of 128)
+    float acc = 0.f;
+    for (int step = warp; step * 16 < rows_per_cta; step += blockDim.x / 32) {
+        for (int c0 = 0; c0 < step_chunks; c0 += 128) {  // four 16-byte loads a lane in flight
+            uint4 x[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int c = c0 + lane + 32 * i, r = r0 + step * 16 + c / row_chunks;
+                x[i] = __ldg(k + ((static_cast<long long>(b) * seqlen + r) * heads + h0) * head_chunks + c % row_chunks);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc += __int_as_float(x[i].x ^ x[i].y ^ x[i].z ^ x[i].w);
+        }
+    }
+    if (acc == 1.2345f) out[0] = acc;
+}
 extern "C" __global__ void all_heads(const uint4* k, int seqlen, int heads, int rows_per_cta, float* out) {
     // grid (splits, 1, batch): rows_per_cta rows of every head, heads x 8 uint4 contiguous a row
     const long long base = (static_cast<long long>(blockIdx.z) * seqlen + blockIdx.x * rows_per_cta) * heads * 8;
@@ -77,7 +101,8 @@ extern "C" __global__ void all_heads(const uint4* k, int seqlen, int heads, int 
 """
 
 
-DECODE_SMEM = 100 * 1024  # the dense hd64 decode tile's, (16 + 2 x 3 x 16 x 8) rows of 128 bytes
+DECODE_SMEM = 100 * 1024  # the dense hd64 decode tile's before v67, (16 + 2 x 3 x 16 x 8) rows of 128 bytes
+ONE_CTA_SMEM = 150 * 1024  # more than half an SM's: one CTA an SM, as the dense decode tiles run since v67
 
 
 def timed_tbps(launch, nbytes):
@@ -93,7 +118,39 @@ def timed_tbps(launch, nbytes):
     return nbytes / (statistics.median(times) * 1e-3) / 1e12
 
 
+def spans(argv):
+    """--spans [batch seqlen heads headdim ...]: a row of `span` heads' rows, contiguous, per CTA
+    (span 1: the decode's pattern), at one CTA an SM (the decode's dense tiles since v67) and at as
+    many as fit (*): how many heads' rows must one CTA read together to stream as whole rows do?"""
+    cells = [tuple(map(int, argv[i:i + 4])) for i in range(0, len(argv), 4)] or [
+        (64, 131072, 8, 64), (16, 131072, 32, 64), (64, 65536, 8, 128), (16, 65536, 32, 128)]
+    function = cupy.RawModule(code=SOURCE).get_function("spans")
+    function.max_dynamic_shared_size_bytes = ONE_CTA_SMEM
+    out = cupy.zeros(1, cupy.float32)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: TB/s read (bf16) by heads read together a "
+          f"row, at one CTA an SM and (*) as many as fit")
+    for batch, seqlen, heads, headdim in cells:
+        k = cupy.empty((batch * seqlen * heads * headdim * 2 // 16, 4), dtype=cupy.uint32)
+        line = []
+        for smem in (ONE_CTA_SMEM, 0):
+            span = 1
+            while span <= heads:
+                units = heads // span * batch
+                splits = 1 << max(0, -(-(1 if smem else 8) * sms // units) - 1).bit_length()
+                args = (k, cupy.int32(seqlen), cupy.int32(heads), cupy.int32(headdim // 8), cupy.int32(span),
+                        cupy.int32(seqlen // splits), out)
+                rate = timed_tbps(lambda: function((splits, heads // span, batch), (256,), args, shared_mem=smem),
+                                  k.nbytes)
+                line.append(f"{span}{'' if smem else '*'} {rate:.2f}")
+                span *= 2
+        print(f"{batch} x {seqlen} x {heads} x hd{headdim}: span " + "  ".join(line), flush=True)
+        del k
+
+
 def main(argv):
+    if argv[:1] == ["--spans"]:
+        return spans(argv[1:])
     cells = [tuple(map(int, argv[i:i + 3])) for i in range(0, len(argv), 3)] or [
         (64, 131072, 8), (16, 131072, 32), (128, 65536, 8), (128, 131072, 1)]
     module = cupy.RawModule(code=SOURCE)

@@ -104,9 +104,9 @@ def streaming_slots(warps, sms, resident, capacity, paged):
     bench/notes/v41's sweep), since a longer wave adds its fixed costs to streams of a few key
     blocks. Longer dense ones: every resident CTA (v42's grid: 128 CTAs of long or 4k paged caches,
     one per SM, read at 0.6-0.85x the speed of two per SM). Longer paged ones, whose table reads add
-    latency to each: up to PAGED_CTAS_PER_SM per SM (bench/notes/v67: hd64's 4-warp tile, five
-    resident per SM, reads 16-row pages of 16k-128k rows 1-3% faster split for two per SM than for
-    five, where dense caches of the same lengths read 1-4% slower)."""
+    latency to each: up to PAGED_CTAS_PER_SM per SM (bench/notes/v67, H100: hd64's 4-warp tile, five
+    resident per SM, read 16-row pages of 16k-128k rows split for two per SM +1.8-5.3% in 9 of 13
+    cells, -1.2 to -2.6% in three, where dense caches of those lengths read 1-4% slower so)."""
     if capacity <= (_config.SHORT_CACHE // 4 if paged else _config.SHORT_CACHE):
         return min(resident, _short_stream_slots(warps, sms))
     return min(resident, PAGED_CTAS_PER_SM * sms) if paged else resident

@@ -25,24 +25,6 @@ import sys
 import cupy
 
 SOURCE = r"""
-extern "C" __global__ void per_head(const uint4* k, int seqlen, int heads, int rows_per_cta, float* out) {
-    // grid (splits, heads, batch); row r of head h of batch b is 8 uint4 at ((b * seqlen + r) * heads + h) * 8
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int r0 = blockIdx.x * rows_per_cta, h = blockIdx.y, b = blockIdx.z;
-    const int row_in_step = lane / 8, chunk = lane % 8;  // a warp: 4 rows x 8 chunks per load, 16 rows a step
-    float acc = 0.f;
-    for (int step = warp; step * 16 < rows_per_cta; step += blockDim.x / 32) {
-        uint4 x[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = r0 + step * 16 + 4 * i + row_in_step;
-            x[i] = __ldg(k + ((static_cast<long long>(b) * seqlen + r) * heads + h) * 8 + chunk);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc += __int_as_float(x[i].x ^ x[i].y ^ x[i].z ^ x[i].w);
-    }
-    if (acc == 1.2345f) out[0] = acc;  // (keeps the loads)
-}
 extern "C" __global__ void heads_by_warp(const uint4* k, int seqlen, int heads, int rows_per_cta, float* out) {
     // grid (splits, heads / 8, batch), 8 warps: warp w reads head 8 * blockIdx.y + w's rows, 16 a step,
     // so that the CTA reads 8 heads' rows of the same keys together
@@ -64,8 +46,8 @@ extern "C" __global__ void heads_by_warp(const uint4* k, int seqlen, int heads, 
 }
 extern "C" __global__ void spans(const uint4* k, int seqlen, int heads, int head_chunks, int span, int rows_per_cta,
                                   float* out) {
-    // grid (splits, heads / span, batch), 8 warps taking 16-row steps in turn (as per_head); a row is
-    // `span` heads' 16-byte chunks, contiguous: span 1 is per_head's pattern, span = heads whole rows
+    // grid (splits, heads / span, batch), 8 warps taking 16-row steps in turn, as the decode's; a row
+    // is `span` heads' 16-byte chunks, contiguous: span 1 is per_head, span = heads whole rows
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int r0 = blockIdx.x * rows_per_cta, h0 = blockIdx.y * span, b = blockIdx.z;
     const int row_chunks = span * head_chunks, step_chunks = 16 * row_chunks;  // (a multiple of 128)
@@ -154,7 +136,7 @@ def main(argv):
     cells = [tuple(map(int, argv[i:i + 3])) for i in range(0, len(argv), 3)] or [
         (64, 131072, 8), (16, 131072, 32), (128, 65536, 8), (128, 131072, 1)]
     module = cupy.RawModule(code=SOURCE)
-    per_head, all_heads = module.get_function("per_head"), module.get_function("all_heads")
+    per_head, all_heads = module.get_function("spans"), module.get_function("all_heads")  # (per_head: span 1)
     heads_by_warp = module.get_function("heads_by_warp")
     out = cupy.zeros(1, cupy.float32)
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
@@ -172,7 +154,7 @@ def main(argv):
             # about a wave of CTAs (or more), a power of two so that every row is read
             splits = 1 << max(0, -(-(2 if smem else 8) * sms // units) - 1).bit_length()
             rows = seqlen // splits
-            args = (k, cupy.int32(seqlen), cupy.int32(heads), cupy.int32(rows), out)
+            args = (k, cupy.int32(seqlen), cupy.int32(heads), cupy.int32(8), cupy.int32(1), cupy.int32(rows), out)
             line.append(f"per_head/{splits}{'' if smem else '*'} "
                         f"{timed_tbps(lambda: per_head((splits, heads, batch), (256,), args, shared_mem=smem), nbytes):.2f}")
             if heads % 8 == 0:  # as many CTAs and bytes, each CTA an eighth of the rows of 8 heads

@@ -114,6 +114,13 @@ def _run_and_check(case, dtype, framework, **options):
                                    err_msg=name)
 
 
+def _results_of(monkeypatch, module, name):
+    """The list each later call of module.name appends its result to (the function still runs)."""
+    results, function = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args: results.append(function(*args)) or results[-1])
+    return results
+
+
 @pytest.mark.parametrize("headdim", [64, 128])
 @pytest.mark.parametrize("paged_page", [0, 16, 256])
 def test_cache_rows_past_the_keys_are_never_used(headdim, paged_page):
@@ -171,8 +178,7 @@ def test_long_caches_of_more_ctas_than_sms_take_the_long_cache_tile(headdim, pag
     """3 x 48 KV heads over 4352 rows (past SHORT_CACHE), dense and in 256-row pages: more CTAs than
     an H200 or H100 has SMs, so the 'decode' table's tile streams them (hd64 on a 4-stage ring)."""
     from cupyflash import _kvcache
-    tables, rule = [], _kvcache._table
-    monkeypatch.setattr(_kvcache, "_table", lambda *args: tables.append(rule(*args)) or tables[-1])
+    tables = _results_of(monkeypatch, _kvcache, "_table")
     monkeypatch.setattr(_kvcache._plan, "_plans", {})
     rng = np.random.default_rng(headdim + page)
     case = _case(rng, "bfloat16", seqlen_q=1, seqlen_new=1, nheads=48, nheads_k=48, capacity=4352, headdim=headdim,
@@ -484,8 +490,7 @@ def test_an_odd_batch_of_long_caches_spreads_its_splits_over_whole_waves(monkeyp
     merged by the combine. The result is checked; on 132 SMs, that the rule split it."""
     import cupy
     from cupyflash import _kvcache
-    picked, rule = [], _kvcache.splits
-    monkeypatch.setattr(_kvcache, "splits", lambda *args: picked.append(rule(*args)) or picked[-1])
+    picked = _results_of(monkeypatch, _kvcache, "splits")
     rng = np.random.default_rng(17)
     case = _case(rng, "bfloat16", batch=17, nheads=32, nheads_k=8, headdim=128, capacity=8320, seqlen_new=0,
                  rotary_dim=0)

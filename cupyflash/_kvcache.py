@@ -163,20 +163,21 @@ def _waves_time(ctas, key_blocks, warps, slots, count):
     return -(-ctas * count // slots) * (per_split // warps + CTA_STEPS) + (COMBINE_STEPS if count > 1 else 0)
 
 
-def _table(ctas, cache, headdim, sms, device_id):
-    """The decode tile table of a call of `ctas` CTAs (one split each): _config.decode_table's, but
+def _table(ctas, page_rows, capacity, headdim, sms, device_id):
+    """The decode tile table of a call of `ctas` CTAs (one split each) streaming `capacity` key rows
+    each, in pages of `page_rows` (0: dense): _config.decode_table's, but
     where the few-CTA tile would run at most half the warps the small pages' tile runs after each
     is split (a tiny call, whose splits stop at a key block per warp): there more, shorter streams
     finish sooner (bench/notes/v43: hd64 1 x 1k 8/1 6.3 us a step on the small tile, 7.5 on the
     few-CTA one; 16 x 1k 8/1 7.5 against 8.0)."""
-    table = _config.decode_table(cache.page_size, cache.capacity, ctas, sms)
-    if table != "decode_few" or cache.capacity > _config.SHORT_CACHE:
+    table = _config.decode_table(page_rows, capacity, ctas, sms)
+    if table != "decode_few" or capacity > _config.SHORT_CACHE:
         return table
 
     def warps(name):  # launched after splitting, in a short cache's slots, residency aside
         tile = _schedule.tile(name, headdim, device_id)
         slots = _short_stream_slots(tile.warps, sms)
-        return ctas * splits(ctas, -(-cache.capacity // tile.block_n), tile.warps, slots, sms) * tile.warps
+        return ctas * splits(ctas, -(-capacity // tile.block_n), tile.warps, slots, sms) * tile.warps
     return "decode_small" if warps("decode_small") >= 2 * warps(table) else table
 
 
@@ -202,20 +203,43 @@ def fewer_splits_in_clusters(count, key_blocks, warps, clusters_fit):
     return count
 
 
+def copy_step_rows(headdim):
+    """The key rows a warp's 16-byte copies cover in one step of the decode tile of this (padded)
+    head dim (sm80/decode.cuh kLaneFixed: 32 lanes over a row's headdim / 8 chunks, on the swizzled
+    head dims), else 1."""
+    return 256 // headdim if headdim in (64, 128, 256) else 1
+
+
+def decode_heads(nheads_k, rows_per_head, block_rows, step_rows):
+    """How many kv heads a decode tile takes together (sm80/decode.cuh PackedRows): the most, a
+    power of two dividing nheads_k and at most `step_rows` (a copy step then starts a token), whose
+    `rows_per_head` packed query rows each fit one tile of `block_rows`. Their rows of a token are
+    adjacent in the cache, so the tile reads them as one run: one head's 128-byte rows a CTA stream
+    2-3% slower than runs of two or more (bench/notes/v67, v68)."""
+    heads = 1
+    while 2 * heads <= step_rows and nheads_k % (2 * heads) == 0 and 2 * heads * rows_per_head <= block_rows:
+        heads *= 2
+    return heads
+
+
 def _new_plan(call, cache, arrays):
     shape, caller = call.shape, call.caller
     device_id = caller.device_id
     sms = _schedule.device_attributes(device_id)["MultiProcessorCount"]
-    group = shape.nheads // shape.nheads_k
-    block_rows = _schedule.tile("decode", shape.headdim, device_id).block_m  # (every decode table's)
-    m_blocks = -(-shape.seqlen_q * group // block_rows)  # blocks of packed (query, head) rows
-    ctas = m_blocks * shape.nheads_k * shape.batch
-    tile = _schedule.tile(_table(ctas, cache, shape.headdim, sms, device_id), shape.headdim, device_id)
+    rows_per_head = shape.seqlen_q * shape.nheads // shape.nheads_k  # a kv head's packed (query, head) rows
+    decode_tile = _schedule.tile("decode", shape.headdim, device_id)  # (block_m and head dim: every decode table's)
+    heads = decode_heads(shape.nheads_k, rows_per_head, decode_tile.block_m, copy_step_rows(decode_tile.headdim))
+    block_rows = decode_tile.block_m
+    m_blocks = -(-rows_per_head * heads // block_rows)
+    ctas = m_blocks * (shape.nheads_k // heads) * shape.batch
+    # The rules see the key rows a CTA streams: a token's row of each of its kv heads.
+    capacity, page_rows = cache.capacity * heads, cache.page_size * heads
+    tile = _schedule.tile(_table(ctas, page_rows, capacity, shape.headdim, sms, device_id), shape.headdim, device_id)
     kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features)
-    key_blocks = -(-cache.capacity // tile.block_n)
+    key_blocks = -(-capacity // tile.block_n)
     count = cache.num_splits
     if not count:
-        slots = streaming_slots(tile.warps, sms, _schedule.resident_ctas(kernel, caller.device()), cache.capacity,
+        slots = streaming_slots(tile.warps, sms, _schedule.resident_ctas(kernel, caller.device()), capacity,
                                 cache.page_size > 0)
         count = splits(ctas, key_blocks, tile.warps, slots, sms)
     count = max(1, min(count, MAX_SPLITS, key_blocks))
@@ -230,7 +254,7 @@ def _new_plan(call, cache, arrays):
         count = fewer_splits_in_clusters(count, key_blocks, tile.warps, clusters_fit)
     merge_in_cluster = clusters_fit(count)
     params = params_of(call, cache, arrays, tile, count)
-    params["merge_in_cluster"] = int(merge_in_cluster)
+    params["merge_in_cluster"], params["decode_heads_log2"] = int(merge_in_cluster), heads.bit_length() - 1
     q = arrays["q"]
     stats = (shape.batch, shape.nheads, shape.seqlen_q)
     outputs = [_plan._Output("out", tuple(q.shape), call.dtype), _plan._Output("lse", stats, "float32")]
@@ -238,7 +262,7 @@ def _new_plan(call, cache, arrays):
     if cache.seqlen_new:
         append = _kernels.Kernel("kvcache_append", call.dtype)
         launches.append(_plan._Launch(append, (cache.seqlen_new, shape.batch, 1), dependent=True))
-    launches.append(_plan._Launch(kernel, (m_blocks * count, shape.nheads_k, shape.batch), dependent=True,
+    launches.append(_plan._Launch(kernel, (m_blocks * count, shape.nheads_k // heads, shape.batch), dependent=True,
                                   cluster=count if merge_in_cluster else 1))
     if count > 1 and not merge_in_cluster:
         rows = math.prod(stats)

@@ -431,6 +431,21 @@ def test_decode_streaming_slots_by_cache_length():
     assert streaming_slots(warps=6, sms=132, resident=264, capacity=131072, paged=True) == 264
 
 
+def test_a_decode_tile_takes_the_kv_heads_whose_rows_fit_it_and_a_copy_step():
+    from cupyflash._kvcache import copy_step_rows, decode_heads
+    assert [copy_step_rows(hd) for hd in (32, 64, 96, 128, 160, 256)] == [1, 4, 1, 2, 1, 1]
+    assert decode_heads(nheads_k=8, rows_per_head=4, block_rows=16, step_rows=4) == 4    # hd64 GQA 32/8, one query row
+    assert decode_heads(nheads_k=8, rows_per_head=4, block_rows=16, step_rows=2) == 2    # hd128: a step's two rows
+    assert decode_heads(nheads_k=8, rows_per_head=8, block_rows=16, step_rows=4) == 2    # 64/8, or 32/8 with two rows
+    assert decode_heads(nheads_k=4, rows_per_head=7, block_rows=16, step_rows=4) == 2    # 28/4: 14 of 16 rows
+    assert decode_heads(nheads_k=32, rows_per_head=1, block_rows=16, step_rows=4) == 4   # MHA
+    assert decode_heads(nheads_k=6, rows_per_head=1, block_rows=16, step_rows=4) == 2    # powers of two dividing nheads_k
+    assert decode_heads(nheads_k=1, rows_per_head=1, block_rows=16, step_rows=4) == 1    # MQA
+    assert decode_heads(nheads_k=8, rows_per_head=9, block_rows=16, step_rows=4) == 1    # rows of one head past half a tile
+    assert decode_heads(nheads_k=8, rows_per_head=64, block_rows=16, step_rows=4) == 1   # chunked prefill
+    assert decode_heads(nheads_k=8, rows_per_head=1, block_rows=16, step_rows=1) == 1    # hd256, unswizzled head dims
+
+
 def test_decode_splits_fill_the_slots_in_one_wave_with_no_empty_split():
     from cupyflash._kvcache import MAX_SPLITS, splits
     # sms=132: the H200; slots of 264 or 396 are two or three CTAs per SM
@@ -493,14 +508,14 @@ def test_tiny_short_calls_take_the_small_tile_where_it_runs_twice_the_warps(monk
     monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
     monkeypatch.setattr(_schedule, "tile", lambda table, headdim, device_id: _config.tile_for(
         table, headdim, (9, 0), 227 * 1024))  # the H200's tables, 132 SMs
-    short, long = types.SimpleNamespace(page_size=0, capacity=1024), types.SimpleNamespace(page_size=0, capacity=5000)
-    assert _kvcache._table(1, short, 64, 132, 0) == "decode_small"   # hd64 1 x 1k 8/1: 4 x 8 warps against 16 x 4
-    assert _kvcache._table(16, short, 64, 132, 0) == "decode_small"  # 16 x 1k 8/1: 512 against 1024
-    assert _kvcache._table(32, short, 64, 132, 0) == "decode_few"    # 1 x 1k 32/32: 1024 each
-    assert _kvcache._table(128, short, 64, 132, 0) == "decode_few"   # one split either way
-    assert _kvcache._table(1, short, 128, 132, 0) == "decode_few"    # hd128: 11 x 6 against 8 x 8
-    assert _kvcache._table(1, long, 64, 132, 0) == "decode_few"      # long dense caches keep it
-    assert _kvcache._table(133, short, 64, 132, 0) == "decode_small"
+    short, long = (0, 1024), (0, 5000)  # (page rows, key rows a CTA streams)
+    assert _kvcache._table(1, *short, 64, 132, 0) == "decode_small"   # hd64 1 x 1k 8/1: 4 x 8 warps against 16 x 4
+    assert _kvcache._table(16, *short, 64, 132, 0) == "decode_small"  # 16 x 1k 8/1: 512 against 1024
+    assert _kvcache._table(32, *short, 64, 132, 0) == "decode_few"    # 1 x 1k 32/32: 1024 each
+    assert _kvcache._table(128, *short, 64, 132, 0) == "decode_few"   # one split either way
+    assert _kvcache._table(1, *short, 128, 132, 0) == "decode_few"    # hd128: 11 x 6 against 8 x 8
+    assert _kvcache._table(1, *long, 64, 132, 0) == "decode_few"      # long dense caches keep it
+    assert _kvcache._table(133, *short, 64, 132, 0) == "decode_small"
 
 
 def test_the_plan_signature_tells_calls_apart():

@@ -172,20 +172,26 @@ def test_paged_caches_by_cta_count(headdim, nheads_k):
     _run_and_check(case, "bfloat16", "cupy", causal=True)
 
 
+@pytest.mark.parametrize("nheads, nheads_k, seqlen_q, heads", [(48, 48, 16, {64: 1, 128: 1}), (32, 8, 1, {64: 4, 128: 2}),
+                                                             (16, 16, 1, {64: 4, 128: 2}), (32, 8, 2, {64: 2, 128: 2})])
 @pytest.mark.parametrize("page", [0, 256])
 @pytest.mark.parametrize("headdim", [64, 128])
-def test_long_caches_of_more_ctas_than_sms_take_the_long_cache_tile(headdim, page, monkeypatch):
-    """3 x 48 KV heads over 4352 rows (past SHORT_CACHE), dense and in 256-row pages: more CTAs than
-    an H200 or H100 has SMs, so the 'decode' table's tile streams them (hd64 on a 4-stage ring)."""
+def test_long_caches_by_kv_heads_per_tile(headdim, page, nheads, nheads_k, seqlen_q, heads, monkeypatch):
+    """Caches of 4352 rows (past SHORT_CACHE), dense and in 256-row pages. 3 x 48 kv heads of 16
+    query rows, a tile each: more CTAs than an H200 or H100 has SMs, so the 'decode' table's tile
+    streams them (hd64 on a 4-stage ring). One or two query rows of GQA 32/8, and MHA: tiles of
+    several kv heads, whose rows of a token are read as one run and masked to each row's own head."""
     from cupyflash import _kvcache
-    tables = _results_of(monkeypatch, _kvcache, "_table")
+    tables, taken = _results_of(monkeypatch, _kvcache, "_table"), _results_of(monkeypatch, _kvcache, "decode_heads")
     monkeypatch.setattr(_kvcache._plan, "_plans", {})
-    rng = np.random.default_rng(headdim + page)
-    case = _case(rng, "bfloat16", seqlen_q=1, seqlen_new=1, nheads=48, nheads_k=48, capacity=4352, headdim=headdim,
-                 rotary_dim=0, paged_page=page)
+    rng = np.random.default_rng(headdim + page + nheads_k + seqlen_q)
+    case = _case(rng, "bfloat16", seqlen_q=seqlen_q, seqlen_new=1, nheads=nheads, nheads_k=nheads_k, capacity=4352,
+                 headdim=headdim, rotary_dim=0, paged_page=page)
     case["cache_seqlens"][1] = 4351  # a full cache after the append
     _run_and_check(case, "bfloat16", "cupy", causal=True)
-    assert tables and set(tables) == {"decode"}
+    assert taken and set(taken) == {heads[headdim]}
+    if nheads_k == 48:
+        assert set(tables) == {"decode"}
 
 
 @pytest.mark.parametrize("headdim, nheads_k", [(64, 40), (128, 40)])

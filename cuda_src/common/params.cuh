@@ -156,6 +156,7 @@ struct FlashParams {
     int rotary_interleaved;         // pairs (2j, 2j + 1), else (j, j + rotary_dim / 2)
     int rotary_is_float32;
     int rotary_q_per_row;           // q's row i turns at cache_seqlens + i (causal or local), else all at cache_seqlens
+    int decode_heads_log2;          // a decode tile takes 1 << this kv heads together (sm80/decode.cuh)
     int num_splits;                 // key splits per (query block, kv head, batch entry)
     int merge_in_cluster;           // 1: a query block's splits are one thread-block cluster (sm_90), merged there
     float* out_partial;             // (num_splits, batch, nheads, seqlen_q, headdim): each split's normalised O

@@ -2,9 +2,13 @@
 //
 // Three kernels, launched in this order on one stream:
 //   flash_kvcache_append: the new keys (rotated) and values written into the caches at cache_seqlens.
-//   flash_decode: one CTA per (16 packed query rows, key split; kv head; batch entry). The packed rows
-//     are the query rows of every head of the KV group (row r: query r / group, head
-//     head_k * group + r % group), so K and V are read once per group. The CTA's warps take the
+//   flash_decode: one CTA per (16 packed query rows, key split; 1 << p.decode_heads_log2 kv heads;
+//     batch entry).
+//     The packed rows are the query rows of every head of each KV group (PackedRows), so K and V are
+//     read once per group. Where a group's rows leave room in the 16, the tile takes several kv heads
+//     (a power of two): their rows of each token, adjacent in the cache, are read as one run, and a
+//     block's keys are the virtual rows token * heads + kv head, each row's scores masked to its own
+//     head's (the access pattern whole rows stream at, bench/notes/v67). The CTA's warps take the
 //     split's key blocks in turn, each warp with its own cp.async ring of STAGES buffers and its
 //     own online softmax: no CTA barrier inside the loop, and STAGES - 1 blocks in flight per warp
 //     while it computes one. Keys are addressed per row through the cache row (cache_batch_idx) or the
@@ -52,18 +56,32 @@ struct CacheSequence {
     __device__ __forceinline__ int block_of(const FlashParams& p, int page) const {
         return min(max(pages[page], 0), p.cache_rows - 1);
     }
-    // at() of positions pos0 .. pos0 + 15 (low) and pos0 + 16 .. pos0 + 31 (high), each run in one
-    // page: a paged cache has no left padding, so a key block starts at a multiple of 16, and a
-    // page holds a multiple of 16 rows. Position r of a run is its first plus r rows. The high
-    // run's page is read only where it holds keys (the table may end before it).
+    // at() of positions pos0 .. pos0 + high - 1 (low) and pos0 + high .. (high), high 16 or fewer
+    // (a power of two), each run in one page: a paged cache has no left padding, so a key block
+    // starts at a multiple of high, and a page holds a multiple of 16 rows. Position r of a run is
+    // its first plus r rows. The high run's page is read only where it holds keys (the table may
+    // end before it).
     struct Runs {
         int2 low, high;
     };
-    __device__ __forceinline__ Runs runs_of(const FlashParams& p, int pos0, bool high_seen) const {
-        if (pages == nullptr) return {make_int2(row, pos0), make_int2(row, pos0 + 16)};
+    __device__ __forceinline__ Runs runs_of(const FlashParams& p, int pos0, int high, bool high_seen) const {
+        if (pages == nullptr) return {make_int2(row, pos0), make_int2(row, pos0 + high)};
         const int page = pos0 / p.page_size, offset = pos0 - page * p.page_size, low = block_of(p, page);
-        if (offset + 16 < p.page_size) return {make_int2(low, offset), make_int2(low, offset + 16)};
+        if (offset + high < p.page_size) return {make_int2(low, offset), make_int2(low, offset + high)};
         return {make_int2(low, offset), make_int2(high_seen ? block_of(p, page + 1) : low, 0)};  // the next page's start
+    }
+};
+
+// The packed query rows of a decode tile: its `heads` kv heads' rows one after another, a head's
+// the query rows of every head of its KV group (row r of kv head j: query r / group, head
+// (head0 + j) * group + r % group). Rows past the tile's name the last kv head's heads.
+struct PackedRows {
+    int group, per_head, head0, heads;
+    __device__ __forceinline__ int kv_head(int packed) const { return min(packed / per_head, heads - 1); }
+    __device__ __forceinline__ int query(int packed) const { return (packed - kv_head(packed) * per_head) / group; }
+    __device__ __forceinline__ int head(int packed) const {
+        const int j = kv_head(packed);
+        return (head0 + j) * group + (packed - j * per_head) % group;
     }
 };
 
@@ -142,8 +160,8 @@ struct DecodeTile {
 // issued together, so that each phase waits for the cluster's shared memory once.
 template <bool BF16, int HEADDIM, int ROWS, int THREADS, int MAX_SPLITS>
 __device__ __forceinline__ void merge_splits_in_cluster(const FlashParams& p, const float* s_o, const float* s_lse,
-                                                        float* s_weights, int split, int row0, int rows, int group,
-                                                        int head_k, int batch) {
+                                                        float* s_weights, int split, int row0, int rows,
+                                                        const PackedRows& packing, int batch) {
     static_assert(ROWS <= THREADS, "a thread per row weighs the splits");
     cluster_sync();  // every split's O and lse are in its shared memory
     const uint32 o_address = smem_address(s_o), lse_address = smem_address(s_lse);
@@ -167,8 +185,8 @@ __device__ __forceinline__ void merge_splits_in_cluster(const FlashParams& p, co
         for (int s = 0; s < MAX_SPLITS; ++s) s_weights[r * MAX_SPLITS + s] = weight[s] * scale;
         const int packed = row0 + r;
         if (split == 0 && packed < rows)
-            p.lse[(static_cast<long long>(batch) * p.nheads + head_k * group + packed % group) * p.seqlen_q
-                  + packed / group] = sum > 0.f ? max + logf(sum) : -CUPYFLASH_INF;
+            p.lse[(static_cast<long long>(batch) * p.nheads + packing.head(packed)) * p.seqlen_q
+                  + packing.query(packed)] = sum > 0.f ? max + logf(sum) : -CUPYFLASH_INF;
     }
     __syncthreads();
     for (int c = split + p.num_splits * threadIdx.x; c < ROWS * HEADDIM / 4; c += p.num_splits * THREADS) {
@@ -185,7 +203,7 @@ __device__ __forceinline__ void merge_splits_in_cluster(const FlashParams& p, co
                 const float w = s_weights[r * MAX_SPLITS + s];
                 o.x += w * x[s].x; o.y += w * x[s].y; o.z += w * x[s].z; o.w += w * x[s].w;
             }
-        const int query_row = packed / group, head = head_k * group + packed % group;
+        const int query_row = packing.query(packed), head = packing.head(packed);
         uint16* out = static_cast<uint16*>(p.out) + batch * p.out_batch_stride + query_row * p.out_row_stride
                       + head * p.out_head_stride + col;
         *reinterpret_cast<uint2*>(out) = make_uint2(pack_pair<BF16>(o.x, o.y), pack_pair<BF16>(o.z, o.w));
@@ -205,54 +223,73 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
 
     wait_for_prior_grid();  // the append's keys and values, and whatever wrote q and the lengths
     const int split = blockIdx.x % p.num_splits, m_block = blockIdx.x / p.num_splits;
-    const int head_k = blockIdx.y, batch = blockIdx.z;
-    const int group = p.nheads / p.nheads_k, rows = p.seqlen_q * group, row0 = m_block * T::kRows;
-    const CacheSequence seq(p, batch);
-    const Sequence keys(p.seqlen_q, seq.seqlen_k);  // what masks and score options see: keys 0 .. seqlen_k - 1
-
-    // Q: packed row r is query (row0 + r) / group of head head_k * group + (row0 + r) % group.
-    const uint16* q = static_cast<const uint16*>(p.q) + batch * p.q_batch_stride;
-    for (int c = threadIdx.x; c < T::kRows * kChunks; c += T::kThreads) {
-        const int r = c / kChunks, col = 8 * (c % kChunks), packed = row0 + r;
-        const bool valid = packed < rows && col < p.headdim;
-        const uint16* src = q + (packed / group) * p.q_row_stride + (head_k * group + packed % group) * p.q_head_stride
-                            + col;
-        cp_async_16(smem_address(s_q + L::offset(r, col)), valid ? src : q, valid);
-    }
-    cp_async_commit();
-
-    // The keys these rows see, in blocks of WARP_N, and this split's share: whole blocks, a
-    // multiple of WARPS so that the warps finish together.
-    int key_begin = 0, key_end = seq.seqlen_k;
-    if (LOCAL) {
-        const int q_first = row0 / group, q_last = (min(row0 + T::kRows, rows) - 1) / group;
-        key_begin = max(key_begin, keys.diagonal(q_first) - p.window_left);
-        key_end = min(key_end, keys.diagonal(q_last) + p.window_right + 1);
-    }
-    const int first_block = key_begin / WARP_N;
-    const int blocks = key_end > key_begin ? ceil_div(key_end, WARP_N) - first_block : 0;
-    const int per_split = ceil_div(ceil_div(blocks, p.num_splits), WARPS) * WARPS;
-    const int split_first = first_block + min(split * per_split, blocks);
-    const int split_end = first_block + min((split + 1) * per_split, blocks);
-
-    const uint16* k_cache = static_cast<const uint16*>(p.k) + head_k * p.k_head_stride;
-    const uint16* v_cache = static_cast<const uint16*>(p.v) + head_k * p.v_head_stride;
-    static_assert(WARP_N <= 32, "a block is at most two runs of 16 rows (CacheSequence::runs_of)");
+    const int batch = blockIdx.z;
     // Where 32 is a multiple of a row's chunks (swizzled hd 64, 128, 256), a lane copies the same
     // chunk column of rows lane / kChunks + kRowsPerStep * step at every block: its offsets are
     // kept, a step adds constants to them (rows, and an XOR of the swizzle's row phase), and the
     // run a step's row falls in is a constant. Else each step computes its row and column.
     constexpr bool kLaneFixed = 32 % kChunks == 0 && L::kSwizzled;
     constexpr int kRowsPerStep = kLaneFixed ? 32 / kChunks : 1;
+    // The tile's kv heads, a power of two (the host takes several only where their rows fit one
+    // tile and a copy step's rows, _kvcache.decode_heads), and the shift from a key's virtual row
+    // to its token (a parameter, so uniform; 0 at compile time where a step copies one row).
+    const int head_shift = kLaneFixed && kRowsPerStep > 1 ? p.decode_heads_log2 : 0, heads = 1 << head_shift;
+    const int group = p.nheads / p.nheads_k;
+    const PackedRows packing{group, p.seqlen_q * group, static_cast<int>(blockIdx.y) * heads, heads};
+    const int rows = packing.per_head * heads, row0 = m_block * T::kRows;
+    const CacheSequence seq(p, batch);
+    const Sequence keys(p.seqlen_q, seq.seqlen_k);  // what masks and score options see: keys 0 .. seqlen_k - 1
+
+    // Q: packed row r is query packing.query(row0 + r) of head packing.head(row0 + r).
+    const uint16* q = static_cast<const uint16*>(p.q) + batch * p.q_batch_stride;
+    for (int c = threadIdx.x; c < T::kRows * kChunks; c += T::kThreads) {
+        const int r = c / kChunks, col = 8 * (c % kChunks), packed = row0 + r;
+        const bool valid = packed < rows && col < p.headdim;
+        const uint16* src = q + packing.query(packed) * p.q_row_stride + packing.head(packed) * p.q_head_stride + col;
+        cp_async_16(smem_address(s_q + L::offset(r, col)), valid ? src : q, valid);
+    }
+    cp_async_commit();
+
+    // The keys these rows see, in blocks of WARP_N virtual rows (token * heads + kv head), and this
+    // split's share: whole blocks, a multiple of WARPS so that the warps finish together. (Several
+    // kv heads' rows fit one tile: it holds every query.)
+    int key_begin = 0, key_end = seq.seqlen_k;
+    if (LOCAL) {
+        const int q_first = heads > 1 ? 0 : packing.query(row0);
+        const int q_last = heads > 1 ? p.seqlen_q - 1 : packing.query(min(row0 + T::kRows, rows) - 1);
+        key_begin = max(key_begin, keys.diagonal(q_first) - p.window_left);
+        key_end = min(key_end, keys.diagonal(q_last) + p.window_right + 1);
+    }
+    const int first_block = (key_begin << head_shift) / WARP_N;
+    const int blocks = key_end > key_begin ? ceil_div(key_end << head_shift, WARP_N) - first_block : 0;
+    const int per_split = ceil_div(ceil_div(blocks, p.num_splits), WARPS) * WARPS;
+    const int split_first = first_block + min(split * per_split, blocks);
+    const int split_end = first_block + min((split + 1) * per_split, blocks);
+
+    const uint16* k_cache = static_cast<const uint16*>(p.k) + packing.head0 * p.k_head_stride;
+    const uint16* v_cache = static_cast<const uint16*>(p.v) + packing.head0 * p.v_head_stride;
+    static_assert(WARP_N <= 32, "a block is at most two runs of 16 rows (CacheSequence::runs_of)");
     const int lane_row = lane / kChunks, lane_col = 8 * (lane % kChunks);
     const bool lane_col_seen = lane_col < p.headdim;
-    const long long lane_k = lane_row * p.k_row_stride + lane_col, lane_v = lane_row * p.v_row_stride + lane_col;
+    // A block's virtual row r is token r >> head_shift of its run, kv head r & (heads - 1). The host
+    // takes several heads only where they fit one copy step's rows (kRowsPerStep, lane-fixed head
+    // dims), so every step starts a token and advances the lane's row by whole tokens, as one head's does.
+    const int seqlen_v = seq.seqlen_k << head_shift;
+    const int lane_token = lane_row >> head_shift, lane_head = lane_row & (heads - 1);
+    long long lane_k = lane_token * p.k_row_stride + lane_head * p.k_head_stride + lane_col;
+    long long lane_v = lane_token * p.v_row_stride + lane_head * p.v_head_stride + lane_col;
     const uint32 lane_smem = smem_address(s_buffers) + 2 * (lane_row * L::kStride);
     const int lane_swizzled_col = lane_col ^ ((lane_row & 7) << 3);
-    const long long k_step = kRowsPerStep * p.k_row_stride, v_step = kRowsPerStep * p.v_row_stride;
+    const int step_tokens = kRowsPerStep >> head_shift;
+    long long k_step = step_tokens * p.k_row_stride, v_step = step_tokens * p.v_row_stride;
+    // Kept in registers: ptxas would otherwise recompute them at every block.
+    asm volatile("" : "+l"(lane_k), "+l"(lane_v), "+l"(k_step), "+l"(v_step));
     auto load = [&](int n_block, int buffer) {
-        const int key0 = n_block * WARP_N;
-        const CacheSequence::Runs runs = seq.runs_of(p, seq.start + key0, WARP_N > 16 && key0 + 16 < seq.seqlen_k);
+        const int key0 = n_block * WARP_N;  // (a multiple of heads: a block starts a token)
+        // A 32-row block's second half: one head's next 16-row run, or several heads' next tokens
+        // of the same run (a block of several heads spans at most 16 aligned tokens: one page).
+        const CacheSequence::Runs runs = seq.runs_of(p, seq.start + (key0 >> head_shift), 16 >> head_shift,
+                                                     WARP_N > 16 && key0 + 16 < seqlen_v);
         const uint16* k_run[2] = {k_cache + runs.low.x * p.k_batch_stride + runs.low.y * p.k_row_stride,
                                   k_cache + runs.high.x * p.k_batch_stride + runs.high.y * p.k_row_stride};
         const uint16* v_run[2] = {v_cache + runs.low.x * p.v_batch_stride + runs.low.y * p.v_row_stride,
@@ -269,14 +306,14 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
                     k_row = k_run[1] + lane_k;
                     v_row = v_run[1] + lane_v;
                 }
-                const bool valid = key0 + lane_row + drow < seq.seqlen_k && lane_col_seen;
+                const bool valid = key0 + lane_row + drow < seqlen_v && lane_col_seen;
                 const uint32 dst = smem_k + 2 * (drow * L::kStride + (lane_swizzled_col ^ ((drow & 7) << 3)));
                 cp_async_16(dst, k_row, valid);
                 cp_async_16(dst + 2 * WARP_N * L::kStride, v_row, valid);
                 k_row += k_step;
                 v_row += v_step;
             }
-        } else {
+        } else {  // (one kv head: the host takes several only on lane-fixed head dims)
             uint16* s_k = s_buffers + buffer * 2 * WARP_N * L::kStride;
             uint16* s_v = s_k + WARP_N * L::kStride;
 #pragma unroll
@@ -312,7 +349,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
             const int r = c / pairs, j = c % pairs, packed = row0 + r;
             if (packed >= rows) continue;
             const int d0 = p.rotary_interleaved ? 2 * j : j, d1 = p.rotary_interleaved ? 2 * j + 1 : j + pairs;
-            const float2 angle = rotary_angle<BF16>(p, seq.length + (p.rotary_q_per_row ? packed / group : 0), j);
+            const float2 angle = rotary_angle<BF16>(p, seq.length + (p.rotary_q_per_row ? packing.query(packed) : 0), j);
             uint16* x0 = s_q + L::offset(r, d0);
             uint16* x1 = s_q + L::offset(r, d1);
             const float a = to_float<BF16>(*x0), b = to_float<BF16>(*x1);
@@ -322,12 +359,20 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         __syncthreads();
     }
 
-    // This thread's two fragment rows (g and g + 8): their queries, and the score options of their heads.
+    // This thread's two fragment rows (g and g + 8): their queries and kv heads, and the score
+    // options of their heads.
     const int packed[2] = {row0 + fragment_row(0, 0), row0 + fragment_row(0, 2)};
-    const int query[2] = {packed[0] / group, packed[1] / group};
+    const int query[2] = {packing.query(packed[0]), packing.query(packed[1])};
+    const int row_kv_head[2] = {packing.kv_head(packed[0]), packing.kv_head(packed[1])};
+    // A row sees its own kv head's keys: -inf added to the elements of other heads' columns, the
+    // same in every block (a block starts a token) and every n-tile (heads divide its 8 columns).
+    static_assert(WARP_N % 8 == 0, "n-tiles of 8 columns");
+    float other_heads[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+        other_heads[e] = (fragment_col(0, e) & (heads - 1)) == row_kv_head[e / 2] ? 0.f : -CUPYFLASH_INF;
     typedef ScoreMods<BF16, FEATURES> Mods;
-    const Mods mods[2] = {Mods(p, keys, batch, head_k * group + packed[0] % group),
-                          Mods(p, keys, batch, head_k * group + packed[1] % group)};
+    const Mods mods[2] = {Mods(p, keys, batch, packing.head(packed[0])), Mods(p, keys, batch, packing.head(packed[1]))};
 
     float acc_o[1][DT][4];
     zero(acc_o);
@@ -345,10 +390,10 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         warp_gemm<BF16, 1, NT, HEADDIM, HEADDIM, true, HEADDIM, true>(s, s_q, 0, s_k, 0);
         const int key0 = n_block * WARP_N;
         // Without a window every key of a whole block is visible: only the last block is masked.
-        const bool whole = !LOCAL && key0 + WARP_N <= keys.seqlen_k;
+        const bool whole = !LOCAL && key0 + WARP_N <= seqlen_v;
         auto score = [&](auto masked) {
             for_each_element<1, NT>([&](int, int nt, int e) {
-                const int key = key0 + fragment_col(nt, e), half = e / 2;
+                const int key = (key0 + fragment_col(nt, e)) >> head_shift, half = e / 2;  // (its token)
                 float x = s[0][nt][e], grad = 1.f;  // (the forward needs no gradient)
                 x = mods[half].apply(x, query[half], key, grad);
                 s[0][nt][e] = !decltype(masked)::value || is_visible<LOCAL>(p, keys, query[half], key) ? x : -CUPYFLASH_INF;
@@ -356,6 +401,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         };
         if (whole) score(Constant<false>());
         else score(Constant<true>());
+        if (heads > 1) for_each_element<1, NT>([&](int, int nt, int e) { s[0][nt][e] += other_heads[e]; });
         softmax_step(s, acc_o, row_max, row_sum, p, 1.f);
         uint32 p_frag[WARP_N / 16][1][4];
 #pragma unroll
@@ -421,7 +467,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
             const float4 x = *reinterpret_cast<const float4*>(s_o + (w * T::kRows + r) * HEADDIM + col);
             o.x += weight * x.x; o.y += weight * x.y; o.z += weight * x.z; o.w += weight * x.w;
         }
-        const int query_row = packed / group, head = head_k * group + packed % group;
+        const int query_row = packing.query(packed), head = packing.head(packed);
         // (batch, head, query) of the statistics, and of the partials' rows
         const long long stats_row = (static_cast<long long>(batch) * p.nheads + head) * p.seqlen_q + query_row;
         if (p.num_splits == 1) {
@@ -438,7 +484,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     }
     if (p.merge_in_cluster)
         merge_splits_in_cluster<BF16, HEADDIM, T::kRows, T::kThreads, T::kClusterSplits>(
-            p, s_o, s_lse, s_split_weights, split, row0, rows, group, head_k, batch);
+            p, s_o, s_lse, s_split_weights, split, row0, rows, packing, batch);
 }
 
 // A CTA's reduction of one value per thread (op: fmaxf or a sum), its result in every thread.

@@ -431,19 +431,27 @@ def test_decode_streaming_slots_by_cache_length():
     assert streaming_slots(warps=6, sms=132, resident=264, capacity=131072, paged=True) == 264
 
 
-def test_a_decode_tile_takes_the_kv_heads_whose_rows_fit_it_and_a_copy_step():
+def test_a_decode_tile_takes_the_kv_heads_whose_rows_fit_it_and_a_copy_step_on_long_caches():
+    from cupyflash._config import DENSE_TILE_PAGE, SHORT_CACHE
     from cupyflash._kvcache import copy_step_rows, decode_heads
     assert [copy_step_rows(hd) for hd in (32, 64, 96, 128, 160, 256)] == [1, 4, 1, 2, 1, 1]
-    assert decode_heads(nheads_k=8, rows_per_head=4, block_rows=16, step_rows=4) == 4    # hd64 GQA 32/8, one query row
-    assert decode_heads(nheads_k=8, rows_per_head=4, block_rows=16, step_rows=2) == 2    # hd128: a step's two rows
-    assert decode_heads(nheads_k=8, rows_per_head=8, block_rows=16, step_rows=4) == 2    # 64/8, or 32/8 with two rows
-    assert decode_heads(nheads_k=4, rows_per_head=7, block_rows=16, step_rows=4) == 2    # 28/4: 14 of 16 rows
-    assert decode_heads(nheads_k=32, rows_per_head=1, block_rows=16, step_rows=4) == 4   # MHA
-    assert decode_heads(nheads_k=6, rows_per_head=1, block_rows=16, step_rows=4) == 2    # powers of two dividing nheads_k
-    assert decode_heads(nheads_k=1, rows_per_head=1, block_rows=16, step_rows=4) == 1    # MQA
-    assert decode_heads(nheads_k=8, rows_per_head=9, block_rows=16, step_rows=4) == 1    # rows of one head past half a tile
-    assert decode_heads(nheads_k=8, rows_per_head=64, block_rows=16, step_rows=4) == 1   # chunked prefill
-    assert decode_heads(nheads_k=8, rows_per_head=1, block_rows=16, step_rows=1) == 1    # hd256, unswizzled head dims
+
+    def heads(nheads_k, rows_per_head, step_rows=4, page_size=0, capacity=65536):
+        return decode_heads(nheads_k, rows_per_head, 16, step_rows, page_size, capacity)
+    assert heads(nheads_k=8, rows_per_head=4) == 4                  # hd64 GQA 32/8, one query row
+    assert heads(nheads_k=8, rows_per_head=4, step_rows=2) == 2     # hd128: a step's two rows
+    assert heads(nheads_k=8, rows_per_head=8) == 2                  # 64/8, or 32/8 with two rows
+    assert heads(nheads_k=4, rows_per_head=7) == 2                  # 28/4: 14 of 16 rows
+    assert heads(nheads_k=32, rows_per_head=1) == 4                 # MHA
+    assert heads(nheads_k=6, rows_per_head=1) == 2                  # powers of two dividing nheads_k
+    assert heads(nheads_k=1, rows_per_head=1) == 1                  # MQA
+    assert heads(nheads_k=8, rows_per_head=9) == 1                  # rows of one head past half a tile
+    assert heads(nheads_k=8, rows_per_head=64) == 1                 # chunked prefill
+    assert heads(nheads_k=8, rows_per_head=1, step_rows=1) == 1     # hd256, unswizzled head dims
+    assert heads(nheads_k=8, rows_per_head=4, page_size=DENSE_TILE_PAGE) == 4
+    assert heads(nheads_k=8, rows_per_head=4, page_size=DENSE_TILE_PAGE // 2) == 1   # small pages
+    assert heads(nheads_k=8, rows_per_head=4, capacity=SHORT_CACHE) == 1             # short caches
+    assert heads(nheads_k=8, rows_per_head=4, capacity=SHORT_CACHE + 1) == 4
 
 
 def test_decode_splits_fill_the_slots_in_one_wave_with_no_empty_split():

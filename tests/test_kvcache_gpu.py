@@ -215,8 +215,30 @@ def test_batch_index_leftpad_and_options():
     _run_and_check(case, "bfloat16", "cupy", **options)
 
 
+@pytest.mark.parametrize("headdim, seqlen_q, heads", [(64, 1, 4), (64, 2, 2), (128, 1, 2)])
+def test_tiles_of_several_kv_heads_with_batch_index_leftpad_and_options(headdim, seqlen_q, heads, monkeypatch):
+    """A long cache (past SHORT_CACHE), GQA 32/8: tiles of several kv heads, each row seeing its own
+    head's keys through a window, softcap, ALiBi slopes per (batch, head), rotary, left padding and
+    a batch index."""
+    from cupyflash import _kvcache
+    taken = _results_of(monkeypatch, _kvcache, "decode_heads")
+    monkeypatch.setattr(_kvcache._plan, "_plans", {})
+    rng = np.random.default_rng(headdim + seqlen_q)
+    case = _case(rng, "bfloat16", batch=4, seqlen_q=seqlen_q, seqlen_new=seqlen_q, nheads=32, nheads_k=8,
+                 headdim=headdim, capacity=4500, rotary_dim=headdim)
+    spare = rng.standard_normal((2,) + case["k_cache"].shape[1:]).astype(bfloat16_dtype())
+    case["k_cache"], case["v_cache"] = (np.concatenate([case[n], spare]) for n in ("k_cache", "v_cache"))
+    case["cache_seqlens"][2] = 4500 - seqlen_q
+    options = dict(causal=True, window_size=(700, 0), softcap=2.0, cache_batch_idx=np.array([5, 0, 3, 1], np.int32),
+                   cache_leftpad=np.minimum(case["cache_seqlens"], 300).astype(np.int32),
+                   alibi_slopes=rng.uniform(0.01, 0.1, (4, 32)).astype(np.float32))
+    _run_and_check(case, "bfloat16", "cupy", **options)
+    assert set(taken) == {heads}
+
+
 @pytest.mark.parametrize("headdim,nheads,nheads_k,seqlen_q,num_splits,capacity", [
-    (128, 32, 8, 1, 0, 5000),   # decode: GQA packed, the splits picked, a cache past SHORT_CACHE (the long-cache tile)
+    (128, 32, 8, 1, 0, 5000),   # decode: GQA packed, the splits picked, a cache past SHORT_CACHE (two kv heads a tile)
+    (64, 32, 8, 1, 7, 6000),    # four kv heads a tile, seven splits asked for
     (128, 32, 8, 4, 3, 1000),   # speculative rows, three splits asked for
     (256, 8, 1, 16, 0, 700),    # MQA: 128 packed rows, eight row blocks
     (40, 6, 6, 1, 0, 2048),     # MHA, a head dim padded to 64

@@ -210,18 +210,18 @@ def copy_step_rows(headdim):
     return 256 // headdim if headdim in (64, 128, 256) else 1
 
 
-def decode_heads(nheads_k, rows_per_head, block_rows, step_rows, page_size, capacity):
-    """How many kv heads a decode tile takes together (sm80/decode.cuh PackedRows): on long caches,
-    dense or in pages of at least DENSE_TILE_PAGE rows, the most, a power of two dividing nheads_k
-    and at most `step_rows` (a copy step then starts a token), whose `rows_per_head` packed query
-    rows each fit one tile of `block_rows`. Their rows of a token are adjacent in the cache, so the
-    tile reads them as one run: one head's 128-byte rows a CTA stream 2-5% slower (bench/notes/v68:
-    hd64 64 x 128k 2.95 -> 3.10 TB/s). Short caches and small pages keep one head: their calls
-    need the CTAs (v68: 16 x 1k -28%, 16 x 2k in 16-row pages -24%)."""
-    if capacity <= _config.SHORT_CACHE or 0 < page_size < _config.DENSE_TILE_PAGE:
-        return 1
+def decode_heads(table, nheads_k, rows_per_head, block_rows, step_rows):
+    """How many kv heads a decode tile takes together (sm80/decode.cuh PackedRows). Where one head a
+    tile would run `table` 'decode' (long caches, dense or in large pages, more CTAs than SMs or
+    paged), the most, a power of two dividing nheads_k and at most `step_rows` (a copy step then
+    starts a token), whose `rows_per_head` packed query rows each fit one tile of `block_rows`.
+    Their rows of a token are adjacent in the cache, so the tile reads them as one run: one head's
+    128-byte rows a CTA stream 2-5% slower (bench/notes/v68: hd64 64 x 128k +2.7-5.1%, 128 x 8k
+    +2.1-4.9%, 256-row pages +1.1-4.3%). Other calls keep one head: they need their CTAs (v68:
+    short caches and small pages lost 3-28%, dense calls of at most a CTA an SM 0.7-2%)."""
     heads = 1
-    while 2 * heads <= step_rows and nheads_k % (2 * heads) == 0 and 2 * heads * rows_per_head <= block_rows:
+    while (table == "decode" and 2 * heads <= step_rows and nheads_k % (2 * heads) == 0
+           and 2 * heads * rows_per_head <= block_rows):
         heads *= 2
     return heads
 
@@ -232,14 +232,16 @@ def _new_plan(call, cache, arrays):
     sms = _schedule.device_attributes(device_id)["MultiProcessorCount"]
     rows_per_head = shape.seqlen_q * shape.nheads // shape.nheads_k  # a kv head's packed (query, head) rows
     decode_tile = _schedule.tile("decode", shape.headdim, device_id)  # (block_m and head dim: every decode table's)
-    heads = decode_heads(shape.nheads_k, rows_per_head, decode_tile.block_m, copy_step_rows(decode_tile.headdim),
-                         cache.page_size, cache.capacity)
     block_rows = decode_tile.block_m
+    one_head_ctas = -(-rows_per_head // block_rows) * shape.nheads_k * shape.batch
+    one_head_table = _table(one_head_ctas, cache.page_size, cache.capacity, shape.headdim, sms, device_id)
+    heads = decode_heads(one_head_table, shape.nheads_k, rows_per_head, block_rows, copy_step_rows(decode_tile.headdim))
     m_blocks = -(-rows_per_head * heads // block_rows)
     ctas = m_blocks * (shape.nheads_k // heads) * shape.batch
     # The rules see the key rows a CTA streams: a token's row of each of its kv heads.
     capacity, page_rows = cache.capacity * heads, cache.page_size * heads
-    tile = _schedule.tile(_table(ctas, page_rows, capacity, shape.headdim, sms, device_id), shape.headdim, device_id)
+    table = one_head_table if heads == 1 else _table(ctas, page_rows, capacity, shape.headdim, sms, device_id)
+    tile = _schedule.tile(table, shape.headdim, device_id)
     kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features)
     key_blocks = -(-capacity // tile.block_n)
     count = cache.num_splits

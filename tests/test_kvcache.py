@@ -431,13 +431,12 @@ def test_decode_streaming_slots_by_cache_length():
     assert streaming_slots(warps=6, sms=132, resident=264, capacity=131072, paged=True) == 264
 
 
-def test_a_decode_tile_takes_the_kv_heads_whose_rows_fit_it_and_a_copy_step_on_long_caches():
-    from cupyflash._config import DENSE_TILE_PAGE, SHORT_CACHE
+def test_a_long_cache_tile_takes_the_kv_heads_whose_rows_fit_it_and_a_copy_step():
     from cupyflash._kvcache import copy_step_rows, decode_heads
     assert [copy_step_rows(hd) for hd in (32, 64, 96, 128, 160, 256)] == [1, 4, 1, 2, 1, 1]
 
-    def heads(nheads_k, rows_per_head, step_rows=4, page_size=0, capacity=65536):
-        return decode_heads(nheads_k, rows_per_head, 16, step_rows, page_size, capacity)
+    def heads(nheads_k, rows_per_head, step_rows=4, table="decode"):
+        return decode_heads(table, nheads_k, rows_per_head, 16, step_rows)
     assert heads(nheads_k=8, rows_per_head=4) == 4                  # hd64 GQA 32/8, one query row
     assert heads(nheads_k=8, rows_per_head=4, step_rows=2) == 2     # hd128: a step's two rows
     assert heads(nheads_k=8, rows_per_head=8) == 2                  # 64/8, or 32/8 with two rows
@@ -448,10 +447,8 @@ def test_a_decode_tile_takes_the_kv_heads_whose_rows_fit_it_and_a_copy_step_on_l
     assert heads(nheads_k=8, rows_per_head=9) == 1                  # rows of one head past half a tile
     assert heads(nheads_k=8, rows_per_head=64) == 1                 # chunked prefill
     assert heads(nheads_k=8, rows_per_head=1, step_rows=1) == 1     # hd256, unswizzled head dims
-    assert heads(nheads_k=8, rows_per_head=4, page_size=DENSE_TILE_PAGE) == 4
-    assert heads(nheads_k=8, rows_per_head=4, page_size=DENSE_TILE_PAGE // 2) == 1   # small pages
-    assert heads(nheads_k=8, rows_per_head=4, capacity=SHORT_CACHE) == 1             # short caches
-    assert heads(nheads_k=8, rows_per_head=4, capacity=SHORT_CACHE + 1) == 4
+    for table in ("decode_small", "decode_few"):                    # short caches, small pages, a CTA an SM
+        assert heads(nheads_k=8, rows_per_head=4, table=table) == 1
 
 
 def test_decode_splits_fill_the_slots_in_one_wave_with_no_empty_split():

@@ -77,7 +77,7 @@ struct CacheSequence {
 // (head0 + j) * group + r % group). Rows past the tile's name the last kv head's heads.
 struct PackedRows {
     int group, per_head, head0, heads;
-    __device__ __forceinline__ int kv_head(int packed) const { return min(packed / per_head, heads - 1); }
+    __device__ __forceinline__ int kv_head(int packed) const { return heads == 1 ? 0 : min(packed / per_head, heads - 1); }
     __device__ __forceinline__ int query(int packed) const { return (packed - kv_head(packed) * per_head) / group; }
     __device__ __forceinline__ int head(int packed) const {
         const int j = kv_head(packed);

@@ -235,6 +235,13 @@ class Tile:
     def threads(self):
         return 32 * self.warps
 
+    @property
+    def decode_copy_rows(self):
+        """The key rows a decode warp's 16-byte copies cover in one step (sm80/decode.cuh kLaneFixed:
+        32 lanes over a row's headdim / 8 chunks, on the swizzled head dims), else 1: the most kv
+        heads its kernel takes together (_kvcache.decode_heads)."""
+        return 256 // self.headdim if self.headdim in (64, 128, 256) else 1
+
     def takes_tiles_from_counter(self, local):
         """Whether this tile's wgmma forward kernel can take its tiles from a counter as it finishes
         them (kTileSlots in cuda_src/sm90/fwd.cuh): the LOCAL kernels."""

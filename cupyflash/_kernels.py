@@ -49,6 +49,7 @@ class Kernel:
     features: tuple = ()                     # the score options compiled in (FEATURES, in order)
     deterministic: bool = False              # bwd: dQ added in a fixed key-block order
     bias_tiles: bool = False                 # wgmma: the attn_bias comes by TMA into a ring of tiles (Tile.fits_bias_tiles)
+    kv_heads: bool = False                   # decode: a tile of several kv heads (_kvcache.decode_heads)
 
     def __post_init__(self):
         allowed = DECODE_FEATURES if self.pass_ == "decode" else FEATURES if self.tile is not None else ()
@@ -58,6 +59,8 @@ class Kernel:
             raise ValueError("a deterministic kernel is a backward")
         if self.wgmma and (self.pass_ not in _WGMMA or self.even_k):
             raise ValueError("the wgmma kernels are forwards and backwards, without even_k")
+        if self.kv_heads and not (self.pass_ == "decode" and self.tile.decode_copy_rows > 1):
+            raise ValueError(f"a decode tile of several kv heads copies several rows a step, not {self.tile}")
         if self.bias_tiles and not (self.wgmma and self.tile.fits_bias_tiles(self.pass_, self.features)):
             raise ValueError(f"no ring of bias tiles fits a {self.pass_} kernel with {self.features} on {self.tile}")
 
@@ -98,7 +101,7 @@ class Kernel:
 
     def _suffix(self):
         return ("".join("_" + f for f in self.features) + "_tiles" * self.bias_tiles
-                + "_deterministic" * self.deterministic)
+                + "_deterministic" * self.deterministic + "_kvheads" * self.kv_heads)
 
     def _features_argument(self):
         return " | ".join(f"feature::{f}" for f in self.features) or "0"
@@ -140,7 +143,8 @@ class Kernel:
         elif self.pass_ == "decode":
             t = self.tile
             args = f"{t.headdim}, {t.block_n}, {t.warps}, {t.stages}"
-            call = f"flash_decode<{args}, {bf16}, {_bool(self.local)}, {self._features_argument()}>(p);"
+            call = (f"flash_decode<{args}, {bf16}, {_bool(self.local)}, {self._features_argument()}, "
+                    f"{_bool(self.kv_heads)}>(p);")
             check = (f"static_assert(DecodeTile<{args}>::kSmemBytes == {self.smem_bytes} && "
                      f"DecodeTile<{args}>::kRows == {t.block_m}, \"the decode tile differs from cupyflash/_config.py\");\n")
         else:
@@ -189,7 +193,8 @@ _BOUNDED_FLAGS = {"fwd": ((("softcap",), False),)}
 def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
     """The kernel variants the compile checks build for these GPU families' tile tables of a kernel
     family (_CHECKED_FLAGS, _SINGLE_FLAGS, _BOUNDED_FLAGS; the row kernels with the mma.sync family; never even_k for
-    wgmma or decode; a wgmma forward table's tile only where _config.forward_table gives it)."""
+    wgmma or decode; a wgmma forward table's tile only where _config.forward_table gives it; each
+    decode kernel's twin of several kv heads where its tile copies several rows a step)."""
     wgmma = kernel_family == _config.WGMMA
     kernels = [] if wgmma else [Kernel(pass_, dtype) for pass_ in ROW_KERNELS for dtype in DTYPES]
     for (table, tile), dtype, local, even_k in itertools.product(
@@ -213,6 +218,8 @@ def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
                 continue  # (its tile serves the forwards with bias tiles alone)
             kernel = Kernel(pass_, dtype, tile, local, even_k, features, deterministic, table == "fwd_bias")
             kernels.append(kernel)
+            if pass_ == "decode" and tile.decode_copy_rows > 1:
+                kernels.append(dataclasses.replace(kernel, kv_heads=True))
             if wgmma and pass_ == "bwd" and "bias" in features:
                 twin = tuple(f for f in features if f in ring_features(tile, pass_))
                 if tile.fits_bias_tiles(pass_, twin):

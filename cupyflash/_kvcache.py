@@ -203,14 +203,7 @@ def fewer_splits_in_clusters(count, key_blocks, warps, clusters_fit):
     return count
 
 
-def copy_step_rows(headdim):
-    """The key rows a warp's 16-byte copies cover in one step of the decode tile of this (padded)
-    head dim (sm80/decode.cuh kLaneFixed: 32 lanes over a row's headdim / 8 chunks, on the swizzled
-    head dims), else 1."""
-    return 256 // headdim if headdim in (64, 128, 256) else 1
-
-
-def decode_heads(table, nheads_k, rows_per_head, block_rows, step_rows):
+def decode_heads(table, nheads_k, rows_per_head, block_rows, copy_rows):
     """How many kv heads a decode tile takes together (sm80/decode.cuh PackedRows). Where one head a
     tile would run `table` 'decode' (long caches, dense or in large pages, more CTAs than SMs or
     paged), the most, a power of two dividing nheads_k and at most `step_rows` (a copy step then
@@ -220,7 +213,7 @@ def decode_heads(table, nheads_k, rows_per_head, block_rows, step_rows):
     +2.1-4.9%, 256-row pages +1.1-4.3%). Other calls keep one head: they need their CTAs (v68:
     short caches and small pages lost 3-28%, dense calls of at most a CTA an SM 0.7-2%)."""
     heads = 1
-    while (table == "decode" and 2 * heads <= step_rows and nheads_k % (2 * heads) == 0
+    while (table == "decode" and 2 * heads <= copy_rows and nheads_k % (2 * heads) == 0
            and 2 * heads * rows_per_head <= block_rows):
         heads *= 2
     return heads
@@ -235,14 +228,14 @@ def _new_plan(call, cache, arrays):
     block_rows = decode_tile.block_m
     one_head_ctas = -(-rows_per_head // block_rows) * shape.nheads_k * shape.batch
     one_head_table = _table(one_head_ctas, cache.page_size, cache.capacity, shape.headdim, sms, device_id)
-    heads = decode_heads(one_head_table, shape.nheads_k, rows_per_head, block_rows, copy_step_rows(decode_tile.headdim))
+    heads = decode_heads(one_head_table, shape.nheads_k, rows_per_head, block_rows, decode_tile.decode_copy_rows)
     m_blocks = -(-rows_per_head * heads // block_rows)
     ctas = m_blocks * (shape.nheads_k // heads) * shape.batch
     # The rules see the key rows a CTA streams: a token's row of each of its kv heads.
     capacity, page_rows = cache.capacity * heads, cache.page_size * heads
     table = one_head_table if heads == 1 else _table(ctas, page_rows, capacity, shape.headdim, sms, device_id)
     tile = _schedule.tile(table, shape.headdim, device_id)
-    kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features)
+    kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features, kv_heads=heads > 1)
     key_blocks = -(-capacity // tile.block_n)
     count = cache.num_splits
     if not count:

@@ -432,8 +432,9 @@ def test_decode_streaming_slots_by_cache_length():
 
 
 def test_a_long_cache_tile_takes_the_kv_heads_whose_rows_fit_it_and_a_copy_step():
-    from cupyflash._kvcache import copy_step_rows, decode_heads
-    assert [copy_step_rows(hd) for hd in (32, 64, 96, 128, 160, 256)] == [1, 4, 1, 2, 1, 1]
+    from cupyflash._config import Tile
+    from cupyflash._kvcache import decode_heads
+    assert [Tile(hd, 16, 16, 8, 2).decode_copy_rows for hd in (32, 64, 96, 128, 160, 256)] == [1, 4, 1, 2, 1, 1]
 
     def heads(nheads_k, rows_per_head, step_rows=4, table="decode"):
         return decode_heads(table, nheads_k, rows_per_head, 16, step_rows)

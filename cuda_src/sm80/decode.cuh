@@ -211,7 +211,9 @@ __device__ __forceinline__ void merge_splits_in_cluster(const FlashParams& p, co
     cluster_sync();  // no CTA leaves while another reads its shared memory
 }
 
-template <int HEADDIM, int WARP_N, int WARPS, int STAGES, bool BF16, bool LOCAL, int FEATURES>
+// KV_HEADS: the tile takes 1 << p.decode_heads_log2 kv heads (the host picks this kernel where that
+// is more than one); else one, and none of the code below for several is compiled in.
+template <int HEADDIM, int WARP_N, int WARPS, int STAGES, bool BF16, bool LOCAL, int FEATURES, bool KV_HEADS>
 __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     typedef DecodeTile<HEADDIM, WARP_N, WARPS, STAGES> T;
     typedef TileLayout<HEADDIM> L;
@@ -232,8 +234,9 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     constexpr int kRowsPerStep = kLaneFixed ? 32 / kChunks : 1;
     // The tile's kv heads, a power of two (the host takes several only where their rows fit one
     // tile and a copy step's rows, _kvcache.decode_heads), and the shift from a key's virtual row
-    // to its token (a parameter, so uniform; 0 at compile time where a step copies one row).
-    const int head_shift = kLaneFixed && kRowsPerStep > 1 ? p.decode_heads_log2 : 0, heads = 1 << head_shift;
+    // to its token (a parameter, so uniform).
+    static_assert(!KV_HEADS || (kLaneFixed && kRowsPerStep > 1), "several kv heads need a copy step of several rows");
+    const int head_shift = KV_HEADS ? p.decode_heads_log2 : 0, heads = 1 << head_shift;
     const int group = p.nheads / p.nheads_k;
     const PackedRows packing{group, p.seqlen_q * group, static_cast<int>(blockIdx.y) * heads, heads};
     const int rows = packing.per_head * heads, row0 = m_block * T::kRows;
@@ -282,8 +285,8 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     const int lane_swizzled_col = lane_col ^ ((lane_row & 7) << 3);
     const int step_tokens = kRowsPerStep >> head_shift;
     long long k_step = step_tokens * p.k_row_stride, v_step = step_tokens * p.v_row_stride;
-    // Kept in registers: ptxas would otherwise recompute them at every block.
-    asm volatile("" : "+l"(lane_k), "+l"(lane_v), "+l"(k_step), "+l"(v_step));
+    // Kept in registers: ptxas would otherwise recompute them, with the head shift, at every block.
+    if constexpr (KV_HEADS) asm volatile("" : "+l"(lane_k), "+l"(lane_v), "+l"(k_step), "+l"(v_step));
     auto load = [&](int n_block, int buffer) {
         const int key0 = n_block * WARP_N;  // (a multiple of heads: a block starts a token)
         // A 32-row block's second half: one head's next 16-row run, or several heads' next tokens
@@ -367,10 +370,10 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     // A row sees its own kv head's keys: -inf added to the elements of other heads' columns, the
     // same in every block (a block starts a token) and every n-tile (heads divide its 8 columns).
     static_assert(WARP_N % 8 == 0, "n-tiles of 8 columns");
-    float other_heads[4];
+    float other_heads[4] = {};
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-        other_heads[e] = (fragment_col(0, e) & (heads - 1)) == row_kv_head[e / 2] ? 0.f : -CUPYFLASH_INF;
+        if (KV_HEADS && (fragment_col(0, e) & (heads - 1)) != row_kv_head[e / 2]) other_heads[e] = -CUPYFLASH_INF;
     typedef ScoreMods<BF16, FEATURES> Mods;
     const Mods mods[2] = {Mods(p, keys, batch, packing.head(packed[0])), Mods(p, keys, batch, packing.head(packed[1]))};
 
@@ -401,7 +404,7 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
         };
         if (whole) score(Constant<false>());
         else score(Constant<true>());
-        if (heads > 1) for_each_element<1, NT>([&](int, int nt, int e) { s[0][nt][e] += other_heads[e]; });
+        if constexpr (KV_HEADS) for_each_element<1, NT>([&](int, int nt, int e) { s[0][nt][e] += other_heads[e]; });
         softmax_step(s, acc_o, row_max, row_sum, p, 1.f);
         uint32 p_frag[WARP_N / 16][1][4];
 #pragma unroll

@@ -2,20 +2,20 @@
 //
 // Three kernels, launched in this order on one stream:
 //   flash_kvcache_append: the new keys (rotated) and values written into the caches at cache_seqlens.
-//   flash_decode: one CTA per (16 packed query rows, key split; 1 << p.decode_heads_log2 kv heads;
-//     batch entry).
-//     The packed rows are the query rows of every head of each KV group (PackedRows), so K and V are
-//     read once per group. Where a group's rows leave room in the 16, the tile takes several kv heads
-//     (a power of two): their rows of each token, adjacent in the cache, are read as one run, and a
-//     block's keys are the virtual rows token * heads + kv head, each row's scores masked to its own
-//     head's (the access pattern whole rows stream at, bench/notes/v67). The CTA's warps take the
-//     split's key blocks in turn, each warp with its own cp.async ring of STAGES buffers and its
-//     own online softmax: no CTA barrier inside the loop, and STAGES - 1 blocks in flight per warp
-//     while it computes one. Keys are addressed per row through the cache row (cache_batch_idx) or the
-//     block table, from cache_leftpad on. At the end the warps merge by their row maxima; with one
-//     split the CTA writes out and lse, else its split's normalised O and lse. On sm_90 a query
-//     block's splits (up to 8) can be one thread-block cluster that merges them itself
-//     (p.merge_in_cluster, merge_splits_in_cluster), with no combine launch.
+//   flash_decode: one CTA per (16 packed query rows, key split; kv heads; batch entry). The packed
+//     rows are the query rows of every head of each KV group (PackedRows), so K and V are read once
+//     per group. On long caches whose groups leave room in the 16 rows, the KV_HEADS kernel takes
+//     several kv heads (1 << p.decode_heads_log2): their rows of a token, adjacent in the cache, are
+//     read as one run (one head's 128-byte rows stream 2-5% slower, bench/notes/v68), a block's keys
+//     are the virtual rows token * heads + kv head, and each row's scores are masked to its own
+//     head's. The CTA's warps take the split's key blocks in turn, each warp with its own cp.async
+//     ring of STAGES buffers and its own online softmax: no CTA barrier inside the loop, and
+//     STAGES - 1 blocks in flight per warp while it computes one. Keys are addressed per row through
+//     the cache row (cache_batch_idx) or the block table, from cache_leftpad on. At the end the warps
+//     merge by their row maxima; with one split the CTA writes out and lse, else its split's
+//     normalised O and lse. On sm_90 a query block's splits (up to 8) can be one thread-block
+//     cluster that merges them itself (p.merge_in_cluster, merge_splits_in_cluster), with no
+//     combine launch.
 //   flash_decode_combine: with several splits, out and lse from the splits' partials, weighted by
 //     exp(lse_split - lse), a CTA per row.
 // On sm_90 each is a dependent launch (common/ptx.cuh): its CTAs are placed once the kernel before it

@@ -204,14 +204,15 @@ def fewer_splits_in_clusters(count, key_blocks, warps, clusters_fit):
 
 
 def decode_heads(table, nheads_k, rows_per_head, block_rows, copy_rows):
-    """How many kv heads a decode tile takes together (sm80/decode.cuh PackedRows). Where one head a
-    tile would run `table` 'decode' (long caches, dense or in large pages, more CTAs than SMs or
-    paged), the most, a power of two dividing nheads_k and at most `step_rows` (a copy step then
-    starts a token), whose `rows_per_head` packed query rows each fit one tile of `block_rows`.
-    Their rows of a token are adjacent in the cache, so the tile reads them as one run: one head's
-    128-byte rows a CTA stream 2-5% slower (bench/notes/v68: hd64 64 x 128k +2.7-5.1%, 128 x 8k
-    +2.1-4.9%, 256-row pages +1.1-4.3%). Other calls keep one head: they need their CTAs (v68:
-    short caches and small pages lost 3-28%, dense calls of at most a CTA an SM 0.7-2%)."""
+    """How many kv heads a decode tile takes together (sm80/decode.cuh PackedRows, the kv_heads
+    kernels). Where one head a tile would run `table` 'decode' (long caches of more CTAs than SMs,
+    or in pages of DENSE_TILE_PAGE rows or more), the most: a power of two dividing nheads_k, at
+    most `copy_rows` (Tile.decode_copy_rows: each copy step then starts a token), whose
+    `rows_per_head` packed query rows each fit one tile of `block_rows`. Their rows of a token are
+    adjacent in the cache, so the tile reads them as one run, where one head's 128-byte rows a CTA
+    stream 2-5% slower (bench/notes/v68: hd64 64 x 128k +1.5-5.1%, 128 x 8k +2.1-4.9%, 256-row pages
+    +1.2-4.3%). Other calls keep one head: they need their CTAs (v68: short caches and small pages
+    lost 3-28% with several, dense calls of at most a CTA an SM 0.7-2%)."""
     heads = 1
     while (table == "decode" and 2 * heads <= copy_rows and nheads_k % (2 * heads) == 0
            and 2 * heads * rows_per_head <= block_rows):

@@ -250,7 +250,8 @@ def representative_jobs(jobs):
     one variant per tile of its own family's tables, so every head dim and block shape of each pass,
     with the heaviest flags (local masking, column bounds, the options); every flag of one forward
     tile; the other dtype once; the row kernels; one variant per table for each other arch; and
-    the KV cache's kernels once each (every decode tile with its heaviest flags); and softcap alone
+    the KV cache's kernels once each (every decode tile with its heaviest flags, and one twin of
+    several kv heads); and softcap alone
     at hd128 in bfloat16 (_BOUNDED_FLAGS), once per family.
     (What a user of a CPU-only machine runs is the NumPy reference: no kernel would be theirs.)"""
     primary = next(arch for arch, families in _config.COMPILE_CHECKS[_config.MMA_SYNC].items()
@@ -289,8 +290,9 @@ def representative_jobs(jobs):
             return k.dtype == DTYPES[0] and ((k.local and k.options and (k.deterministic or k.pass_ == "fwd"))
                                              or k.tile.headdim == 128)
         if k.pass_ in KVCACHE_PASSES:  # the KV cache's kernels: every tile with the heaviest flags, one dtype
-            return arch == primary and k.dtype == DTYPES[0] and (k.tile is None or (k.local and k.options
-                                                                                  and native(arch, k)))
+            # (of the twins of several kv heads one: a 32-key tile's, whose blocks hold two runs)
+            return arch == primary and k.dtype == DTYPES[0] and (k.tile is None or (
+                k.local and k.options and native(arch, k) and (not k.kv_heads or k.tile.block_n == 32)))
         if k.tile is None:
             return arch == primary
         if not native(arch, k):

@@ -164,6 +164,7 @@ def test_default_check_compiles_a_small_set_covering_every_table_and_dtype():
                        and (with_options is None or k.options) for k in sm90), (table, hd)
     flags = {(k.local, k.even_k, k.options) for k in sm90 if k.pass_ == "fwd"}
     assert len(flags) == 8
+    assert [k.tile.block_n for k in sm90 if k.kv_heads] == [32]  # a decode tile of several kv heads, once
 
 
 def test_a_compile_worker_without_nvrtc_sends_back_the_hint(without_nvrtc):

@@ -216,8 +216,9 @@ def test_batch_index_leftpad_and_options():
     _run_and_check(case, "bfloat16", "cupy", **options)
 
 
-@pytest.mark.parametrize("headdim, seqlen_q, heads", [(64, 1, 4), (64, 2, 2), (128, 1, 2)])
-def test_tiles_of_several_kv_heads_with_batch_index_leftpad_and_options(headdim, seqlen_q, heads, monkeypatch):
+@pytest.mark.parametrize("headdim, seqlen_q, heads, dtype", [(64, 1, 4, "bfloat16"), (64, 2, 2, "bfloat16"),
+                                                            (128, 1, 2, "bfloat16"), (64, 1, 4, "float16")])
+def test_tiles_of_several_kv_heads_with_batch_index_leftpad_and_options(headdim, seqlen_q, heads, dtype, monkeypatch):
     """A long cache (past SHORT_CACHE), GQA 192/48: tiles of several kv heads, each row seeing its own
     head's keys through a window, softcap, ALiBi slopes per (batch, head), rotary, left padding and
     a batch index."""
@@ -225,15 +226,15 @@ def test_tiles_of_several_kv_heads_with_batch_index_leftpad_and_options(headdim,
     taken = _results_of(monkeypatch, _kvcache, "decode_heads")
     monkeypatch.setattr(_kvcache._plan, "_plans", {})
     rng = np.random.default_rng(headdim + seqlen_q)
-    case = _case(rng, "bfloat16", batch=4, seqlen_q=seqlen_q, seqlen_new=seqlen_q, nheads=192, nheads_k=48,
+    case = _case(rng, dtype, batch=4, seqlen_q=seqlen_q, seqlen_new=seqlen_q, nheads=192, nheads_k=48,
                  headdim=headdim, capacity=4500, rotary_dim=headdim)
-    spare = rng.standard_normal((2,) + case["k_cache"].shape[1:]).astype(bfloat16_dtype())
+    spare = rng.standard_normal((2,) + case["k_cache"].shape[1:]).astype(case["k_cache"].dtype)
     case["k_cache"], case["v_cache"] = (np.concatenate([case[n], spare]) for n in ("k_cache", "v_cache"))
     case["cache_seqlens"][2] = 4500 - seqlen_q
     options = dict(causal=True, window_size=(700, 0), softcap=2.0, cache_batch_idx=np.array([5, 0, 3, 1], np.int32),
                    cache_leftpad=np.minimum(case["cache_seqlens"], 300).astype(np.int32),
                    alibi_slopes=rng.uniform(0.01, 0.1, (4, 192)).astype(np.float32))
-    _run_and_check(case, "bfloat16", "cupy", **options)
+    _run_and_check(case, dtype, "cupy", **options)
     assert set(taken) == {heads}
 
 

@@ -251,8 +251,7 @@ def representative_jobs(jobs):
     with the heaviest flags (local masking, column bounds, the options); every flag of one forward
     tile; the other dtype once; the row kernels; one variant per table for each other arch; and
     the KV cache's kernels once each (every decode tile with its heaviest flags, and one twin of
-    several kv heads); and softcap alone
-    at hd128 in bfloat16 (_BOUNDED_FLAGS), once per family.
+    several kv heads); and softcap alone at hd128 in bfloat16 (_BOUNDED_FLAGS), once per family.
     (What a user of a CPU-only machine runs is the NumPy reference: no kernel would be theirs.)"""
     primary = next(arch for arch, families in _config.COMPILE_CHECKS[_config.MMA_SYNC].items()
                    if families == _config.FAMILIES)

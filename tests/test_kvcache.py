@@ -436,10 +436,10 @@ def test_a_long_cache_tile_takes_the_kv_heads_whose_rows_fit_it_and_a_copy_step(
     from cupyflash._kvcache import decode_heads
     assert [Tile(hd, 16, 16, 8, 2).decode_copy_rows for hd in (32, 64, 96, 128, 160, 256)] == [1, 4, 1, 2, 1, 1]
 
-    def heads(nheads_k, rows_per_head, step_rows=4, table="decode"):
-        return decode_heads(table, nheads_k, rows_per_head, 16, step_rows)
+    def heads(nheads_k, rows_per_head, copy_rows=4, table="decode"):
+        return decode_heads(table, nheads_k, rows_per_head, 16, copy_rows)
     assert heads(nheads_k=8, rows_per_head=4) == 4                  # hd64 GQA 32/8, one query row
-    assert heads(nheads_k=8, rows_per_head=4, step_rows=2) == 2     # hd128: a step's two rows
+    assert heads(nheads_k=8, rows_per_head=4, copy_rows=2) == 2     # hd128: a step's two rows
     assert heads(nheads_k=8, rows_per_head=8) == 2                  # 64/8, or 32/8 with two rows
     assert heads(nheads_k=4, rows_per_head=7) == 2                  # 28/4: 14 of 16 rows
     assert heads(nheads_k=32, rows_per_head=1) == 4                 # MHA
@@ -447,7 +447,7 @@ def test_a_long_cache_tile_takes_the_kv_heads_whose_rows_fit_it_and_a_copy_step(
     assert heads(nheads_k=1, rows_per_head=1) == 1                  # MQA
     assert heads(nheads_k=8, rows_per_head=9) == 1                  # rows of one head past half a tile
     assert heads(nheads_k=8, rows_per_head=64) == 1                 # chunked prefill
-    assert heads(nheads_k=8, rows_per_head=1, step_rows=1) == 1     # hd256, unswizzled head dims
+    assert heads(nheads_k=8, rows_per_head=1, copy_rows=1) == 1     # hd256, unswizzled head dims
     for table in ("decode_small", "decode_few"):                    # short caches, small pages, a CTA an SM
         assert heads(nheads_k=8, rows_per_head=4, table=table) == 1
 

@@ -1,5 +1,7 @@
 #!/bin/bash
-# A device call (v69; about 7 min): four variants against HEAD, 15 cells, 3 rounds, trees alternated twice.
+# A device call (v69; about 8 min): five variants against HEAD, 18 cells, 3 rounds, trees alternated twice.
+#   one: one kv head a tile everywhere (v68's rule off): the control for the cells v68 did not time,
+#     such as batch 1 in 256-row pages (8 CTAs -> 2; dense 1 x 128k lost 2% with heads).
 #   small: several kv heads a tile on long caches in 16-row pages too (past SHORT_CACHE, the small
 #     pages' tile; v68's first call read 16 x 16k paged16 -3.3% and 1 x 128k -0.4 to -1.3% with them,
 #     but on the runtime-shift kernel, which also cost one-head short cells 1.5-3.7%).
@@ -13,10 +15,11 @@
 # Prediction: small within +-1.5% on long paged16 (the run's gain against fewer CTAs on 4-warp tiles);
 # keep within 1% (decode_few's 32-key blocks and 3 stages against decode's 16 and 4); udiv +0-1.5% on
 # paged16, dense within noise; s3 +1-4% on long hd64 paged16, the short cells it also serves
-# (128 x 1k dense, 64 x 4k paged16) within 1%.
+# (128 x 1k dense, 64 x 4k paged16) within 1%; one: batch-1 paged256 cells within 1% of main.
 # Trees: device_trees.py .device_scratch10 main=HEAD small=HEAD+bench/notes/v69-decode-heads-small-pages.patch
 #   keep=HEAD+bench/notes/v69-decode-heads-keep-table.patch udiv=HEAD+bench/notes/v69-decode-unsigned-page-division.patch
-#   s3=HEAD+bench/notes/v69-decode-small-tile-three-stages.patch --kernels kvcache; carry .device_scratch10.
+#   s3=HEAD+bench/notes/v69-decode-small-tile-three-stages.patch one=HEAD+bench/notes/v69-decode-heads-off.patch
+#   --kernels kvcache; carry .device_scratch10.
 cd "$(dirname "$0")/../.."
 SCRATCH=.device_scratch10 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L
@@ -24,5 +27,6 @@ C=1:131072:32:8:64:paged16,16:16384:32:8:64:paged16,4:65536:32:8:64:paged16,16:1
 C=$C,64:16384:32:8:64:paged16,8:131072:32:8:128:paged16,16:16384:32:8:128:paged16,16:8192:32:32:64:paged16
 C=$C,64:131072:32:8:64:dense,128:8192:32:8:64:dense,32:16384:32:8:64:dense,16:131072:32:32:64:dense
 C=$C,64:65536:32:8:128:dense,128:1024:32:8:64:dense,64:4096:32:8:64:paged16
-timeout 480 python /tmp/ab.py --pass decode --rounds 3 --cells $C $S/main $S/small $S/keep $S/udiv $S/s3 $S/main $S/small $S/keep $S/udiv $S/s3 \
-  2>&1 | tee $OUT/ab.txt | tail -18 >> $L
+C=$C,1:131072:32:8:64:paged256,1:16384:32:8:64:paged256,1:65536:32:32:128:paged256
+timeout 540 python /tmp/ab.py --pass decode --rounds 3 --cells $C $S/main $S/small $S/keep $S/udiv $S/s3 $S/one $S/main $S/small $S/keep $S/udiv $S/s3 $S/one \
+  2>&1 | tee $OUT/ab.txt | tail -21 >> $L

@@ -203,7 +203,7 @@ def fewer_splits_in_clusters(count, key_blocks, warps, clusters_fit):
     return count
 
 
-def decode_heads(table, nheads_k, rows_per_head, block_rows, copy_rows):
+def decode_heads(table, nheads_k, rows_per_head, block_rows, copy_rows, capacity):
     """How many kv heads a decode tile takes together (sm80/decode.cuh PackedRows, the kv_heads
     kernels). Where one head a tile would run `table` 'decode' (long caches of more CTAs than SMs,
     or in pages of DENSE_TILE_PAGE rows or more), the most: a power of two dividing nheads_k, at
@@ -212,10 +212,11 @@ def decode_heads(table, nheads_k, rows_per_head, block_rows, copy_rows):
     adjacent in the cache, so the tile reads them as one run, where one head's 128-byte rows a CTA
     stream 2-5% slower (bench/notes/v68: hd64 64 x 128k +1.5-5.1%, 128 x 8k +2.1-4.9%, 256-row pages
     +1.2-4.3%). Other calls keep one head: they need their CTAs (v68: short caches and small pages
-    lost 3-28% with several, dense calls of at most a CTA an SM 0.7-2%)."""
+    lost 3-28% with several, dense calls of at most a CTA an SM 0.7-2%). The virtual rows, `capacity`
+    a head times the heads, stay at most 2^30 (the kernel's int positions, with room for a block)."""
     heads = 1
     while (table == "decode" and 2 * heads <= copy_rows and nheads_k % (2 * heads) == 0
-           and 2 * heads * rows_per_head <= block_rows):
+           and 2 * heads * rows_per_head <= block_rows and 2 * heads * capacity <= 2 ** 30):
         heads *= 2
     return heads
 
@@ -229,7 +230,8 @@ def _new_plan(call, cache, arrays):
     block_rows = decode_tile.block_m
     one_head_ctas = -(-rows_per_head // block_rows) * shape.nheads_k * shape.batch
     one_head_table = _table(one_head_ctas, cache.page_size, cache.capacity, shape.headdim, sms, device_id)
-    heads = decode_heads(one_head_table, shape.nheads_k, rows_per_head, block_rows, decode_tile.decode_copy_rows)
+    heads = decode_heads(one_head_table, shape.nheads_k, rows_per_head, block_rows, decode_tile.decode_copy_rows,
+                         cache.capacity)
     m_blocks = -(-rows_per_head * heads // block_rows)
     ctas = m_blocks * (shape.nheads_k // heads) * shape.batch
     # The rules see the key rows a CTA streams: a token's row of each of its kv heads.

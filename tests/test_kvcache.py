@@ -436,8 +436,8 @@ def test_a_long_cache_tile_takes_the_kv_heads_whose_rows_fit_it_and_a_copy_step(
     from cupyflash._kvcache import decode_heads
     assert [Tile(hd, 16, 16, 8, 2).decode_copy_rows for hd in (32, 64, 96, 128, 160, 256)] == [1, 4, 1, 2, 1, 1]
 
-    def heads(nheads_k, rows_per_head, copy_rows=4, table="decode"):
-        return decode_heads(table, nheads_k, rows_per_head, 16, copy_rows)
+    def heads(nheads_k, rows_per_head, copy_rows=4, table="decode", capacity=65536):
+        return decode_heads(table, nheads_k, rows_per_head, 16, copy_rows, capacity)
     assert heads(nheads_k=8, rows_per_head=4) == 4                  # hd64 GQA 32/8, one query row
     assert heads(nheads_k=8, rows_per_head=4, copy_rows=2) == 2     # hd128: a step's two rows
     assert heads(nheads_k=8, rows_per_head=8) == 2                  # 64/8, or 32/8 with two rows
@@ -450,6 +450,9 @@ def test_a_long_cache_tile_takes_the_kv_heads_whose_rows_fit_it_and_a_copy_step(
     assert heads(nheads_k=8, rows_per_head=1, copy_rows=1) == 1     # hd256, unswizzled head dims
     for table in ("decode_small", "decode_few"):                    # short caches, small pages, a CTA an SM
         assert heads(nheads_k=8, rows_per_head=4, table=table) == 1
+    assert heads(nheads_k=8, rows_per_head=4, capacity=2 ** 28) == 4  # virtual rows up to 2^30 (a long block table)
+    assert heads(nheads_k=8, rows_per_head=4, capacity=2 ** 28 + 1) == 2
+    assert heads(nheads_k=8, rows_per_head=4, capacity=2 ** 29 + 1) == 1
 
 
 def test_decode_splits_fill_the_slots_in_one_wave_with_no_empty_split():

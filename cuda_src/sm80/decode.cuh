@@ -258,8 +258,8 @@ __device__ __forceinline__ void flash_decode(const FlashParams& p) {
     // kv heads' rows fit one tile: it holds every query.)
     int key_begin = 0, key_end = seq.seqlen_k;
     if (LOCAL) {
-        const int q_first = heads > 1 ? 0 : packing.query(row0);
-        const int q_last = heads > 1 ? p.seqlen_q - 1 : packing.query(min(row0 + T::kRows, rows) - 1);
+        const int q_first = KV_HEADS ? 0 : packing.query(row0);
+        const int q_last = KV_HEADS ? p.seqlen_q - 1 : packing.query(min(row0 + T::kRows, rows) - 1);
         key_begin = max(key_begin, keys.diagonal(q_first) - p.window_left);
         key_end = min(key_end, keys.diagonal(q_last) + p.window_right + 1);
     }

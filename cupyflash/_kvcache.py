@@ -203,6 +203,13 @@ def fewer_splits_in_clusters(count, key_blocks, warps, clusters_fit):
     return count
 
 
+# Several kv heads a tile leave fewer CTAs, split more ways each; past this many splits a query row,
+# one head a tile runs faster (bench/notes/v69, H100: 1 x 16k and 1 x 128k in 256-row pages, 128
+# splits of 4 heads, lost 11% and 2.4%; 4 x 128k's 33 gained 1.8%): the combine merges each row's
+# partials in turn.
+HEADS_MOST_SPLITS = MAX_SPLITS // 2
+
+
 def decode_heads(table, nheads_k, rows_per_head, block_rows, copy_rows, capacity):
     """How many kv heads a decode tile takes together (sm80/decode.cuh PackedRows, the kv_heads
     kernels). Where one head a tile would run `table` 'decode' (long caches of more CTAs than SMs,
@@ -232,20 +239,27 @@ def _new_plan(call, cache, arrays):
     one_head_table = _table(one_head_ctas, cache.page_size, cache.capacity, shape.headdim, sms, device_id)
     heads = decode_heads(one_head_table, shape.nheads_k, rows_per_head, block_rows, decode_tile.decode_copy_rows,
                          cache.capacity)
-    m_blocks = -(-rows_per_head * heads // block_rows)
-    ctas = m_blocks * (shape.nheads_k // heads) * shape.batch
-    # The rules see the key rows a CTA streams: a token's row of each of its kv heads.
-    capacity, page_rows = cache.capacity * heads, cache.page_size * heads
-    table = one_head_table if heads == 1 else _table(ctas, page_rows, capacity, shape.headdim, sms, device_id)
-    tile = _schedule.tile(table, shape.headdim, device_id)
-    kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features, kv_heads=heads > 1)
-    key_blocks = -(-capacity // tile.block_n)
-    count = cache.num_splits
-    if not count:
-        slots = streaming_slots(tile.warps, sms, _schedule.resident_ctas(kernel, caller.device()), capacity,
-                                cache.page_size > 0)
-        count = splits(ctas, key_blocks, tile.warps, slots, sms)
-    count = max(1, min(count, MAX_SPLITS, key_blocks))
+
+    def layout(heads):  # (m_blocks, ctas, table, tile, kernel, key_blocks, splits) of `heads` kv heads a tile
+        m_blocks = -(-rows_per_head * heads // block_rows)
+        ctas = m_blocks * (shape.nheads_k // heads) * shape.batch
+        # The rules see the key rows a CTA streams: a token's row of each of its kv heads.
+        capacity, page_rows = cache.capacity * heads, cache.page_size * heads
+        table = one_head_table if heads == 1 else _table(ctas, page_rows, capacity, shape.headdim, sms, device_id)
+        tile = _schedule.tile(table, shape.headdim, device_id)
+        kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features, kv_heads=heads > 1)
+        key_blocks = -(-capacity // tile.block_n)
+        count = cache.num_splits
+        if not count:
+            slots = streaming_slots(tile.warps, sms, _schedule.resident_ctas(kernel, caller.device()), capacity,
+                                    cache.page_size > 0)
+            count = splits(ctas, key_blocks, tile.warps, slots, sms)
+        return m_blocks, ctas, table, tile, kernel, key_blocks, max(1, min(count, MAX_SPLITS, key_blocks))
+
+    m_blocks, ctas, table, tile, kernel, key_blocks, count = layout(heads)
+    while heads > 1 and count > HEADS_MOST_SPLITS and not cache.num_splits:
+        heads //= 2
+        m_blocks, ctas, table, tile, kernel, key_blocks, count = layout(heads)
 
     # One cluster per query block's splits, unless the clusters would take a second wave: a GPC
     # holds a whole number of them, so fewer fit than SMs over the cluster size (bench/notes/v46:

@@ -121,6 +121,11 @@ def _results_of(monkeypatch, module, name):
     return results
 
 
+def _kv_heads_a_tile(plans):
+    """The kv heads a decode tile took in each of `plans` (_kvcache._new_plan's results)."""
+    return [1 << int(plan.params["decode_heads_log2"]) for plan in plans]
+
+
 @pytest.mark.parametrize("headdim", [64, 128])
 @pytest.mark.parametrize("paged_page", [0, 16, 256])
 def test_cache_rows_past_the_keys_are_never_used(headdim, paged_page):
@@ -180,9 +185,10 @@ def test_long_caches_by_kv_heads_per_tile(headdim, page, nheads, nheads_k, seqle
     CTAs than an H200 or H100 has SMs, run the 'decode' table's tile (hd64 on a 4-stage ring): 16
     query rows a head fill a tile each; one or two of GQA 48/192 or 48/96, and MHA, leave room for
     several kv heads a tile (hd64 four, hd128 two), whose rows of a token are read as one run and
-    masked to each row's own head. 3 x 8 kv heads: the few-CTA tile, several heads only in pages."""
+    masked to each row's own head. 3 x 8 kv heads: the few-CTA tile, several heads only in pages
+    (their 6 CTAs split 44 ways, at most HEADS_MOST_SPLITS)."""
     from cupyflash import _kvcache
-    tables, taken = _results_of(monkeypatch, _kvcache, "_table"), _results_of(monkeypatch, _kvcache, "decode_heads")
+    tables, plans = _results_of(monkeypatch, _kvcache, "_table"), _results_of(monkeypatch, _kvcache, "_new_plan")
     monkeypatch.setattr(_kvcache._plan, "_plans", {})
     rng = np.random.default_rng(headdim + page + nheads + seqlen_q)
     case = _case(rng, "bfloat16", seqlen_q=seqlen_q, seqlen_new=1, nheads=nheads, nheads_k=nheads_k, capacity=4352,
@@ -190,9 +196,24 @@ def test_long_caches_by_kv_heads_per_tile(headdim, page, nheads, nheads_k, seqle
     case["cache_seqlens"][1] = 4351  # a full cache after the append
     _run_and_check(case, "bfloat16", "cupy", causal=True)
     several = seqlen_q < 16 and (nheads_k == 48 or page > 0)
-    assert taken == [{64: 4, 128: 2}[headdim] if several else 1]
+    assert _kv_heads_a_tile(plans) == [{64: 4, 128: 2}[headdim] if several else 1]
     if nheads_k == 48:
         assert tables[0] == "decode"  # (the one-head call's table)
+
+
+@pytest.mark.parametrize("capacity, heads", [(16384, 1), (2048 * 256, 1), (4352, 2)])
+def test_one_sequence_in_large_pages_keeps_its_splits_few(capacity, heads, monkeypatch):
+    """One sequence of GQA 32/8 hd64 in 256-row pages: four kv heads a tile would leave 2 CTAs split
+    past HEADS_MOST_SPLITS ways each, so the tile takes fewer heads, one where two still would."""
+    from cupyflash import _kvcache
+    plans = _results_of(monkeypatch, _kvcache, "_new_plan")
+    monkeypatch.setattr(_kvcache._plan, "_plans", {})
+    rng = np.random.default_rng(capacity)
+    case = _case(rng, "bfloat16", batch=1, seqlen_q=1, seqlen_new=1, nheads=32, nheads_k=8, capacity=capacity,
+                 headdim=64, rotary_dim=0, paged_page=256)
+    case["cache_seqlens"][0] = capacity - 1  # a full cache after the append
+    _run_and_check(case, "bfloat16", "cupy", causal=True)
+    assert _kv_heads_a_tile(plans) == [heads]
 
 
 @pytest.mark.parametrize("headdim, nheads_k", [(64, 40), (128, 40)])
@@ -223,7 +244,7 @@ def test_tiles_of_several_kv_heads_with_batch_index_leftpad_and_options(headdim,
     head's keys through a window, softcap, ALiBi slopes per (batch, head), rotary, left padding and
     a batch index."""
     from cupyflash import _kvcache
-    taken = _results_of(monkeypatch, _kvcache, "decode_heads")
+    plans = _results_of(monkeypatch, _kvcache, "_new_plan")
     monkeypatch.setattr(_kvcache._plan, "_plans", {})
     rng = np.random.default_rng(headdim + seqlen_q)
     case = _case(rng, dtype, batch=4, seqlen_q=seqlen_q, seqlen_new=seqlen_q, nheads=192, nheads_k=48,
@@ -235,7 +256,7 @@ def test_tiles_of_several_kv_heads_with_batch_index_leftpad_and_options(headdim,
                    cache_leftpad=np.minimum(case["cache_seqlens"], 300).astype(np.int32),
                    alibi_slopes=rng.uniform(0.01, 0.1, (4, 192)).astype(np.float32))
     _run_and_check(case, dtype, "cupy", **options)
-    assert set(taken) == {heads}
+    assert set(_kv_heads_a_tile(plans)) == {heads}
 
 
 @pytest.mark.parametrize("headdim,nheads,nheads_k,seqlen_q,num_splits,capacity", [

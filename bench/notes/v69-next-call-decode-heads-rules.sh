@@ -1,5 +1,6 @@
 #!/bin/bash
-# A device call (v69; about 8 min): five variants against HEAD, 18 cells, 3 rounds, trees alternated twice.
+# A device call (v69; about 9 min): HEAD's KV GPU tests and memcheck, then five variants against HEAD,
+# 18 cells, 3 rounds.
 #   one: one kv head a tile everywhere (v68's rule off): the control for the cells v68 did not time,
 #     such as batch 1 in 256-row pages (8 CTAs -> 2; dense 1 x 128k lost 2% with heads).
 #   small: several kv heads a tile on long caches in 16-row pages too (past SHORT_CACHE, the small
@@ -23,10 +24,13 @@
 cd "$(dirname "$0")/../.."
 SCRATCH=.device_scratch10 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L
+gpu_tests main kvcache_tests 170 tests/test_kvcache_gpu.py tests/test_torch_kvcache.py
+(cd $S/main && PYTHONPATH=. timeout 80 compute-sanitizer --tool memcheck python tests/sanitize_run.py --kvcache-only > $OUT/memcheck.log 2>&1)
+echo "memcheck rc $? ($(date +%T))" >> $L; tail -2 $OUT/memcheck.log >> $L
 C=1:131072:32:8:64:paged16,16:16384:32:8:64:paged16,4:65536:32:8:64:paged16,16:131072:32:8:64:paged16
 C=$C,64:16384:32:8:64:paged16,8:131072:32:8:128:paged16,16:16384:32:8:128:paged16,16:8192:32:32:64:paged16
 C=$C,64:131072:32:8:64:dense,128:8192:32:8:64:dense,32:16384:32:8:64:dense,16:131072:32:32:64:dense
 C=$C,64:65536:32:8:128:dense,128:1024:32:8:64:dense,64:4096:32:8:64:paged16
 C=$C,1:131072:32:8:64:paged256,1:16384:32:8:64:paged256,1:65536:32:32:128:paged256
-timeout 540 python /tmp/ab.py --pass decode --rounds 3 --cells $C $S/main $S/small $S/keep $S/udiv $S/s3 $S/one $S/main $S/small $S/keep $S/udiv $S/s3 $S/one \
+timeout 290 python /tmp/ab.py --pass decode --rounds 3 --cells $C $S/main $S/small $S/keep $S/udiv $S/s3 $S/one \
   2>&1 | tee $OUT/ab.txt | tail -21 >> $L

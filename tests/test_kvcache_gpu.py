@@ -201,15 +201,16 @@ def test_long_caches_by_kv_heads_per_tile(headdim, page, nheads, nheads_k, seqle
         assert tables[0] == "decode"  # (the one-head call's table)
 
 
-@pytest.mark.parametrize("capacity, heads", [(16384, 1), (2048 * 256, 1), (4352, 2)])
-def test_one_sequence_in_large_pages_keeps_its_splits_few(capacity, heads, monkeypatch):
-    """One sequence of GQA 32/8 hd64 in 256-row pages: four kv heads a tile would leave 2 CTAs split
-    past HEADS_MOST_SPLITS ways each, so the tile takes fewer heads, one where two still would."""
+@pytest.mark.parametrize("batch, capacity, heads", [(1, 16384, 2), (2, 16384, 4), (1, 4352, 2)])
+def test_few_sequences_in_large_pages_keep_their_splits_few(batch, capacity, heads, monkeypatch):
+    """Few sequences of GQA 32/8 hd64 in 256-row pages: four kv heads a tile leave 2 CTAs a
+    sequence, which one sequence splits past HEADS_MOST_SPLITS ways each, so there the tile takes
+    fewer heads."""
     from cupyflash import _kvcache
     plans = _results_of(monkeypatch, _kvcache, "_new_plan")
     monkeypatch.setattr(_kvcache._plan, "_plans", {})
-    rng = np.random.default_rng(capacity)
-    case = _case(rng, "bfloat16", batch=1, seqlen_q=1, seqlen_new=1, nheads=32, nheads_k=8, capacity=capacity,
+    rng = np.random.default_rng(capacity + batch)
+    case = _case(rng, "bfloat16", batch=batch, seqlen_q=1, seqlen_new=1, nheads=32, nheads_k=8, capacity=capacity,
                  headdim=64, rotary_dim=0, paged_page=256)
     case["cache_seqlens"][0] = capacity - 1  # a full cache after the append
     _run_and_check(case, "bfloat16", "cupy", causal=True)

@@ -203,10 +203,10 @@ def fewer_splits_in_clusters(count, key_blocks, warps, clusters_fit):
     return count
 
 
-# Several kv heads a tile leave fewer CTAs, split more ways each; past this many splits a query row,
-# one head a tile runs faster (bench/notes/v69, H100: 1 x 16k and 1 x 128k in 256-row pages, 128
-# splits of 4 heads, lost 11% and 2.4%; 4 x 128k's 33 gained 1.8%): the combine merges each row's
-# partials in turn.
+# Several kv heads a tile leave fewer CTAs, each split more ways, each split's rows a partial to
+# write and combine; past this many splits one head a tile (fewer splits of as many keys) runs
+# faster (bench/notes/v69, H100: 1 x 16k and 1 x 128k in 256-row pages lost 11% and 2.4% on 4
+# heads' 128 splits; 4 x 128k gained 1.8% on 33).
 HEADS_MOST_SPLITS = MAX_SPLITS // 2
 
 

@@ -203,11 +203,11 @@ def fewer_splits_in_clusters(count, key_blocks, warps, clusters_fit):
     return count
 
 
-# Several kv heads a tile leave fewer CTAs, each split more ways, each split's rows a partial to
-# write and combine; past this many splits one head a tile (fewer splits of as many keys) runs
-# faster (bench/notes/v69, H100: 1 x 16k and 1 x 128k in 256-row pages lost 11% and 2.4% on 4
-# heads' 128 splits; 4 x 128k gained 1.8% on 33).
-HEADS_MOST_SPLITS = MAX_SPLITS // 2
+# Several kv heads a tile leave fewer CTAs, each split more ways: a split of fewer key rows (its
+# heads' rows of its tokens) than this runs faster as one head's (bench/notes/v69, H100, 256-row
+# pages: four heads' splits of 512-4096 rows lost 1-11% (1-4 x 16k, 1 x 64k-128k); of 7943 and
+# 15887 gained 1.1% and 2.2% (2 x 128k, 4 x 128k)).
+HEADS_SPLIT_ROWS = 6144
 
 
 def decode_heads(table, nheads_k, rows_per_head, block_rows, copy_rows, capacity):
@@ -257,7 +257,7 @@ def _new_plan(call, cache, arrays):
         return m_blocks, ctas, table, tile, kernel, key_blocks, max(1, min(count, MAX_SPLITS, key_blocks))
 
     m_blocks, ctas, table, tile, kernel, key_blocks, count = layout(heads)
-    while heads > 1 and count > HEADS_MOST_SPLITS and not cache.num_splits:
+    while heads > 1 and cache.capacity * heads < HEADS_SPLIT_ROWS * count and not cache.num_splits:
         heads //= 2
         m_blocks, ctas, table, tile, kernel, key_blocks, count = layout(heads)
 

@@ -206,13 +206,15 @@ def test_long_caches_by_kv_heads_per_tile(headdim, page, nheads, nheads_k, seqle
 @pytest.mark.parametrize("batch, capacity, nheads, nheads_k, split_rows, heads", [
     (1, 16384, 32, 8, None, 1),    # (v69: four heads' splits of 512 rows, 11% slower)
     (2, 16384, 32, 8, None, 1),
-    (3, 4352, 192, 48, 2048, 4),   # 36 CTAs split 7 ways: 2486 rows a split
-    (3, 4352, 192, 48, 2800, 2),   # 72 CTAs split 3 ways: 2901
-    (3, 4352, 192, 48, 4096, 1)])
+    (3, 4352, 192, 48, None, 2),   # 36 CTAs of four heads split 3 ways: 5802 rows; 72 of two, one split
+    (3, 4352, 192, 48, 2048, 4),
+    (3, 4352, 192, 48, 16384, 1)])
 def test_kv_heads_a_tile_while_their_splits_are_long(batch, capacity, nheads, nheads_k, split_rows, heads, monkeypatch):
     """Several kv heads a tile (hd64, 256-row pages) halve while a split would stream fewer than
     HEADS_SPLIT_ROWS key rows (`split_rows` where given: the rule's outcomes on shapes a test can
-    check), and each choice still computes the reference's answer."""
+    check), and each choice still computes the reference's answer. The counts are those of 132
+    SMs (H100, H200); elsewhere the answer alone is checked."""
+    import cupy
     from cupyflash import _kvcache
     plans = _results_of(monkeypatch, _kvcache, "_new_plan")
     monkeypatch.setattr(_kvcache._plan, "_plans", {})
@@ -223,7 +225,8 @@ def test_kv_heads_a_tile_while_their_splits_are_long(batch, capacity, nheads, nh
                  capacity=capacity, headdim=64, rotary_dim=0, paged_page=256)
     case["cache_seqlens"][0] = capacity - 1  # a full cache after the append
     _run_and_check(case, "bfloat16", "cupy", causal=True)
-    assert _kv_heads_a_tile(plans) == [heads]
+    if cupy.cuda.Device().attributes["MultiProcessorCount"] == 132:
+        assert _kv_heads_a_tile(plans) == [heads]
 
 
 @pytest.mark.parametrize("headdim, nheads_k", [(64, 40), (128, 40)])

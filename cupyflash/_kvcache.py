@@ -240,7 +240,7 @@ def _new_plan(call, cache, arrays):
     heads = decode_heads(one_head_table, shape.nheads_k, rows_per_head, block_rows, decode_tile.decode_copy_rows,
                          cache.capacity)
 
-    def layout(heads):  # (m_blocks, ctas, table, tile, kernel, key_blocks, splits) of `heads` kv heads a tile
+    def layout(heads):  # (m_blocks, ctas, tile, kernel, key_blocks, splits) of `heads` kv heads a tile
         m_blocks = -(-rows_per_head * heads // block_rows)
         ctas = m_blocks * (shape.nheads_k // heads) * shape.batch
         # The rules see the key rows a CTA streams: a token's row of each of its kv heads.
@@ -254,12 +254,12 @@ def _new_plan(call, cache, arrays):
             slots = streaming_slots(tile.warps, sms, _schedule.resident_ctas(kernel, caller.device()), capacity,
                                     cache.page_size > 0)
             count = splits(ctas, key_blocks, tile.warps, slots, sms)
-        return m_blocks, ctas, table, tile, kernel, key_blocks, max(1, min(count, MAX_SPLITS, key_blocks))
+        return m_blocks, ctas, tile, kernel, key_blocks, max(1, min(count, MAX_SPLITS, key_blocks))
 
-    m_blocks, ctas, table, tile, kernel, key_blocks, count = layout(heads)
+    m_blocks, ctas, tile, kernel, key_blocks, count = layout(heads)
     while heads > 1 and cache.capacity * heads < HEADS_SPLIT_ROWS * count and not cache.num_splits:
         heads //= 2
-        m_blocks, ctas, table, tile, kernel, key_blocks, count = layout(heads)
+        m_blocks, ctas, tile, kernel, key_blocks, count = layout(heads)
 
     # One cluster per query block's splits, unless the clusters would take a second wave: a GPC
     # holds a whole number of them, so fewer fit than SMs over the cluster size (bench/notes/v46:

@@ -205,8 +205,8 @@ def fewer_splits_in_clusters(count, key_blocks, warps, clusters_fit):
 
 # Several kv heads a tile leave fewer CTAs, each split more ways: a split of fewer key rows (its
 # heads' rows of its tokens) than this runs faster as one head's (bench/notes/v69, H100, 256-row
-# pages: four heads' splits of 512-4096 rows lost 1-11% (1-4 x 16k, 1 x 64k-128k); of 7943 and
-# 15887 gained 1.1% and 2.2% (2 x 128k, 4 x 128k)).
+# pages: four heads' splits of 1024-4096 rows lost 1-12% (1-4 x 16k, 1 x 64k); of 7943-32768
+# rows they read -2.4 to +5% (1-4 x 128k)).
 HEADS_SPLIT_ROWS = 6144
 
 

@@ -220,7 +220,8 @@ def decode_heads(table, nheads_k, rows_per_head, block_rows, copy_rows, capacity
     stream 2-5% slower (bench/notes/v68: hd64 64 x 128k +1.5-5.1%, 128 x 8k +2.1-4.9%, 256-row pages
     +1.2-4.3%). Other calls keep one head: they need their CTAs (v68: short caches and small pages
     lost 3-28% with several, dense calls of at most a CTA an SM 0.7-2%). The virtual rows, `capacity`
-    a head times the heads, stay at most 2^30 (the kernel's int positions, with room for a block)."""
+    a head times the heads, stay at most 2^30 (the kernel's int positions, with room for a block).
+    The plan then halves them while its splits are short (HEADS_SPLIT_ROWS)."""
     heads = 1
     while (table == "decode" and 2 * heads <= copy_rows and nheads_k % (2 * heads) == 0
            and 2 * heads * rows_per_head <= block_rows and 2 * heads * capacity <= 2 ** 30):

@@ -2,7 +2,7 @@
 decode 2.4% behind cuDNN at every length, most on hd64 with several kv heads, whose 128-byte key
 rows sit 1-4 KB apart (a CTA per (split, kv head, batch entry) reads one head's rows), and the L2's
 256-byte fetches made it worse (v66). This streams a (batch, seqlen, heads, 64) bf16 tensor (the
-K cache's layout) with no attention, summing it, three ways, and prints TB/s (median of 9 CUDA-event
+K cache's layout) with no attention, summing it, four ways, and prints TB/s (median of 9 CUDA-event
 timings after one warm-up):
 
   per_head:  a CTA per (row split, head, batch entry) reads its head's 128-byte rows: the decode's

@@ -141,12 +141,17 @@ def test_the_power_script_reads_runs_and_takes_the_steady_samples():
     power = _bench_script("power")
     assert power.parse_run("cudnn:bwd:64:1") == ("cudnn", "bwd", 64, True, False)
     assert power.parse_run("cupyflash:fwd:128:0:dropout") == ("cupyflash", "fwd", 128, False, True)
+    assert power.parse_run("fa4:fwd:128:0") == ("fa4", "fwd", 128, False, False)
     for run in power.DEFAULT_RUNS:
         power.parse_run(run)
-    for bad in ("fa4:fwd:128:0", "cupyflash:dq:128:0", "cupyflash:fwd:100:0", "cupyflash:fwd:128:2",
-                "cupyflash:fwd:128:0:softcap", "cupyflash:fwd:128"):
+    for bad in ("fa3:fwd:128:0", "cupyflash:dq:128:0", "cupyflash:fwd:100:0", "cupyflash:fwd:128:2",
+                "cupyflash:fwd:128:0:softcap", "cupyflash:fwd:128", "fa4:fwd:128:0:dropout"):
         with pytest.raises(ValueError, match="a run is impl:pass:headdim:causal"):
             power.parse_run(bad)
+    assert power.parse_seqlen("16384") == 16384
+    for bad in ("0", "3000", "32768", "4k", ""):
+        with pytest.raises(ValueError, match="--seqlen takes a whole number dividing 16384"):
+            power.parse_seqlen(bad)
     # warm-up samples (the first) are left out; a line that is not 'clock, power' is skipped
     lines = ["1980, 300.5", "1980, 320.0", "[N/A]", "1680, 690.0", "1695, 688.0", "1665, 691.5"]
     assert power.steady_medians(lines, 3) == (1680.0, 690.0)

@@ -17,12 +17,14 @@ for seqlen in 16384 4096; do
 done
 timeout 90 python bench/power.py --seqlen 16384 cupyflash:bwd:128:0 fa4:bwd:128:0 2>&1 | tee -a $OUT/power.txt
 timeout 120 python bench/power.py --dram --seqlen 16384 cupyflash:fwd:128:0 fa4:fwd:128:0 2>&1 | tee -a $OUT/power.txt
-# The L2's share at hd128 16k: a 128 x 128 block step loads 64 KB of K and V for 8.4 MFLOP, ~5.5 TB/s
-# out of the L2 at 700 TFLOP/s, near what the H100's L2 is said to give. ncu's speed-of-light and
-# memory sections of one launch each (ncu fixes the clocks at base: read ratios, not speeds).
+# The L2's share and the warps' stalls at hd128 16k: a 128 x 128 block step loads 64 KB of K and V
+# for 8.4 MFLOP, ~5.5 TB/s out of the L2 at 700 TFLOP/s, near what the H100's L2 is said to give; and
+# a ring of 3 stages covers a fixed time in microseconds, less of it as the clock rises. ncu's
+# speed-of-light, memory and warp-state sections of one launch each (ncu fixes the clocks at base:
+# read ratios, not speeds).
 for impl in cupyflash fa4; do
   timeout 90 ncu -k $(python -c "import sys; sys.path.insert(0, 'bench'); import power; print(power.NCU_KERNELS['$impl'])") \
-    --launch-skip 5 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --launch-skip 5 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
     python bench/power.py --worker $impl:fwd:128:0 16384 --short > $OUT/ncu-$impl.txt 2>&1
-  echo "ncu $impl rc $?"; grep -E "L2 Hit|L2 Cache Throughput|Memory Throughput|DRAM Throughput|Duration|SM Frequency" $OUT/ncu-$impl.txt
+  echo "ncu $impl rc $?"; grep -E "L2 Hit|L2 Cache Throughput|Memory Throughput|DRAM Throughput|Duration|SM Frequency|Stall|Warp Cycles" $OUT/ncu-$impl.txt
 done

@@ -7,11 +7,12 @@ power cap (the H200's 700 W) rather than by its kernel's instructions or latency
     python bench/power.py --seqlen 16384 cupyflash:fwd:128:0 fa4:fwd:128:0
 
 A run is impl:pass:headdim:causal[:dropout], impl one of cupyflash, cudnn and flash (PyTorch SDPA's
-backends) and fa4 (flash_attn.cute, where flash-attn-4 is installed), pass fwd or bwd. Each runs in a
-process of its own for RUN_S seconds of 10-call batches between CUDA events while nvidia-smi samples
-the SM clock and the board power every 100 ms; a row is the time per call, TFLOP/s (FLOPs as in
-../shared/peers/README.md, at 16384 tokens and hidden 2048, seqlen 4096 unless --seqlen), and the
-medians of the samples of the last STEADY_S seconds (the first include compiling and warming up). A kernel at the cap runs below the top clock (1980 MHz) at 680-700 W, and
+backends) and fa4 (flash_attn.cute, where flash-attn-4 is installed; no dropout), pass fwd or bwd.
+Each runs in a process of its own for RUN_S seconds of 10-call batches between CUDA events while
+nvidia-smi samples the SM clock and the board power every 100 ms; a row is the time per call,
+TFLOP/s (FLOPs as in ../shared/peers/README.md, at 16384 tokens and hidden 2048, seqlen 4096 unless
+--seqlen), and the medians of the samples of the last STEADY_S seconds (the first include compiling
+and warming up). A kernel at the cap runs below the top clock (1980 MHz) at 680-700 W, and
 there the energy of its work, not its instruction count, sets its speed (bench/notes/v36). With
 --dram, ncu also reads the DRAM bytes of one launch of the run's main kernel (NCU_KERNELS; q, k and v
 are 64 MiB each, so a forward that reads each once reads ~201 MB).

@@ -5,7 +5,8 @@
 # cap leaves the SMs more clock and ours does not, ours waits on something that does not scale with
 # the SM clock (memory, L2 latency, barriers). bench/power.py reads each run's clock and board power
 # in its steady state: ours, FA4 and cuDNN, hd128 forward (16k and 4k, causal and not) and backward
-# (16k), then ours and FA4's DRAM bytes (ncu) at 16k.
+# (16k), then ours and FA4's DRAM bytes (ncu) at 16k. Our kernels: .device_scratch14 (if missing:
+# device_trees.py .device_scratch14 main=HEAD --kernels all --named bench/device-test-kernels.txt).
 cd "$(dirname "$0")/../.."
 source .device/fa4/b/install.sh finish .device/fa4/b || exit 1
 mkdir -p /tmp/pcache && tar -xJf .device_scratch14/cache.tar.xz -C /tmp/pcache --strip-components=1

@@ -13,6 +13,7 @@ replays as the lengths change on the device.
 """
 
 import math
+from typing import Callable, NamedTuple
 
 from . import _arrays, _config, _kernels, _launch, _plan, _schedule
 
@@ -163,19 +164,20 @@ def _waves_time(ctas, key_blocks, warps, slots, count):
     return -(-ctas * count // slots) * (per_split // warps + CTA_STEPS) + (COMBINE_STEPS if count > 1 else 0)
 
 
-def _table(ctas, page_rows, capacity, headdim, sms, device_id):
+def _table(ctas, page_rows, capacity, headdim, device):
     """The decode tile table of a call of `ctas` CTAs (one split each) streaming `capacity` key rows
-    each, in pages of `page_rows` (0: dense): _config.decode_table's, but
+    each, in pages of `page_rows` (0: dense), on `device` (a DecodeDevice): _config.decode_table's, but
     where the few-CTA tile would run at most half the warps the small pages' tile runs after each
     is split (a tiny call, whose splits stop at a key block per warp): there more, shorter streams
     finish sooner (bench/notes/v43: hd64 1 x 1k 8/1 6.3 us a step on the small tile, 7.5 on the
     few-CTA one; 16 x 1k 8/1 7.5 against 8.0)."""
+    sms = device.sms
     table = _config.decode_table(page_rows, capacity, ctas, sms)
     if table != "decode_few" or capacity > _config.SHORT_CACHE:
         return table
 
     def warps(name):  # launched after splitting, in a short cache's slots, residency aside
-        tile = _schedule.tile(name, headdim, device_id)
+        tile = device.tile(name, headdim)
         slots = _short_stream_slots(tile.warps, sms)
         return ctas * splits(ctas, -(-capacity // tile.block_n), tile.warps, slots, sms) * tile.warps
     return "decode_small" if warps("decode_small") >= 2 * warps(table) else table
@@ -229,38 +231,68 @@ def decode_heads(table, nheads_k, rows_per_head, block_rows, copy_rows, capacity
     return heads
 
 
-def _new_plan(call, cache, arrays):
-    shape, caller = call.shape, call.caller
-    device_id = caller.device_id
-    sms = _schedule.device_attributes(device_id)["MultiProcessorCount"]
+class DecodeDevice(NamedTuple):
+    """What the decode rules read of a GPU: its SMs, its tile of a decode table for a head dim
+    (table, headdim -> _config.Tile), and how many CTAs of a kernel it runs at once (kernel -> int).
+    _new_plan's are the device's; bench/decode_plans.py models one without a GPU."""
+    sms: int
+    tile: Callable
+    resident: Callable
+
+
+class DecodeLayout(NamedTuple):
+    """A decode call's grid: `heads` kv heads a tile, query blocks of a kv head's packed rows, CTAs
+    (one split each), tile and kernel, key blocks of a CTA's stream, and the split count."""
+    heads: int
+    m_blocks: int
+    ctas: int
+    tile: _config.Tile
+    kernel: _kernels.Kernel
+    key_blocks: int
+    splits: int
+
+
+def decode_layout(shape, dtype, local, features, capacity, page_size, num_splits, device):
+    """The DecodeLayout of a call of `shape` (validate's: batch, nheads, nheads_k, seqlen_q,
+    headdim) over a cache of `capacity` rows in pages of `page_size` (0: dense), `num_splits` given
+    (0: chosen) on `device` (a DecodeDevice): the kv heads a tile (decode_heads), halved while a split
+    would stream fewer than HEADS_SPLIT_ROWS rows, and each one's split count."""
     rows_per_head = shape.seqlen_q * shape.nheads // shape.nheads_k  # a kv head's packed (query, head) rows
-    decode_tile = _schedule.tile("decode", shape.headdim, device_id)  # (block_m and head dim: every decode table's)
+    decode_tile = device.tile("decode", shape.headdim)  # (block_m and head dim: every decode table's)
     block_rows = decode_tile.block_m
     one_head_ctas = -(-rows_per_head // block_rows) * shape.nheads_k * shape.batch
-    one_head_table = _table(one_head_ctas, cache.page_size, cache.capacity, shape.headdim, sms, device_id)
-    heads = decode_heads(one_head_table, shape.nheads_k, rows_per_head, block_rows, decode_tile.decode_copy_rows,
-                         cache.capacity)
+    one_head_table = _table(one_head_ctas, page_size, capacity, shape.headdim, device)
 
-    def layout(heads):  # (m_blocks, ctas, tile, kernel, key_blocks, splits) of `heads` kv heads a tile
+    def layout(heads):
         m_blocks = -(-rows_per_head * heads // block_rows)
         ctas = m_blocks * (shape.nheads_k // heads) * shape.batch
         # The rules see the key rows a CTA streams: a token's row of each of its kv heads.
-        capacity, page_rows = cache.capacity * heads, cache.page_size * heads
-        table = one_head_table if heads == 1 else _table(ctas, page_rows, capacity, shape.headdim, sms, device_id)
-        tile = _schedule.tile(table, shape.headdim, device_id)
-        kernel = _kernels.Kernel("decode", call.dtype, tile, call.local, False, call.features, kv_heads=heads > 1)
-        key_blocks = -(-capacity // tile.block_n)
-        count = cache.num_splits
+        rows, page_rows = capacity * heads, page_size * heads
+        table = one_head_table if heads == 1 else _table(ctas, page_rows, rows, shape.headdim, device)
+        tile = device.tile(table, shape.headdim)
+        kernel = _kernels.Kernel("decode", dtype, tile, local, False, features, kv_heads=heads > 1)
+        key_blocks = -(-rows // tile.block_n)
+        count = num_splits
         if not count:
-            slots = streaming_slots(tile.warps, sms, _schedule.resident_ctas(kernel, caller.device()), capacity,
-                                    cache.page_size > 0)
-            count = splits(ctas, key_blocks, tile.warps, slots, sms)
-        return m_blocks, ctas, tile, kernel, key_blocks, max(1, min(count, MAX_SPLITS, key_blocks))
+            slots = streaming_slots(tile.warps, device.sms, device.resident(kernel), rows, page_size > 0)
+            count = splits(ctas, key_blocks, tile.warps, slots, device.sms)
+        return DecodeLayout(heads, m_blocks, ctas, tile, kernel, key_blocks, max(1, min(count, MAX_SPLITS, key_blocks)))
 
-    m_blocks, ctas, tile, kernel, key_blocks, count = layout(heads)
-    while heads > 1 and cache.capacity * heads < HEADS_SPLIT_ROWS * count and not cache.num_splits:
-        heads //= 2
-        m_blocks, ctas, tile, kernel, key_blocks, count = layout(heads)
+    chosen = layout(decode_heads(one_head_table, shape.nheads_k, rows_per_head, block_rows,
+                                 decode_tile.decode_copy_rows, capacity))
+    while chosen.heads > 1 and capacity * chosen.heads < HEADS_SPLIT_ROWS * chosen.splits and not num_splits:
+        chosen = layout(chosen.heads // 2)
+    return chosen
+
+
+def _new_plan(call, cache, arrays):
+    shape, caller = call.shape, call.caller
+    device_id = caller.device_id
+    device = DecodeDevice(_schedule.device_attributes(device_id)["MultiProcessorCount"],
+                          lambda table, headdim: _schedule.tile(table, headdim, device_id),
+                          lambda kernel: _schedule.resident_ctas(kernel, caller.device()))
+    heads, m_blocks, ctas, tile, kernel, key_blocks, count = decode_layout(
+        shape, call.dtype, call.local, call.features, cache.capacity, cache.page_size, cache.num_splits, device)
 
     # One cluster per query block's splits, unless the clusters would take a second wave: a GPC
     # holds a whole number of them, so fewer fit than SMs over the cluster size (bench/notes/v46:

@@ -95,15 +95,21 @@ def pair_group(batch, heads, bytes_per_pair, l2_bytes, ctas, sms):
 
 
 def resident_ctas(kernel, device):
-    """How many CTAs of `kernel` the device runs at once: SMs times what one SM holds (registers
-    are given out 256 per warp, and each CTA takes 1 KiB of shared memory for the system)."""
+    """How many CTAs of `kernel` the device runs at once: SMs times what one SM holds."""
     function, attributes = load(kernel, device), device_attributes(device.id)
+    return attributes["MultiProcessorCount"] * ctas_per_sm(kernel, function.num_regs, function.shared_size_bytes,
+                                                           attributes)
+
+
+def ctas_per_sm(kernel, registers, static_smem, attributes):
+    """How many CTAs of `kernel`, of `registers` a thread and `static_smem` bytes of static shared
+    memory, one SM of a device with these attributes (CUDA's names) holds, at least one: registers
+    are given out 256 a warp, and each CTA takes 1 KiB of shared memory for the system."""
     warps = kernel.threads // 32
-    by_registers = attributes["MaxRegistersPerMultiprocessor"] // (warps * -(-function.num_regs * 32 // 256) * 256)
-    by_smem = attributes["MaxSharedMemoryPerMultiprocessor"] // (kernel.smem_bytes + function.shared_size_bytes + 1024)
-    per_sm = min(by_registers, by_smem, attributes["MaxThreadsPerMultiProcessor"] // kernel.threads,
-                 attributes["MaxBlocksPerMultiprocessor"])
-    return attributes["MultiProcessorCount"] * max(per_sm, 1)
+    by_registers = attributes["MaxRegistersPerMultiprocessor"] // (warps * -(-registers * 32 // 256) * 256)
+    by_smem = attributes["MaxSharedMemoryPerMultiprocessor"] // (kernel.smem_bytes + static_smem + 1024)
+    return max(min(by_registers, by_smem, attributes["MaxThreadsPerMultiProcessor"] // kernel.threads,
+                   attributes["MaxBlocksPerMultiprocessor"]), 1)
 
 
 @functools.cache

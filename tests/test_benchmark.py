@@ -137,6 +137,27 @@ def test_the_ab_script_reads_cells_and_picks_the_kernels_the_h200_runs():
     assert bwd and all(k.pass_ != "fwd" and k.dtype == "float16" and not k.options for _, k in bwd)
 
 
+@pytest.mark.parametrize("cell, split_rows, heads, splits", [
+    ("1:16384:32:8:64:paged256", None, 1, 16),   # (v69: four heads' splits of 1024 rows ran 11% slower)
+    ("2:16384:32:8:64:paged256", None, 1, 8),
+    ("3:4352:192:48:64:paged256", None, 1, 1),
+    ("3:4352:192:48:64:paged256", 4096, 4, 3),   # four heads split 3 ways: 5803 rows a split
+    ("1:131072:32:8:64:paged256", None, 4, 66)])
+def test_the_decode_plans_of_a_modelled_h100(cell, split_rows, heads, splits, monkeypatch):
+    """bench/decode_plans.py without a GPU: the kv heads a tile that an H100 chose in
+    tests/test_kvcache_gpu.py's rule test (v69), from the kernels' registers read off their cubins.
+    The `decode` tile holds one CTA an SM there (v69's first model assumed two, and missed)."""
+    from cupyflash import _kvcache
+    plans = _bench_script("decode_plans")
+    if split_rows:
+        monkeypatch.setattr(_kvcache, "HEADS_SPLIT_ROWS", split_rows)
+    device = plans.modelled_device("h100")
+    layout = plans.layout_of(cell, device)
+    assert (layout.heads, layout.splits) == (heads, splits)
+    if layout.tile.block_n == 16 and layout.tile.warps == 8:  # the 'decode' tile
+        assert device.resident(layout.kernel) == 132
+
+
 def test_the_power_script_reads_runs_and_takes_the_steady_samples():
     power = _bench_script("power")
     assert power.parse_run("cudnn:bwd:64:1") == ("cudnn", "bwd", 64, True, False)

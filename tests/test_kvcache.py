@@ -512,19 +512,52 @@ def test_decode_splits_spread_long_streams_over_whole_waves_of_one_cta_per_sm():
 
 
 def test_tiny_short_calls_take_the_small_tile_where_it_runs_twice_the_warps(monkeypatch):
-    import types
-    from cupyflash import _config, _kvcache, _schedule
+    from cupyflash import _config, _kvcache
     monkeypatch.delenv("CUPYFLASH_TILES", raising=False)
-    monkeypatch.setattr(_schedule, "tile", lambda table, headdim, device_id: _config.tile_for(
-        table, headdim, (9, 0), 227 * 1024))  # the H200's tables, 132 SMs
+    h200 = _kvcache.DecodeDevice(132, lambda table, headdim: _config.tile_for(table, headdim, (9, 0), 227 * 1024),
+                                 None)  # its tables and SMs (residency aside)
     short, long = (0, 1024), (0, 5000)  # (page rows, key rows a CTA streams)
-    assert _kvcache._table(1, *short, 64, 132, 0) == "decode_small"   # hd64 1 x 1k 8/1: 4 x 8 warps against 16 x 4
-    assert _kvcache._table(16, *short, 64, 132, 0) == "decode_small"  # 16 x 1k 8/1: 512 against 1024
-    assert _kvcache._table(32, *short, 64, 132, 0) == "decode_few"    # 1 x 1k 32/32: 1024 each
-    assert _kvcache._table(128, *short, 64, 132, 0) == "decode_few"   # one split either way
-    assert _kvcache._table(1, *short, 128, 132, 0) == "decode_few"    # hd128: 11 x 6 against 8 x 8
-    assert _kvcache._table(1, *long, 64, 132, 0) == "decode_few"      # long dense caches keep it
-    assert _kvcache._table(133, *short, 64, 132, 0) == "decode_small"
+    assert _kvcache._table(1, *short, 64, h200) == "decode_small"   # hd64 1 x 1k 8/1: 4 x 8 warps against 16 x 4
+    assert _kvcache._table(16, *short, 64, h200) == "decode_small"  # 16 x 1k 8/1: 512 against 1024
+    assert _kvcache._table(32, *short, 64, h200) == "decode_few"    # 1 x 1k 32/32: 1024 each
+    assert _kvcache._table(128, *short, 64, h200) == "decode_few"   # one split either way
+    assert _kvcache._table(1, *short, 128, h200) == "decode_few"    # hd128: 11 x 6 against 8 x 8
+    assert _kvcache._table(1, *long, 64, h200) == "decode_few"      # long dense caches keep it
+    assert _kvcache._table(133, *short, 64, h200) == "decode_small"
+
+
+@pytest.mark.parametrize("cell, heads", [("1:131072:32:8:64:paged256", 4), ("1:16384:32:8:64:paged256", 1),
+                                         ("4:1024:32:8:128:dense", 1)])
+def test_the_plan_launches_the_layout_of_its_device(cell, heads, monkeypatch):
+    """_new_plan without a GPU: the device's facts (SMs, tiles, resident CTAs: an H100's as
+    bench/decode_plans.py models them) reach decode_layout, and its grid, kernel and split count
+    reach the launches and the parameter block."""
+    import types
+    from cupyflash import _kvcache, _launch, _plan, _schedule
+    from test_benchmark import _bench_script
+    plans = _bench_script("decode_plans")
+    h100 = plans.modelled_device("h100")
+    expected = plans.layout_of(cell, h100)
+    assert expected.heads == heads
+    batch, capacity, nheads, nheads_k, headdim, page = plans.parse_decode_cell(cell)
+    monkeypatch.setattr(_schedule, "device_attributes", lambda device_id: {"MultiProcessorCount": h100.sms})
+    monkeypatch.setattr(_schedule, "tile", lambda table, hd, device_id: h100.tile(table, hd))
+    monkeypatch.setattr(_schedule, "resident_ctas", lambda kernel, device: h100.resident(kernel))
+    monkeypatch.setattr(_launch, "available", lambda compute_capability: False)  # no clusters
+    monkeypatch.setattr(_schedule, "device_info", lambda device_id: (None, (9, 0), 227 * 1024))
+    monkeypatch.setattr(_kvcache, "params_of", lambda call, cache, arrays, tile, count: {"num_splits": count})
+    monkeypatch.setattr(_plan, "Plan", lambda caller, params, arrays, outputs, launches: (params, launches))
+    shape = types.SimpleNamespace(batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=1, headdim=headdim)
+    call = types.SimpleNamespace(shape=shape, dtype="bfloat16", local=True, features=(),
+                                 caller=types.SimpleNamespace(device_id=0, device=lambda: None))
+    cache = types.SimpleNamespace(capacity=capacity, page_size=page, num_splits=0, seqlen_new=1)
+    q = types.SimpleNamespace(shape=(batch, 1, nheads, headdim))
+    params, launches = _kvcache._new_plan(call, cache, {"q": q})
+    assert params == {"num_splits": expected.splits, "merge_in_cluster": 0, "decode_heads_log2": heads.bit_length() - 1}
+    append, decode, *combine = launches
+    assert append.kernel.pass_ == "kvcache_append" and decode.kernel == expected.kernel
+    assert decode.grid == (expected.m_blocks * expected.splits, nheads_k // heads, batch) and decode.cluster == 1
+    assert [c.kernel.pass_ for c in combine] == (["decode_combine"] if expected.splits > 1 else [])
 
 
 def test_the_plan_signature_tells_calls_apart():

@@ -1,6 +1,8 @@
 #!/bin/bash
-# A device call (v71; about 3 min): does the depth of the K/V ring pace the hd128 forward on the
-# H100? v70: FA4's hd128 16k forward gains ~4% from the H200 to the H100, ours does not (650 against
+# A device call (v71; about 6 min): HEAD's KV-cache GPU files first (v70 moved the decode plan's
+# choices into _kvcache.decode_layout; no GPU has run it), then: does the depth of the K/V ring
+# pace the hd128 forward on the H100? v70: FA4's hd128 16k forward gains ~4% from the H200 to the
+# H100, ours does not (650 against
 # 719 TFLOP/s), as if ours waited on something that does not speed up with the SM clock; three
 # stages of 128 keys cover a fixed time in microseconds, less of a block's as the clock rises.
 #   s2: the plain hd128 forward on two stages (`v71-hd128-fwd-s2.patch`);
@@ -10,10 +12,11 @@
 # within 1% and n96s4 1-2% slower (v26: a 176-key block saved ~1% of per-block cost at hd128).
 # The causal cells (the LOCAL table, unchanged) are the run's control.
 # Trees: device_trees.py .device_scratch16 main=HEAD s2=HEAD+bench/notes/v71-hd128-fwd-s2.patch
-#   n96s4=HEAD+bench/notes/v71-hd128-fwd-n96s4.patch --kernels ab; carry .device_scratch16.
+#   n96s4=HEAD+bench/notes/v71-hd128-fwd-n96s4.patch --kernels kvcache; carry .device_scratch16.
 cd "$(dirname "$0")/../.."
 SCRATCH=.device_scratch16 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L
+gpu_tests main kvcache_tests 170 tests/test_kvcache_gpu.py tests/test_torch_kvcache.py
 C=128:4096:0,128:16384:0,128:16384:0:65536,128:4096:1
 timeout 200 python /tmp/ab.py --pass fwd --rounds 7 --cells $C $S/main $S/s2 $S/n96s4 $S/main \
   2>&1 | tee $OUT/ab.txt | tail -6 >> $L

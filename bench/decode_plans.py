@@ -68,12 +68,12 @@ def main(argv):
     if args.split_rows is not None:
         _kvcache.HEADS_SPLIT_ROWS = args.split_rows
     device = modelled_device(args.gpu)
-    print(f"{'cell':34}{'kernel':44}{'heads':>6}{'CTAs':>6}{'splits':>7}{'rows a split':>13}")
-    for cell in args.cells:
-        layout = layout_of(cell, device)
-        capacity = parse_decode_cell(cell)[1]
-        rows = -(-capacity * layout.heads // layout.splits)
-        print(f"{cell:34}{layout.kernel.name:44}{layout.heads:6d}{layout.ctas:6d}{layout.splits:7d}{rows:13d}")
+    layouts = [layout_of(cell, device) for cell in args.cells]
+    width = max(len(layout.kernel.name) for layout in layouts) + 2
+    print(f"{'cell':28}{'kernel':{width}}{'heads':>6}{'CTAs':>6}{'splits':>7}{'rows a split':>13}")
+    for cell, layout in zip(args.cells, layouts):
+        rows = -(-parse_decode_cell(cell)[1] * layout.heads // layout.splits)
+        print(f"{cell:28}{layout.kernel.name:{width}}{layout.heads:6d}{layout.ctas:6d}{layout.splits:7d}{rows:13d}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@
 #     N = 96; 225 KiB of shared memory, spill-free).
 # Prediction: if the ring paces it, s2 loses 3% or more at 4k and 16k and n96s4 gains; if not, s2
 # within 1% and n96s4 1-2% slower (v26: a 176-key block saved ~1% of per-block cost at hd128).
-# The causal cells (the LOCAL table, unchanged) are the run's control.
+# The causal cells (the LOCAL table, unchanged) are the run's control. If s2 loses, the next
+# candidate is the LOCAL forward's two stages ('fwd_local', chosen to fit a second Q buffer):
+# three stages and one Q buffer for LOCAL calls past 1k rows. Its unmasked step is the plain one's
+# (519 instructions against 502-510), yet v61 read LOCAL on plain work 2.5-4.5% slower.
 # Trees: device_trees.py .device_scratch16 main=HEAD s2=HEAD+bench/notes/v71-hd128-fwd-s2.patch
 #   n96s4=HEAD+bench/notes/v71-hd128-fwd-n96s4.patch --kernels kvcache; carry .device_scratch16.
 cd "$(dirname "$0")/../.."

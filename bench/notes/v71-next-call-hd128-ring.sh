@@ -18,7 +18,7 @@
 # from 4k on, on the H200). Predicted for l3: 4k and 16k causal +1-3% if s2 loses, else within 1%.
 # Trees: device_trees.py .device_scratch16 main=HEAD s2=HEAD+bench/notes/v71-hd128-fwd-s2.patch
 #   n96s4=HEAD+bench/notes/v71-hd128-fwd-n96s4.patch l3=HEAD+bench/notes/v71-hd128-local-three-stages.patch
-#   --kernels kvcache; carry .device_scratch16.
+#   --kernels kvcache --dtypes bfloat16 float16; carry .device_scratch16.
 cd "$(dirname "$0")/../.."
 SCRATCH=.device_scratch16 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L

@@ -7,8 +7,8 @@ splits merge in clusters (it asks the driver how many clusters fit; it does not 
 
     python bench/decode_plans.py [--gpu h100] [--split-rows N] batch:cache:nheads:nheads_k:hd:layout ...
 
-A cell is bench/ab.py's decode cell (layout dense or pagedN), one query row, bf16, the cache full;
---split-rows sets `_kvcache.HEADS_SPLIT_ROWS` (the rule's bound) for the run.
+A cell is bench/ab.py's decode cell (layout dense or pagedN), one query row, bf16, causal (the
+kernels' LOCAL variants, as tests/test_kvcache_gpu.py's calls), the cache full; --split-rows sets `_kvcache.HEADS_SPLIT_ROWS` (the rule's bound) for the run.
 """
 
 import argparse
@@ -53,7 +53,7 @@ def modelled_device(gpu):
 
 
 def layout_of(cell, device, num_splits=0):
-    """decode_layout of a decode cell (ab.py's form) on `device`."""
+    """decode_layout of a decode cell (ab.py's form) on `device`: one query row, causal."""
     batch, capacity, nheads, nheads_k, headdim, page = parse_decode_cell(cell)
     shape = types.SimpleNamespace(batch=batch, nheads=nheads, nheads_k=nheads_k, seqlen_q=1, headdim=headdim)
     return _kvcache.decode_layout(shape, "bfloat16", True, (), capacity, page, num_splits, device)

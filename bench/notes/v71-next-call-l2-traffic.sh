@@ -1,5 +1,5 @@
 #!/bin/bash
-# Call 2 of 2 (about 3 min), right after `v51-next-call-fa4-a.sh` (carry [".device/fa4/a"]); carry
+# Call 2 of 2 (about 4 min), right after `v51-next-call-fa4-a.sh` (carry [".device/fa4/a"]); carry
 # [".device/fa4/b", ".device_scratch14"]. v71's power call: at hd128 16k (non-causal) ncu read our
 # forward's L2 throughput at 45% of peak against FA4's 33% (L2 hit rate 99.75% against 94.5%, DRAM
 # bytes within 6%), L2 compression input sectors 3.3M against 2.1M. Both read the same K and V
@@ -32,4 +32,13 @@ for impl in $IMPLS; do
     echo "ncu $impl rc $?"
   done
   grep -E "^ +(lts|l1tex|smsp|sm)__|ERR" $OUT/ncu-l2-$impl.txt
+  # Cycles at base clock and at whatever clock the GPU runs one launch unlocked: a kernel bound by
+  # the SM clock takes the same cycles at both; one that waits on the L2 or DRAM takes more cycles
+  # at the higher clock (v71: FA4 gains 7-10% from the grid's bursts over steady state, ours 2-6%).
+  for clocks in base none; do
+    timeout 60 ncu -k $K --launch-skip 5 --launch-count 3 --clock-control $clocks \
+      --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,sm__cycles_elapsed.avg.per_second \
+      python bench/power.py --worker $impl:fwd:128:0 16384 --short > $OUT/ncu-clock-$clocks-$impl.txt 2>&1
+    echo "ncu $impl clocks $clocks rc $?"; grep -E "^ +(gpu|sm)__" $OUT/ncu-clock-$clocks-$impl.txt
+  done
 done

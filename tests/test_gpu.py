@@ -50,7 +50,12 @@ SOFTCAP_RANGE_CASES = [Case(sq, sk, d, dtype, causal, softcap=cap, score_shift=s
                            (1000, 1000, 128, "bfloat16", False, 50.0, 30.0),
                            (1000, 113, 128, "bfloat16", False, 60.0, 400.0),
                            (113, 1000, 64, "bfloat16", False, 100.0, 400.0),
-                           (113, 1000, 128, "float16", True, 30.0, 400.0)]]
+                           (113, 1000, 128, "float16", True, 30.0, 400.0),
+                           # spans (softcap / sqrt(d) in base 2) past 60 and past 80: score_bound's
+                           # other bound, and none (common/score.cuh)
+                           (113, 1000, 8, "bfloat16", False, 130.0, 400.0),
+                           (1000, 1000, 16, "bfloat16", True, 180.0, 400.0),
+                           (113, 1000, 32, "bfloat16", False, 350.0, 400.0)]]
 
 
 @pytest.mark.parametrize("case", HEADDIM_CASES + SEQLEN_CASES + GQA_CASES + PACKED_CASES + RESCALE_CASES

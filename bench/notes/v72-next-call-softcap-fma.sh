@@ -10,6 +10,8 @@
 # Prediction: hd128 softcap 1.20-1.29x -> 1.03-1.10x plain in both (fma4 a little ahead: fewer
 # instructions, the MUFU at 1792 of 2048); hd64 1.52x -> 1.15-1.25x with fma2, less with fma4 (its
 # MUFU still 2688 of 1536); no change without softcap (the control) or at hd256 (not applied).
+# Against it: v36's power cap (energy per FLOP orders the cells), and each moved exp is 8 FMA-pipe
+# instructions for one MUFU: if the bursts run at the cap, fma4 keeps more of the gain than fma2.
 # Trees: device_trees.py .device_scratch18 main=HEAD fma2=HEAD+bench/notes/v72-fwd-softcap-exps-on-fma-2.patch
 #   fma4=HEAD+bench/notes/v72-fwd-softcap-exps-on-fma-4.patch --kernels ab --dtypes bfloat16 float16
 #   --options '{"softcap": 30.0}';

@@ -157,6 +157,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     // O through its buffer (T::kStagedO), but in the options' kernels of two consumers: at 232
     // registers (LOCAL, hd128) they spill 8 bytes with it.
     constexpr bool kStageO = T::kStagedO && !(OPTIONS && CONSUMERS == 2);
+    // Else O leaves as 16-byte chunks transposed over each quad (for_each_quad_chunk; v72, H100: hd256
+    // 1k +15%, 16k +1.5-2.5%, hd128 16k +1.5%), but where measured slower (hd64's two consumers, 2.4%
+    // at 1k) or spilling (the LOCAL options' kernels that read a bias as words, at 232 or 240
+    // registers): as the fragments' words there.
+    constexpr bool kQuadChunks = !(HEADDIM == 64 && CONSUMERS == 2) && !(OPTIONS && LOCAL && T::kBiasWords);
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32 s_q0 = (smem_address(smem_raw) + 1023) & ~1023u;
@@ -314,6 +319,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 const uint4 value = ld_shared_u128(stage + offset);
                 if (stage_row0 + row < seq.seqlen_q && 8 * chunk < p.headdim)
                     st_global_u128(out + (stage_row0 + row) * p.out_row_stride + 8 * chunk, value);
+            });
+        } else if constexpr (kQuadChunks) {
+            const int rows[2] = {row0 + fragment_row(0, 0), row0 + fragment_row(0, 2)};
+            uint16* const row_out[2] = {out + rows[0] * p.out_row_stride, out + rows[1] * p.out_row_stride};
+            for_each_quad_chunk<BF16>(acc_o, [&](int half, int col, uint4 chunk) {
+                if (rows[half] < seq.seqlen_q && col < p.headdim) st_global_u128(row_out[half] + col, chunk);
             });
         } else {
 #pragma unroll

@@ -216,6 +216,43 @@ __device__ __forceinline__ void stage_rows(uint32 stage, const float (&acc)[1][T
                     pack_pair<BF16>(acc[0][dt + 1][2] * scale, acc[0][dt + 1][3] * scale));
 }
 
+// visit(half, col, chunk) for each 16-byte chunk that this lane holds of `acc` as 16-bit values
+// (columns col to col + 7 of its fragment row fragment_row(0, 2 half)), with no shared memory: a
+// quad holds a row's 32 columns of four column tiles as one word each (tile d's word of lane q:
+// columns 8d + 2q and 8d + 2q + 1); transposed over the quad (2 x 2 blocks of words traded across
+// lanes q ^ 2, then each block across lanes q ^ 1), lane q holds columns 8q to 8q + 7 of the 32. A
+// warp's stores of them write whole 32-byte sectors, where the fragments' words write each sector
+// in two halves.
+template <bool BF16, int TILES, typename Visit>
+__device__ __forceinline__ void for_each_quad_chunk(const float (&acc)[1][TILES][4], Visit&& visit) {
+    static_assert(TILES % 4 == 0, "groups of four column tiles");
+    const int quad_lane = threadIdx.x % 4;
+    const bool high_pair = quad_lane & 2, odd_lane = quad_lane & 1;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int group = 0; group < TILES / 4; ++group) {
+            uint32 w[4];
+#pragma unroll
+            for (int d = 0; d < 4; ++d)
+                w[d] = pack_pair<BF16>(acc[0][4 * group + d][2 * half], acc[0][4 * group + d][2 * half + 1]);
+#pragma unroll
+            for (int d = 0; d < 2; ++d) {  // lanes 0, 1 trade words 2, 3 for lanes 2, 3's words 0, 1
+                const uint32 got = __shfl_xor_sync(0xffffffffu, high_pair ? w[d] : w[d + 2], 2);
+                w[d] = high_pair ? got : w[d];
+                w[d + 2] = high_pair ? w[d + 2] : got;
+            }
+#pragma unroll
+            for (int d = 0; d < 4; d += 2) {  // even lanes trade words 1, 3 for odd lanes' words 0, 2
+                const uint32 got = __shfl_xor_sync(0xffffffffu, odd_lane ? w[d] : w[d + 1], 1);
+                w[d] = odd_lane ? got : w[d];
+                w[d + 1] = odd_lane ? w[d + 1] : got;
+            }
+            visit(half, 32 * group + 8 * quad_lane, make_uint4(w[0], w[1], w[2], w[3]));
+        }
+    }
+}
+
 // Adds a word's two 16-bit values, the low one first, times `scale` to two accumulator elements.
 template <bool BF16>
 __device__ __forceinline__ void add_word(float& first, float& second, uint32 word, float scale) {

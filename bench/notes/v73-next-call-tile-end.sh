@@ -1,0 +1,34 @@
+#!/bin/bash
+# A device call (v73; about 8 min): two ways to shorten the forward's exposed tile end.
+# v72's quad chunks (HEAD) cut a lane's unstaged O stores four-fold and gained hd256 1k +15-17%:
+# where a tile has one Q buffer (hd128 non-causal on three stages, every hd256 tile, hd64's three
+# consumers), its end is exposed.
+#   lines: a warp's O store still touches 8 lines (8 rows x 64 bytes); pairing quad chunks across
+#     lanes ^ 16 (for_each_line_chunk, 4 more SHFL per 64 columns) makes it 4 rows x 128 bytes,
+#     4 whole lines, with the same instruction count (v73-fwd-o-line-chunks.patch).
+#   carry: tiles back to back (kCarry: a tile's last P V beside the next tile's first Q K^T, its O
+#     stored after) with one Q buffer too, the next Q loaded once the last Q K^T has read the buffer
+#     (v73-fwd-carry-one-q-buffer.patch; v27 measured it only with two Q buffers and two stages).
+#   both: the two patches.
+# Prediction: lines, if the store costs a cycle a line: hd256 1k +3-6% over HEAD, 16k +0.5-1%; if
+# it costs an issue slot an instruction, within noise. carry: +2-5% at hd256 1k and hd128 1k where
+# the next Q lands within a block's time (a 64 KB tile mostly from L2); within noise at 16k; a loss
+# where the first Q K^T then waits on Q with the last P V's accumulators held. hd128 causal (LOCAL:
+# two Q buffers, staged O, unchanged) is the control. Then `both`'s forward tests (its kernels
+# carried; HEAD's own in the suite call).
+# Trees: device_trees.py .device_scratch20 main=HEAD lines=HEAD+bench/notes/v73-fwd-o-line-chunks.patch
+#   carry=HEAD+bench/notes/v73-fwd-carry-one-q-buffer.patch
+#   both=HEAD+bench/notes/v73-fwd-o-line-chunks.patch+bench/notes/v73-fwd-carry-one-q-buffer.patch
+#   --kernels all --named bench/device-test-kernels.txt --dtypes bfloat16 float16; carry .device_scratch20.
+cd "$(dirname "$0")/../.."
+SCRATCH=.device_scratch20 source bench/device_call.sh
+nvidia-smi --query-gpu=name --format=csv,noheader >> $L
+for dtype in bfloat16 float16; do
+  cells=128:1024:0,128:4096:0,128:16384:0,256:1024:0,256:4096:0,256:16384:0,256:4096:1,64:4096:0,64:16384:0,64:4096:1,128:4096:1
+  [ $dtype = float16 ] && cells=128:16384:0,256:1024:0,256:16384:0,64:16384:0
+  echo "== ab fwd $dtype" >> $L
+  timeout 150 python /tmp/ab.py --pass fwd --dtype $dtype --rounds 7 --cells $cells \
+    $S/main $S/lines $S/carry $S/both $S/main 2>&1 | tee -a $OUT/ab.txt | tail -13 >> $L
+done
+gpu_tests both tests_both 270 tests/test_gpu.py tests/test_head_dims.py tests/test_gpu_variants.py
+cat $L

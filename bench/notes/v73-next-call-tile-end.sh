@@ -1,5 +1,5 @@
 #!/bin/bash
-# A device call (v73; about 8 min): two ways to shorten the forward's exposed tile end.
+# A device call (v73; about 8 min; its tests come first): two ways to shorten the forward's exposed tile end.
 # v72's quad chunks (HEAD) cut a lane's unstaged O stores four-fold and gained hd256 1k +15-17%:
 # where a tile has one Q buffer (hd128 non-causal on three stages, every hd256 tile, hd64's three
 # consumers), its end is exposed.
@@ -14,8 +14,8 @@
 # it costs an issue slot an instruction, within noise. carry: +2-5% at hd256 1k and hd128 1k where
 # the next Q lands within a block's time (a 64 KB tile mostly from L2); within noise at 16k; a loss
 # where the first Q K^T then waits on Q with the last P V's accumulators held. hd128 causal (LOCAL:
-# two Q buffers, staged O, unchanged) is the control. Then `both`'s forward tests (its kernels
-# carried; HEAD's own in the suite call).
+# two Q buffers, staged O, unchanged) is the control. First HEAD's forward tests: v72 landed its
+# quad chunks in a leaner form than the patch whose tests passed (421 of 439), not yet run itself.
 # Trees: device_trees.py .device_scratch20 main=HEAD lines=HEAD+bench/notes/v73-fwd-o-line-chunks.patch
 #   carry=HEAD+bench/notes/v73-fwd-carry-one-q-buffer.patch
 #   both=HEAD+bench/notes/v73-fwd-o-line-chunks.patch+bench/notes/v73-fwd-carry-one-q-buffer.patch
@@ -23,6 +23,7 @@
 cd "$(dirname "$0")/../.."
 SCRATCH=.device_scratch20 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L
+gpu_tests main tests_main 280 tests/test_gpu.py tests/test_head_dims.py tests/test_gpu_variants.py
 for dtype in bfloat16 float16; do
   cells=128:1024:0,128:4096:0,128:16384:0,256:1024:0,256:4096:0,256:16384:0,256:4096:1,64:4096:0,64:16384:0,64:4096:1,128:4096:1
   [ $dtype = float16 ] && cells=128:16384:0,256:1024:0,256:16384:0,64:16384:0
@@ -30,5 +31,4 @@ for dtype in bfloat16 float16; do
   timeout 150 python /tmp/ab.py --pass fwd --dtype $dtype --rounds 7 --cells $cells \
     $S/main $S/lines $S/carry $S/both $S/main 2>&1 | tee -a $OUT/ab.txt | tail -13 >> $L
 done
-gpu_tests both tests_both 270 tests/test_gpu.py tests/test_head_dims.py tests/test_gpu_variants.py
 cat $L

@@ -10,6 +10,10 @@
 #     stored after) with one Q buffer too, the next Q loaded once the last Q K^T has read the buffer
 #     (v73-fwd-carry-one-q-buffer.patch; v27 measured it only with two Q buffers and two stages).
 #   both: the two patches.
+#   carry_words: carry, with the carried tiles' O as the fragments' words (v73-fwd-carried-tiles-words.patch):
+#     a carried tile's O leaves inside the next tile's first block, between its softmax and its P V,
+#     where the quad chunks' shuffles add latency and the words' stores do not wait (hd64's two
+#     consumers, whose tiles are carried, lost 2.4% with the chunks).
 # Prediction: lines, if the store costs a cycle a line: hd256 1k +3-6% over HEAD, 16k +0.5-1%; if
 # it costs an issue slot an instruction, within noise. carry: +2-5% at hd256 1k and hd128 1k where
 # the next Q lands within a block's time (a 64 KB tile mostly from L2); within noise at 16k; a loss
@@ -19,6 +23,7 @@
 # Trees: device_trees.py .device_scratch20 main=HEAD lines=HEAD+bench/notes/v73-fwd-o-line-chunks.patch
 #   carry=HEAD+bench/notes/v73-fwd-carry-one-q-buffer.patch
 #   both=HEAD+bench/notes/v73-fwd-o-line-chunks.patch+bench/notes/v73-fwd-carry-one-q-buffer.patch
+#   carry_words=HEAD+bench/notes/v73-fwd-carry-one-q-buffer.patch+bench/notes/v73-fwd-carried-tiles-words.patch
 #   --kernels all --named bench/device-test-kernels.txt --dtypes bfloat16 float16; carry .device_scratch20.
 cd "$(dirname "$0")/../.."
 SCRATCH=.device_scratch20 source bench/device_call.sh
@@ -28,7 +33,7 @@ for dtype in bfloat16 float16; do
   cells=128:1024:0,128:4096:0,128:16384:0,256:1024:0,256:4096:0,256:16384:0,256:4096:1,64:4096:0,64:16384:0,64:4096:1,128:4096:1
   [ $dtype = float16 ] && cells=128:16384:0,256:1024:0,256:16384:0,64:16384:0
   echo "== ab fwd $dtype" >> $L
-  timeout 150 python /tmp/ab.py --pass fwd --dtype $dtype --rounds 7 --cells $cells \
-    $S/main $S/lines $S/carry $S/both $S/main 2>&1 | tee -a $OUT/ab.txt | tail -13 >> $L
+  timeout 170 python /tmp/ab.py --pass fwd --dtype $dtype --rounds 7 --cells $cells \
+    $S/main $S/lines $S/carry $S/both $S/carry_words $S/main 2>&1 | tee -a $OUT/ab.txt | tail -13 >> $L
 done
 cat $L

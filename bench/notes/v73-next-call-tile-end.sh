@@ -22,6 +22,8 @@
 # where the next Q lands within a block's time; within noise at 16k; a loss where the first Q K^T
 # then waits on Q with the last P V's accumulators held; prefetch makes that wait shorter
 # (carry_prefetch >= carry) and alone gains at most 1% (HEAD's tile end already covers the load).
+# Against carry: it nearly doubles the kernels' code (hd256 3672 -> 6792 instructions, the
+# carried first block and finish_tile inlined a second time): instruction-cache misses can eat it.
 # Unchanged kernels, the controls: hd128 1k (the short table: two Q buffers, staged O, carried) and
 # hd128 4k causal (LOCAL, the same). hd64 4k/16k (three consumers, staged O) see carry and prefetch.
 # First HEAD's forward tests: v72 landed its quad chunks in a leaner form than the patch whose

@@ -5,6 +5,7 @@ change altered, and the sizes of their loops, before any device call.
     python bench/sass.py loops TREE [FILTER ...]            # per kernel: its loops' sizes and opcodes
     python bench/sass.py blocks TREE [FILTER ...]           # per kernel: its step loops' basic blocks
     python bench/sass.py steps TREE_A TREE_B [FILTER ...]  # per kernel: its step loops' sizes, and what changed
+    python bench/sass.py stalls TREE [FILTER ...] [--listing]  # per kernel: its step loops' scheduled stalls
 
 A TREE is a directory holding one version's cupyflash/ and cuda_src/ (as bench/ab.py's), or `.`.
 The kernels are the sm_90 ones of `--dtype` (without options unless `--options`) whose names hold every FILTER; each
@@ -19,7 +20,12 @@ its size, label, closing branch and opcodes: which blocks a step skips (a mask, 
 how many instructions it executes, and an option's executed count over the plain kernel's predicted
 its cost (v49). `steps` compares two trees' step loops instruction by instruction, registers and
 constants aside (v65: a persistent kernel's step that recomputed the shared-window base, `S2UR
-SR_CgaCtaId`, in every step). `--options` takes the option kernels too. nvdisasm comes from $NVDISASM or PATH
+SR_CgaCtaId`, in every step). `stalls` reads the control bits ptxas codes beside each instruction
+(from nvdisasm's encodings): the cycles a warp waits before its next instruction issues, and
+whether it first waits on a scoreboard (a variable-latency result: MUFU, shared memory, shuffles).
+A step's stall cycles are a floor on one warp's time for it; ncu's "wait" stall reason is their
+excess over one a instruction (v73: hd128's step 1144 cycles for 502 instructions, 528 of them
+the 66 exps' 8 cycles each). `--options` takes the option kernels too. nvdisasm comes from $NVDISASM or PATH
 (`pip download --no-deps nvidia-cuda-nvdisasm`, unzipped outside the checkout; not a dependency of
 the package).
 """
@@ -53,6 +59,8 @@ if __name__ == "__main__":
 """
 INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;")
 LABEL = re.compile(r"^(\.L_x_\d+):")
+ENCODING_HIGH = re.compile(r"^\s+/\* (0x[0-9a-f]{16}) \*/\s*$")  # -hex's second line of an instruction
+Control = collections.namedtuple("Control", "stall yields write_barrier read_barrier waits reuse")
 OPCODE = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
@@ -91,6 +99,39 @@ def parse(text):
         elif instruction:
             lines.append((None, instruction.group(1)))
     return lines
+
+
+def control(high_word):
+    """The Control of an instruction from the high 64 bits of its encoding (sm_70 and later: bits
+    105-125): stall cycles, yield, the scoreboards it sets on write and on read (None: none), the
+    scoreboards it waits on (a mask), the operand reuse flags."""
+    bits = high_word >> 41
+    barrier = lambda b: None if b == 7 else b  # noqa: E731
+    return Control(bits & 15, (bits >> 4) & 1, barrier((bits >> 5) & 7), barrier((bits >> 8) & 7),
+                   (bits >> 11) & 63, (bits >> 17) & 15)
+
+
+def parse_controls(text):
+    """[Control] of nvdisasm -hex's output, one an instruction, in parse()'s order."""
+    return [control(int(m.group(1), 16)) for m in map(ENCODING_HIGH.match, text.splitlines()) if m]
+
+
+def control_listing(cubin):
+    """(parse(), parse_controls()) of a cubin's code."""
+    text = subprocess.run([nvdisasm(), "-hex", "-c", cubin], check=True, capture_output=True, text=True).stdout
+    return parse(text), parse_controls(text)
+
+
+def stalls(texts, controls, first, end):
+    """(stall cycles, instructions that wait on a scoreboard, {opcode: (stall cycles, count)}) of
+    instructions first:end."""
+    by_opcode = collections.defaultdict(lambda: [0, 0])
+    for text, c in zip(texts[first:end], controls[first:end]):
+        entry = by_opcode[OPCODE.match(text).group(1)]
+        entry[0] += c.stall
+        entry[1] += 1
+    return (sum(c.stall for c in controls[first:end]), sum(1 for c in controls[first:end] if c.waits),
+            {op: tuple(v) for op, v in by_opcode.items()})
 
 
 def instructions(lines):
@@ -171,13 +212,15 @@ def step_changes(old_lines, new_lines, shortest):
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("diff", "loops", "blocks", "steps"))
+    parser.add_argument("command", choices=("diff", "loops", "blocks", "steps", "stalls"))
     parser.add_argument("trees_and_filters", nargs="+",
-                        help="diff, steps: TREE_A TREE_B [FILTER ...]; loops, blocks: TREE [FILTER ...]")
+                        help="diff, steps: TREE_A TREE_B [FILTER ...]; loops, blocks, stalls: TREE [FILTER ...]")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--options", action="store_true", help="the option kernels too (softcap, alibi, ...)")
     parser.add_argument("--min", type=int, default=150, help="loops: the shortest loop listed (instructions)")
     parser.add_argument("--lines", type=int, default=40, help="steps: the changed instructions shown a loop")
+    parser.add_argument("--listing", action="store_true",
+                        help="stalls: each step instruction with its stall cycles, scoreboards set (w, r) and awaited")
     args = parser.parse_args(argv)
     count = 2 if args.command in ("diff", "steps") else 1  # trees
     trees, filters = [pathlib.Path(t) for t in args.trees_and_filters[:count]], args.trees_and_filters[count:]
@@ -195,6 +238,24 @@ def main(argv):
                     ops = ", ".join(f"{op} {n}" for op, n in opcodes(texts[first:end]).most_common(6))
                     print(f"    [{first - span[0]:4d}, {end - span[0]:4d}) {end - first:4d} {','.join(labels):14s}"
                           f" {branch or '':28s} {ops}")
+        return
+    if args.command == "stalls":
+        for name, (cubin, registers, spills, warnings) in sorted(kernels[0].items()):
+            lines, controls = control_listing(cubin)
+            texts = instructions(lines)
+            print(name)
+            for first, end in step_loops(lines, args.min):
+                cycles, waiting, by_opcode = stalls(texts, controls, first, end)
+                top = sorted(by_opcode.items(), key=lambda kv: -kv[1][0])[:12]
+                print(f"  loop of {end - first}: {cycles} stall cycles ({cycles / (end - first):.2f} an instruction),"
+                      f" {waiting} wait on a scoreboard; by opcode (cycles/count): "
+                      + ", ".join(f"{op} {c}/{n}" for op, (c, n) in top))
+                if args.listing:
+                    for i in range(first, end):
+                        c = controls[i]
+                        marks = f"w{'-' if c.write_barrier is None else c.write_barrier}" \
+                                f"r{'-' if c.read_barrier is None else c.read_barrier} {c.waits:06b}"
+                        print(f"    {i - first:4d} s{c.stall:<2d} {marks} {texts[i]}")
         return
     if args.command == "loops":
         for name, (cubin, registers, spills, warnings) in sorted(kernels[0].items()):

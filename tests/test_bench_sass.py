@@ -53,3 +53,23 @@ def test_steps_compare_the_step_loops_beyond_register_allocation():
     assert sass.normalised("FFMA R2, R5, UR4, 0x3f800000") == "FFMA R, R, R, #"
     assert sass.step_changes(sass.parse(LISTING), sass.parse(renamed), shortest=2) == ([4], [4], [[]])
     assert sass.step_changes(sass.parse(LISTING), sass.parse(longer), shortest=2) == ([4], [5], [["+S2UR R, SR_CgaCtaId"]])
+
+
+HEX_LISTING = """
+.L_x_3:
+        /*1f20*/               @P0 MUFU.EX2 R5, R2 ;                                                       /* 0x0000000200050308 */
+                                                                                                           /* 0x000e220000000800 */
+        /*1f30*/                   FADD R11, R16, R27 ;                                                    /* 0x0000001b100b7221 */
+                                                                                                           /* 0x001fce0000000000 */
+"""
+
+
+def test_controls_decode_the_stall_cycles_and_scoreboards_of_each_instruction():
+    mufu, fadd = sass.parse_controls(HEX_LISTING)
+    assert sass.instructions(sass.parse(HEX_LISTING)) == ["@P0 MUFU.EX2 R5, R2", "FADD R11, R16, R27"]
+    # the exp: one cycle, sets scoreboard 0 on its write, waits on none
+    assert (mufu.stall, mufu.write_barrier, mufu.read_barrier, mufu.waits) == (1, 0, None, 0)
+    # the add: 7 cycles, waits on scoreboard 0 (bit 0 of its mask)
+    assert (fadd.stall, fadd.write_barrier, fadd.read_barrier, fadd.waits) == (7, None, None, 1)
+    cycles, waiting, by_opcode = sass.stalls(["@P0 MUFU.EX2 R5, R2", "FADD R11, R16, R27"], [mufu, fadd], 0, 2)
+    assert (cycles, waiting, by_opcode) == (8, 1, {"MUFU": (1, 1), "FADD": (7, 1)})

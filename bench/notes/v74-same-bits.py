@@ -1,0 +1,55 @@
+"""Does a change to the forward leave its results bit for bit as they were? Run once per tree
+(the tree first on PYTHONPATH), each writing the outputs and lse of the same seeded calls, then
+compare (a change that only moves a wait, as v74-fwd-exps-before-the-pv-wait.patch does, computes
+the same operations in the same order):
+
+    PYTHONPATH=TREE python bench/notes/v74-same-bits.py write OUT.npz
+    python bench/notes/v74-same-bits.py compare A.npz B.npz
+"""
+import sys
+
+import numpy
+
+SHAPES = [(hd, s, causal) for hd in (64, 128, 256) for s in (113, 1000, 4096) for causal in (False, True)]
+OPTIONS = {"plain": {}, "softcap": {"softcap": 30.0}, "window": {"window_size": (256, 0)},
+           "alibi": {"alibi_slopes": True}, "dropout": {"dropout_p": 0.1, "seed": 1234}}
+
+
+def write(path):
+    import cupy
+    import cupyflash
+    results = {}
+    for dtype in ("bfloat16", "float16"):
+        for hd, s, causal in SHAPES:
+            for name, options in OPTIONS.items():
+                if name != "plain" and s != 1000:
+                    continue
+                rng = cupy.random.default_rng(hd * 100003 + s * 7 + causal)
+                nheads = 2048 // hd // 4
+                q, k, v = (rng.standard_normal((2, s, nheads, hd), dtype=cupy.float32).astype(dtype) for _ in range(3))
+                options = dict(options)
+                if options.get("alibi_slopes") is True:
+                    options["alibi_slopes"] = cupy.linspace(0.01, 0.5, nheads, dtype=cupy.float32)
+                out, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **options)
+                key = f"{dtype}_{hd}_{s}_{int(causal)}_{name}"
+                results[key + "_out"] = cupy.asnumpy(out.view(cupy.uint16))
+                results[key + "_lse"] = cupy.asnumpy(lse)
+    numpy.savez(path, **results)
+    print(f"{len(results) // 2} calls written to {path}")
+
+
+def compare(a_path, b_path):
+    a, b = numpy.load(a_path), numpy.load(b_path)
+    differ = [key for key in a.files if not numpy.array_equal(a[key], b[key], equal_nan=True)]
+    print(f"{len(a.files) - len(differ)} of {len(a.files)} arrays bit for bit the same")
+    for key in differ:
+        diff = numpy.count_nonzero(a[key] != b[key])
+        print(f"  differs: {key} ({diff} of {a[key].size} elements)")
+    return 1 if differ or set(a.files) != set(b.files) else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "write":
+        write(sys.argv[2])
+    else:
+        sys.exit(compare(sys.argv[2], sys.argv[3]))

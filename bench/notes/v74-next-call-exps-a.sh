@@ -4,7 +4,7 @@
 # its basic block, above every exp (`bench/sass.py`: 0 of 66 exps before it at hd64 and hd128, 0 of
 # 42 at hd256, in every sm_90a forward), so each consumer's block runs Q K^T, then P V, then its exps
 # in series; FA3/FA4 run the exps while P V does. v74-fwd-exps-before-the-pv-wait.patch puts the wait
-# in both arms of O's rescale branch (`rescale_after`), after the exps: 66 of 66 before it in every
+# in both arms of O's rescale branch (`rescale_after`; the carried first block likewise), after the exps: 66 of 66 before it in every
 # kernel, spill-free, the same ptxas messages. The same operations in the same order, so the same bits.
 # Prediction: one consumer's chain a block shrinks by P V's time less the row maxima's (hd128: ~512 -
 # ~190 tensor-core clocks of the ~2048 two consumers' products take), where that chain paces the
@@ -21,11 +21,11 @@ for tree in main exps; do
 done
 python bench/notes/v74-same-bits.py compare /tmp/bits-main.npz /tmp/bits-exps.npz >> $L 2>&1
 for dtype in bfloat16 float16; do
-  cells=128:1024:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,256:1024:0,256:4096:0,256:16384:0,256:4096:1,64:4096:0,64:16384:0,64:4096:1,64:16384:1
+  cells=128:1024:0,128:1024:1,128:4096:0,128:16384:0,128:4096:1,128:16384:1,256:1024:0,256:4096:0,256:16384:0,256:4096:1,64:4096:0,64:16384:0,64:4096:1,64:16384:1
   [ $dtype = float16 ] && cells=128:16384:0,128:16384:1,256:16384:0,64:16384:0
   echo "== ab fwd $dtype" >> $L
   timeout $([ $dtype = float16 ] && echo 80 || echo 200) python /tmp/ab.py --pass fwd --dtype $dtype --rounds 7 \
-    --cells $cells $S/main $S/exps $S/main $S/exps 2>&1 | tee -a $OUT/ab.txt | tail -15 >> $L
+    --cells $cells $S/main $S/exps $S/main $S/exps 2>&1 | tee -a $OUT/ab.txt | tail -17 >> $L
 done
 echo "== ab fwd softcap" >> $L
 timeout 70 python /tmp/ab.py --pass fwd --rounds 5 --options '{"softcap": 30.0}' --cells 128:4096:0,128:16384:0,128:16384:1,64:16384:0 \

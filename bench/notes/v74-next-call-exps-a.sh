@@ -11,15 +11,18 @@
 # block: hd128 +3-8% (FA4's 5.6% fewer cycles), hd256 (one consumer at a time, no ping-pong) +5-10%,
 # hd64 +2-5% (its P V is half hd128's); softcap cells the same or more (more work before the wait).
 # Trees: device_trees.py .device_scratch21 main=HEAD exps=HEAD+bench/notes/v74-fwd-exps-before-the-pv-wait.patch
-#   --kernels all --named bench/device-test-kernels.txt --dtypes bfloat16 float16.
+#   dk=HEAD+bench/notes/v74-bwd-dk-runs-into-the-next-step.patch
+#   both=HEAD+bench/notes/v74-fwd-exps-before-the-pv-wait.patch+bench/notes/v74-bwd-dk-runs-into-the-next-step.patch
+#   --kernels all --named bench/device-test-kernels.txt --dtypes bfloat16 float16 (16 MB).
 cd "$(dirname "$0")/../.."
 SCRATCH=.device_scratch21 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L
-echo "== same bits" >> $L
-for tree in main exps; do
-  (cd $S/$tree && PYTHONPATH=. timeout 90 python $OLDPWD/bench/notes/v74-same-bits.py write /tmp/bits-$tree.npz) >> $L 2>&1
-done
-python bench/notes/v74-same-bits.py compare /tmp/bits-main.npz /tmp/bits-exps.npz >> $L 2>&1
+echo "== same bits (main, both; then exps and dk where they differ)" >> $L
+bits() { (cd $S/$1 && PYTHONPATH=. timeout 90 python $OLDPWD/bench/notes/v74-same-bits.py write /tmp/bits-$1.npz) >> $L 2>&1; }
+bits main; bits both
+if ! python bench/notes/v74-same-bits.py compare /tmp/bits-main.npz /tmp/bits-both.npz >> $L 2>&1; then
+  for tree in exps dk; do bits $tree; python bench/notes/v74-same-bits.py compare /tmp/bits-main.npz /tmp/bits-$tree.npz 2>&1 | head -8 >> $L; done
+fi
 for dtype in bfloat16 float16; do
   cells=128:1024:0,128:1024:1,128:4096:0,128:16384:0,128:4096:1,128:16384:1,256:1024:0,256:4096:0,256:16384:0,256:4096:1,64:4096:0,64:16384:0,64:4096:1,64:16384:1
   [ $dtype = float16 ] && cells=128:16384:0,128:16384:1,256:16384:0,64:16384:0

@@ -1,7 +1,7 @@
-"""Does a change to the forward leave its results bit for bit as they were? Run once per tree
-(the tree first on PYTHONPATH), each writing the outputs and lse of the same seeded calls, then
-compare (a change that only moves a wait, as v74-fwd-exps-before-the-pv-wait.patch does, computes
-the same operations in the same order):
+"""Does a change to the kernels leave their results bit for bit as they were? Run once per tree
+(the tree first on PYTHONPATH), each writing the outputs and lse of the same seeded calls, and the
+deterministic backward's dq, dk and dv, then compare (v74's patches only move waits, and dK's dS^T
+operand from registers to the same values in shared memory: the same operations in the same order):
 
     PYTHONPATH=TREE python bench/notes/v74-same-bits.py write OUT.npz
     python bench/notes/v74-same-bits.py compare A.npz B.npz
@@ -34,8 +34,14 @@ def write(path):
                 key = f"{dtype}_{hd}_{s}_{int(causal)}_{name}"
                 results[key + "_out"] = cupy.asnumpy(out.view(cupy.uint16))
                 results[key + "_lse"] = cupy.asnumpy(lse)
+                if name in ("plain", "softcap"):
+                    dout = rng.standard_normal(out.shape, dtype=cupy.float32).astype(dtype)
+                    grads = cupyflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True,
+                                                          **options)
+                    for grad_name, grad in zip(("dq", "dk", "dv"), grads):
+                        results[f"{key}_{grad_name}"] = cupy.asnumpy(grad.view(cupy.uint16 if grad.dtype.itemsize == 2 else cupy.uint32))
     numpy.savez(path, **results)
-    print(f"{len(results) // 2} calls written to {path}")
+    print(f"{len(results)} arrays written to {path}")
 
 
 def compare(a_path, b_path):

@@ -18,7 +18,7 @@ cd "$(dirname "$0")/../.."
 SCRATCH=.device_scratch21 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L
 echo "== same bits (main, both; then exps and dk where they differ)" >> $L
-bits() { (cd $S/$1 && PYTHONPATH=. timeout 90 python $OLDPWD/bench/notes/v74-same-bits.py write /tmp/bits-$1.npz) >> $L 2>&1; }
+bits() { (cd $S/$1 && PYTHONPATH=. timeout 150 python $OLDPWD/bench/notes/v74-same-bits.py write /tmp/bits-$1.npz) >> $L 2>&1; }
 bits main; bits both
 if ! python bench/notes/v74-same-bits.py compare /tmp/bits-main.npz /tmp/bits-both.npz >> $L 2>&1; then
   for tree in exps dk; do bits $tree; python bench/notes/v74-same-bits.py compare /tmp/bits-main.npz /tmp/bits-$tree.npz 2>&1 | head -8 >> $L; done

@@ -34,7 +34,7 @@ def write(path):
                 key = f"{dtype}_{hd}_{s}_{int(causal)}_{name}"
                 results[key + "_out"] = cupy.asnumpy(out.view(cupy.uint16))
                 results[key + "_lse"] = cupy.asnumpy(lse)
-                if name in ("plain", "softcap"):
+                if name in ("plain", "softcap") and s < 4096:  # (the gradients of 4k rows: 100 MB a call)
                     dout = rng.standard_normal(out.shape, dtype=cupy.float32).astype(dtype)
                     grads = cupyflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True,
                                                           **options)

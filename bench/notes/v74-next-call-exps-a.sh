@@ -27,10 +27,10 @@ for dtype in bfloat16 float16; do
   cells=128:1024:0,128:1024:1,128:4096:0,128:16384:0,128:4096:1,128:16384:1,256:1024:0,256:4096:0,256:16384:0,256:4096:1,64:4096:0,64:16384:0,64:4096:1,64:16384:1
   [ $dtype = float16 ] && cells=128:16384:0,128:16384:1,256:16384:0,64:16384:0
   echo "== ab fwd $dtype" >> $L
-  timeout $([ $dtype = float16 ] && echo 80 || echo 200) python /tmp/ab.py --pass fwd --dtype $dtype --rounds 7 \
+  timeout $([ $dtype = float16 ] && echo 60 || echo 200) python /tmp/ab.py --pass fwd --dtype $dtype --rounds 7 \
     --cells $cells $S/main $S/exps $S/main $S/exps 2>&1 | tee -a $OUT/ab.txt | tail -17 >> $L
 done
 echo "== ab fwd softcap" >> $L
-timeout 70 python /tmp/ab.py --pass fwd --rounds 5 --options '{"softcap": 30.0}' --cells 128:4096:0,128:16384:0,128:16384:1,64:16384:0 \
+timeout 60 python /tmp/ab.py --pass fwd --rounds 5 --options '{"softcap": 30.0}' --cells 128:4096:0,128:16384:0,128:16384:1,64:16384:0 \
   $S/main $S/exps $S/main $S/exps 2>&1 | tee -a $OUT/ab.txt | tail -6 >> $L
 cat $L

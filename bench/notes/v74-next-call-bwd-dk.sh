@@ -7,8 +7,8 @@
 # stage goes back to the producer. dK then reads dS^T from shared memory (SS, as dQ does), since
 # ds_frag held across the loop made ptxas serialise every product (C7512, insufficient registers).
 # Spill-free, no ptxas messages in the 13 bf16 sm_90a backward variants.
-# Prediction: hd128 +3-6% (dK is ~1/5 of a step's products), hd64 +2-4%, 1k cells more (fewer steps
-# a CTA, each one's tail a larger share); hd256 unchanged (the control).
+# Prediction: +1-4% at hd128 and hd64 (FA4 waits for dK at the step's end too: the other consumer's
+# products cover one's tail unless both tails meet), 1k cells at the top; hd256 unchanged (the control).
 # Trees (call a's): device_trees.py .device_scratch21 main=HEAD exps=HEAD+bench/notes/v74-fwd-exps-before-the-pv-wait.patch
 #   dk=HEAD+bench/notes/v74-bwd-dk-runs-into-the-next-step.patch
 #   both=HEAD+bench/notes/v74-fwd-exps-before-the-pv-wait.patch+bench/notes/v74-bwd-dk-runs-into-the-next-step.patch

@@ -25,7 +25,8 @@ SR_CgaCtaId`, in every step). `stalls` reads the control bits ptxas codes beside
 whether it first waits on a scoreboard (a variable-latency result: MUFU, shared memory, shuffles).
 A step's stall cycles are a floor on one warp's time for it; ncu's "wait" stall reason is their
 excess over one a instruction (v73: hd128's step 1144 cycles for 502 instructions, 528 of them
-the 66 exps' 8 cycles each). `--options` takes the option kernels too. nvdisasm comes from $NVDISASM or PATH
+the 66 exps' 8 cycles each). Each step is also cut at its barriers and waits, the points where a
+warp may wait on others: the segments between them are its own work (v74's chain budget). `--options` takes the option kernels too. nvdisasm comes from $NVDISASM or PATH
 (`pip download --no-deps nvidia-cuda-nvdisasm`, unzipped outside the checkout; not a dependency of
 the package).
 """
@@ -132,6 +133,25 @@ def stalls(texts, controls, first, end):
         entry[1] += 1
     return (sum(c.stall for c in controls[first:end]), sum(1 for c in controls[first:end] if c.waits),
             {op: tuple(v) for op, v in by_opcode.items()})
+
+
+SEGMENT_ENDS = re.compile(r"\bBAR\.(SYNC|ARV)\b|WARPGROUP\.DEPBAR|SYNCS\.PHASECHK")
+
+
+def segments(texts, controls, first, end):
+    """[(stall cycles, instruction count, the instruction that ends the segment or None)] of
+    instructions first:end cut at each barrier, wgmma wait or mbarrier wait: what one warp spends
+    between the points where it may wait on others (v74: a consumer's step split into its turn's
+    products, its softmax and its tail)."""
+    found, cycles, count = [], 0, 0
+    for text, c in zip(texts[first:end], controls[first:end]):
+        if SEGMENT_ENDS.search(text):
+            found.append((cycles, count, text))
+            cycles = count = 0
+        cycles += c.stall
+        count += 1
+    found.append((cycles, count, None))
+    return found
 
 
 def instructions(lines):
@@ -250,6 +270,8 @@ def main(argv):
                 print(f"  loop of {end - first}: {cycles} stall cycles ({cycles / (end - first):.2f} an instruction),"
                       f" {waiting} wait on a scoreboard; by opcode (cycles/count): "
                       + ", ".join(f"{op} {c}/{n}" for op, (c, n) in top))
+                for cycles, count, until in segments(texts, controls, first, end):
+                    print(f"    {cycles:5d} cycles, {count:4d} instructions, until {until or 'the loop ends'}")
                 if args.listing:
                     for i in range(first, end):
                         c = controls[i]

@@ -73,3 +73,11 @@ def test_controls_decode_the_stall_cycles_and_scoreboards_of_each_instruction():
     assert (fadd.stall, fadd.write_barrier, fadd.read_barrier, fadd.waits) == (7, None, None, 1)
     cycles, waiting, by_opcode = sass.stalls(["@P0 MUFU.EX2 R5, R2", "FADD R11, R16, R27"], [mufu, fadd], 0, 2)
     assert (cycles, waiting, by_opcode) == (8, 1, {"MUFU": (1, 1), "FADD": (7, 1)})
+
+
+def test_segments_cut_a_step_at_its_barriers_and_waits():
+    texts = ["FFMA R1, R2, R3, R4", "BAR.SYNC.DEFER_BLOCKING R3, 0x100", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], R24",
+             "WARPGROUP.DEPBAR.LE gsb0, 0x1", "MUFU.EX2 R5, R5", "FADD R6, R6, R5"]
+    controls = [sass.control(stall << 41) for stall in (2, 1, 12, 2, 1, 7)]
+    assert sass.segments(texts, controls, 0, 6) == [
+        (2, 1, "BAR.SYNC.DEFER_BLOCKING R3, 0x100"), (13, 2, "WARPGROUP.DEPBAR.LE gsb0, 0x1"), (10, 3, None)]

@@ -30,7 +30,7 @@ MODELS = {
 
 def static_smem(cubin):
     """The static shared memory of a one-kernel cubin: its .nv.shared.<kernel> section."""
-    sections = _compile._elf_sections(cubin)
+    sections = _compile.elf_sections(cubin)
     return sum(size for name, (_, size) in sections.items()
                if name.startswith(".nv.shared.") and not name.startswith(".nv.shared.reserved"))
 

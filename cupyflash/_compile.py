@@ -191,7 +191,7 @@ def ptxas_report(log):
     return int(regs.group(1)), int(frame.group(1)), int(frame.group(2)), int(frame.group(3))
 
 
-def _elf_sections(elf):
+def elf_sections(elf):
     """{name: (offset, size)} of the sections of an ELF64 file (a cubin)."""
     table, = struct.unpack_from("<Q", elf, 0x28)
     entry_size, count, names_index = struct.unpack_from("<HHH", elf, 0x3A)
@@ -203,7 +203,7 @@ def _elf_sections(elf):
 def cubin_resources(cubin):
     """(registers, stack frame bytes) from the cubin's .nv.info section (EIATTR_REGCOUNT and
     EIATTR_FRAME_SIZE, the largest over its functions): the compiler's own record, whatever the log."""
-    offset, size = _elf_sections(cubin)[".nv.info"]
+    offset, size = elf_sections(cubin)[".nv.info"]
     values = {_REGCOUNT: [0], _FRAME_SIZE: [0]}
     position = offset
     while position < offset + size:

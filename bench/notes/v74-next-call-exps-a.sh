@@ -4,7 +4,7 @@
 # its basic block, above every exp (`bench/sass.py`: 0 of 66 exps before it at hd64 and hd128, 0 of
 # 42 at hd256, in every sm_90a forward), so each consumer's block runs Q K^T, then P V, then its exps
 # in series; FA3/FA4 run the exps while P V does. v74-fwd-exps-before-the-pv-wait.patch puts the wait
-# in both arms of O's rescale branch (`rescale_after`; the carried first block likewise), after the exps: 66 of 66 before it in every
+# in both arms of a branch on O's rescale flag (`wait_in_branch`; the carried first block too), after the exps: 66 of 66 before it in every
 # kernel, spill-free, the same ptxas messages. The same operations in the same order, so the same bits.
 # Prediction: one consumer's chain a block shrinks by P V's time less the row maxima's (hd128: ~512 -
 # ~190 tensor-core clocks of the ~2048 two consumers' products take), where that chain paces the

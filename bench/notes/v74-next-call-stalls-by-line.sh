@@ -33,4 +33,21 @@ for impl in $IMPLS; do
   ncu -i $OUT/lines-$impl.ncu-rep --page source --print-source sass --csv > $OUT/lines-$impl.csv 2> $OUT/lines-$impl.err \
     || ncu -i $OUT/lines-$impl.ncu-rep --page source --csv > $OUT/lines-$impl.csv 2>> $OUT/lines-$impl.err
   echo "source page $impl rc $? ($(wc -l < $OUT/lines-$impl.csv) lines)"; head -3 $OUT/lines-$impl.csv | cut -c1-400
+  # The 30 instructions with the most samples, whichever columns this ncu names them by.
+  python - $OUT/lines-$impl.csv <<'PY'
+import csv, sys
+rows = list(csv.reader(l for l in open(sys.argv[1]) if l.count(",") > 2))
+if len(rows) > 1:
+    head, body = rows[0], rows[1:]
+    source = next((i for i, h in enumerate(head) if h.strip('"') in ("Source", "SASS")), 1)
+    samples = [i for i, h in enumerate(head) if "Sampl" in h]
+    def number(row, i):
+        try: return float(row[i].replace(",", ""))
+        except (ValueError, IndexError): return 0.0
+    if samples:
+        total = sum(number(r, samples[0]) for r in body) or 1
+        print("columns:", [head[i] for i in samples])
+        for r in sorted(body, key=lambda r: -number(r, samples[0]))[:30]:
+            print(f"{100 * number(r, samples[0]) / total:5.1f}%", [r[i] for i in samples[1:3]], r[source][:90])
+PY
 done

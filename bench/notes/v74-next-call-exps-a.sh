@@ -6,10 +6,10 @@
 # in series; FA3/FA4 run the exps while P V does. v74-fwd-exps-before-the-pv-wait.patch puts the wait
 # in both arms of a branch on O's rescale flag (`wait_in_branch`; the carried first block too), after the exps: 66 of 66 before it in every
 # kernel, spill-free, the same ptxas messages. The same operations in the same order, so the same bits.
-# Prediction: one consumer's chain a block shrinks by P V's time less the row maxima's (hd128: ~512 -
-# ~190 tensor-core clocks of the ~2048 two consumers' products take), where that chain paces the
-# block: hd128 +3-8% (FA4's 5.6% fewer cycles), hd256 (one consumer at a time, no ping-pong) +5-10%,
-# hd64 +2-5% (its P V is half hd128's); softcap cells the same or more (more work before the wait).
+# Prediction (the note's static budget: a consumer's chain from S landing to its next Q K^T queued,
+# HEAD against the patch): hd128 +3-8% (1495 of 1536 clocks at HEAD, 1192 patched), hd256 +0-4%
+# (1653 of 1920, 1305), hd64 within 2% (1128 of 1280, 1086; its special-function unit co-limits);
+# softcap at hd128 as much or more.
 # Trees: device_trees.py .device_scratch21 main=HEAD exps=HEAD+bench/notes/v74-fwd-exps-before-the-pv-wait.patch
 #   dk=HEAD+bench/notes/v74-bwd-dk-runs-into-the-next-step.patch
 #   both=HEAD+bench/notes/v74-fwd-exps-before-the-pv-wait.patch+bench/notes/v74-bwd-dk-runs-into-the-next-step.patch

@@ -18,8 +18,10 @@ OPTIONS = {"plain": {}, "softcap": {"softcap": 30.0}, "window": {"window_size": 
 def write(path):
     import cupy
     import cupyflash
+    from cupyflash._arrays import bfloat16_dtype
     results = {}
-    for dtype in ("bfloat16", "float16"):
+    for dtype_name in ("bfloat16", "float16"):
+        dtype = bfloat16_dtype() if dtype_name == "bfloat16" else numpy.dtype(dtype_name)
         for hd, s, causal in SHAPES:
             for name, options in OPTIONS.items():
                 if name != "plain" and s != 1000:
@@ -31,7 +33,7 @@ def write(path):
                 if options.get("alibi_slopes") is True:
                     options["alibi_slopes"] = cupy.linspace(0.01, 0.5, nheads, dtype=cupy.float32)
                 out, lse = cupyflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, **options)
-                key = f"{dtype}_{hd}_{s}_{int(causal)}_{name}"
+                key = f"{dtype_name}_{hd}_{s}_{int(causal)}_{name}"
                 results[key + "_out"] = cupy.asnumpy(out.view(cupy.uint16))
                 results[key + "_lse"] = cupy.asnumpy(lse)
                 if name in ("plain", "softcap") and s < 4096:  # (the gradients of 4k rows: 100 MB a call)

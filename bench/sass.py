@@ -26,7 +26,8 @@ whether it first waits on a scoreboard (a variable-latency result: MUFU, shared 
 A step's stall cycles are a floor on one warp's time for it; ncu's "wait" stall reason is their
 excess over one a instruction (v73: hd128's step 1144 cycles for 502 instructions, 528 of them
 the 66 exps' 8 cycles each). Each step is also cut at its barriers and waits, the points where a
-warp may wait on others: the segments between them are its own work (v74's chain budget). `--options` takes the option kernels too. nvdisasm comes from $NVDISASM or PATH
+warp may wait on others: the segments between them are its own work (v74's chain budget).
+`--options` takes the option kernels too. nvdisasm comes from $NVDISASM or PATH
 (`pip download --no-deps nvidia-cuda-nvdisasm`, unzipped outside the checkout; not a dependency of
 the package).
 """
@@ -61,7 +62,7 @@ if __name__ == "__main__":
 INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;")
 LABEL = re.compile(r"^(\.L_x_\d+):")
 ENCODING_HIGH = re.compile(r"^\s+/\* (0x[0-9a-f]{16}) \*/\s*$")  # -hex's second line of an instruction
-Control = collections.namedtuple("Control", "stall yields write_barrier read_barrier waits reuse")
+Control = collections.namedtuple("Control", "stall write_barrier read_barrier waits")
 OPCODE = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
@@ -85,9 +86,15 @@ def nvdisasm():
     return tool
 
 
+def disassembly(cubin):
+    """nvdisasm's listing of a cubin's code, each instruction's encoding beside it (-hex), which
+    parse() passes over and parse_controls() reads."""
+    return subprocess.run([nvdisasm(), "-hex", "-c", cubin], check=True, capture_output=True, text=True).stdout
+
+
 def listing(cubin):
     """parse() of a cubin's code."""
-    return parse(subprocess.run([nvdisasm(), "-c", cubin], check=True, capture_output=True, text=True).stdout)
+    return parse(disassembly(cubin))
 
 
 def parse(text):
@@ -104,12 +111,11 @@ def parse(text):
 
 def control(high_word):
     """The Control of an instruction from the high 64 bits of its encoding (sm_70 and later: bits
-    105-125): stall cycles, yield, the scoreboards it sets on write and on read (None: none), the
-    scoreboards it waits on (a mask), the operand reuse flags."""
+    105-121): stall cycles, the scoreboards it sets on write and on read (None: none), the
+    scoreboards it waits on (a mask)."""
     bits = high_word >> 41
     barrier = lambda b: None if b == 7 else b  # noqa: E731
-    return Control(bits & 15, (bits >> 4) & 1, barrier((bits >> 5) & 7), barrier((bits >> 8) & 7),
-                   (bits >> 11) & 63, (bits >> 17) & 15)
+    return Control(bits & 15, barrier((bits >> 5) & 7), barrier((bits >> 8) & 7), (bits >> 11) & 63)
 
 
 def parse_controls(text):
@@ -119,7 +125,7 @@ def parse_controls(text):
 
 def control_listing(cubin):
     """(parse(), parse_controls()) of a cubin's code."""
-    text = subprocess.run([nvdisasm(), "-hex", "-c", cubin], check=True, capture_output=True, text=True).stdout
+    text = disassembly(cubin)
     return parse(text), parse_controls(text)
 
 
@@ -131,7 +137,7 @@ def stalls(texts, controls, first, end):
         entry = by_opcode[OPCODE.match(text).group(1)]
         entry[0] += c.stall
         entry[1] += 1
-    return (sum(c.stall for c in controls[first:end]), sum(1 for c in controls[first:end] if c.waits),
+    return (sum(cycles for cycles, _ in by_opcode.values()), sum(1 for c in controls[first:end] if c.waits),
             {op: tuple(v) for op, v in by_opcode.items()})
 
 

@@ -140,6 +140,7 @@ def _print_wgmma_tables(family):
     """The wgmma family's tables: each pass's, then the forward's by length and masking (forward_table)."""
     instead = {"fwd_bias": "its calls with a 16-bit attn_bias of aligned rows take (bias tiles in a ring beside K's)",
                "fwd_short": f"its calls of at most {_config.SHORT_SEQLEN} query rows take",
+               "fwd_options": "its longer calls with ALiBi or dropout (no other option) take",
                "fwd_local": "its causal or windowed calls take",
                "bwd_options": "its calls with score options or deterministic take",
                "bwd_full": "its plain calls without causal or window edges or varlen take"}

@@ -142,6 +142,12 @@ TILES[WGMMA] = {"sm90": {
         64: (128, 128, 12, 3),
         128: (128, 128, 12, 2),  # two Q buffers: short tiles run back to back (kCarry), +2.4% at 1k (v44)
     },
+    # The forwards with ALiBi or dropout and no other option (forward_table): at hd64 two consumers,
+    # whose products overlap the options' work, where three would run serial (sm90/fwd.cuh kSerial):
+    # ALiBi +11-19%, dropout +0-6% at 4k-16k on the H100 (v75). Softcap's serial three run 10% faster.
+    "fwd_options": {
+        64: (128, 128, 12, 3),
+    },
     # The LOCAL forwards (forward_table): two stages leave room for a second Q buffer, which lets a
     # tile's last P V run beside the next tile's first Q K^T (sm90/fwd.cuh, kCarry): +3% at 1k
     # causal, even from 4k on (v27).
@@ -172,13 +178,16 @@ TILES[WGMMA]["sm90"]["bwd_full"] = {128: (80, 128, 12, 2)}
 SHORT_SEQLEN = 1024
 
 
-def forward_table(headdim, seqlen_q, local, bias_tiles=False):
+def forward_table(headdim, seqlen_q, local, bias_tiles=False, features=()):
     """The wgmma forward's tile table for a call: 'fwd_bias' where its attn_bias comes in tiles, else
     'fwd_short' where the call has at most SHORT_SEQLEN query rows (the longest of a varlen batch),
+    else 'fwd_options' where its score options (_kernels.FEATURES) are ALiBi or dropout or both,
     else 'fwd_local' where it is LOCAL, where that table has the head dim's tile; else 'fwd'."""
     tables = TILES[WGMMA]["sm90"]
     padded = padded_headdim(headdim, tuple(tables["fwd"]))
-    for table, applies in (("fwd_bias", bias_tiles), ("fwd_short", seqlen_q <= SHORT_SEQLEN), ("fwd_local", local)):
+    overlapped_options = bool(features) and set(features) <= {"alibi", "dropout"}
+    for table, applies in (("fwd_bias", bias_tiles), ("fwd_short", seqlen_q <= SHORT_SEQLEN),
+                           ("fwd_options", overlapped_options), ("fwd_local", local)):
         if applies and padded in tables[table]:
             return table
     return "fwd"

@@ -204,8 +204,9 @@ def all_kernels(families=_config.FAMILIES, kernel_family=_config.MMA_SYNC):
         if local and table == "bwd_full":
             continue  # (its tile serves no causal or window edge: sm90/bwd.cuh asserts it)
         if wgmma and _config.kernel_pass(table) == "fwd" and table not in (
-                _config.forward_table(tile.headdim, seqlen_q, local, bias)
-                for seqlen_q in (1, _config.SHORT_SEQLEN + 1) for bias in (False, True)):
+                _config.forward_table(tile.headdim, seqlen_q, local, bias, features)
+                for seqlen_q in (1, _config.SHORT_SEQLEN + 1) for bias in (False, True)
+                for features in ((), ("alibi",))):
             continue  # no call runs it (a LOCAL one of a head dim with a 'fwd_local' tile, say)
         flags = _CHECKED_FLAGS.get(table) or _CHECKED_FLAGS[_config.kernel_pass(table)]
         if tile.headdim == 128 and dtype == DTYPES[0] and local and not even_k:

@@ -508,8 +508,8 @@ def _wgmma_forward_plan(call, inputs, strides):
     """The forward on the wgmma kernels, or None where the driver cannot map an input for TMA."""
     shape = call.shape
     copyable_bias = _copyable_bias(call, inputs)
-    tile = _schedule.tile(_config.forward_table(shape.headdim, shape.seqlen_q, call.local, copyable_bias),
-                          shape.headdim, call.caller.device_id, _config.WGMMA)
+    table = _config.forward_table(shape.headdim, shape.seqlen_q, call.local, copyable_bias, call.features)
+    tile = _schedule.tile(table, shape.headdim, call.caller.device_id, _config.WGMMA)
     kernel = _kernel("fwd", call, tile, copyable_bias)
     maps = _tensor_maps(call, inputs, strides, {"q": tile.block_m, "k": tile.block_n, "v": tile.block_n}, kernel)
     if maps is None:

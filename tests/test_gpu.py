@@ -138,21 +138,25 @@ def test_the_full_and_the_edged_backward_tables(case, block_m, monkeypatch):
     Case(1000, 1000, 64, "bfloat16", True, batch=4, nheads=8, nheads_k=2),
     Case(113, 1000, 40, "float16", False, nheads=4, nheads_k=1, softcap=4.0, alibi_slopes=True),
     Case(1000, 113, 64, "bfloat16", True, nheads=4, attn_bias="heads", dropout_p=0.15),
+    Case(1000, 1000, 64, "float16", True, nheads=4, nheads_k=2, alibi_slopes=True, dropout_p=0.1),
     Case(257, 300, 56, "float16", False, nheads=4, window_size=(40, 9)),
     Case.packed((0, 17, 1000, 129), (5, 17, 700, 129), 64, "bfloat16", True, nheads=4, nheads_k=2),
 ], ids=str)
 def test_the_short_and_the_long_forward_tables(short_seqlen, case, monkeypatch):
     """A forward of at most SHORT_SEQLEN query rows runs the 'fwd_short' table's tile (hd64: 128
-    rows, two consumers), a longer one the 'fwd' table's (192 rows, three), one with a 16-bit
-    attn_bias of 16-byte aligned rows the 'fwd_bias' table's at any length (seqlen_k 113's bias does
-    not qualify): each runs these cases (every option, tails, varlen with an empty sequence)."""
+    rows, two consumers), a longer one the 'fwd' table's (192 rows, three) or with only ALiBi and
+    dropout the 'fwd_options' table's, one with a 16-bit attn_bias of 16-byte aligned rows the
+    'fwd_bias' table's at any length (seqlen_k 113's bias does not qualify): each runs these cases
+    (every option, tails, varlen with an empty sequence)."""
     _needs_hopper(monkeypatch)
     from cupyflash import _config, _plan
     monkeypatch.setattr(_plan, "_plans", {})
     monkeypatch.setattr(_config, "SHORT_SEQLEN", short_seqlen)
     _assert_ok(_check.run_gpu_case(case, _seed(case) + bool(short_seqlen), backward=False))
     bias_tiles = any(name == "attn_bias" for name, _ in case.options) and case.seqlen_k % 8 == 0  # ('heads': 16-bit)
-    table = _config.TILES[_config.WGMMA]["sm90"]["fwd_bias" if bias_tiles else "fwd_short" if short_seqlen else "fwd"]
+    only_alibi_and_dropout = case.options and {name for name, _ in case.options} <= {"alibi_slopes", "dropout_p"}
+    table = _config.TILES[_config.WGMMA]["sm90"]["fwd_bias" if bias_tiles else "fwd_short" if short_seqlen
+                                                 else "fwd_options" if only_alibi_and_dropout else "fwd"]
     kernels = [k for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "fwd"]
     assert {(k.tile.block_m, k.bias_tiles) for k in kernels} == {(table[64][0], bias_tiles)}
 

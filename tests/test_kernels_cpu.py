@@ -131,13 +131,18 @@ def test_wgmma_tiles_round_head_dims_up_to_whole_column_blocks(headdim, padded):
     assert kernel.wgmma and kernel.arch("90") == "90a" and "_wgmma_" in kernel.name
 
 
-@pytest.mark.parametrize("headdim, seqlen_q, local, table", [
-    (8, 1, False, "fwd_short"), (64, _config.SHORT_SEQLEN, True, "fwd_short"),
-    (64, _config.SHORT_SEQLEN + 1, True, "fwd"), (72, 1, False, "fwd_short"), (72, 1, True, "fwd_short"),
-    (128, 1000, False, "fwd_short"), (128, _config.SHORT_SEQLEN + 1, False, "fwd"),
-    (128, 1 << 16, True, "fwd_local"), (256, 1, True, "fwd")])
-def test_short_and_local_forwards_take_their_tables_where_they_have_the_head_dim(headdim, seqlen_q, local, table):
-    assert _config.forward_table(headdim, seqlen_q, local) == table
+@pytest.mark.parametrize("headdim, seqlen_q, local, features, table", [
+    (8, 1, False, (), "fwd_short"), (64, _config.SHORT_SEQLEN, True, (), "fwd_short"),
+    (64, _config.SHORT_SEQLEN + 1, True, (), "fwd"), (72, 1, False, (), "fwd_short"), (72, 1, True, (), "fwd_short"),
+    (128, 1000, False, (), "fwd_short"), (128, _config.SHORT_SEQLEN + 1, False, (), "fwd"),
+    (128, 1 << 16, True, (), "fwd_local"), (256, 1, True, (), "fwd"),
+    (64, 1 << 14, False, ("alibi",), "fwd_options"), (48, 1 << 14, True, ("alibi", "dropout"), "fwd_options"),
+    (64, 1 << 14, True, ("dropout",), "fwd_options"), (64, 1000, False, ("alibi",), "fwd_short"),
+    (64, 1 << 14, False, ("softcap", "alibi"), "fwd"), (64, 1 << 14, False, ("bias", "dropout"), "fwd"),
+    (128, 1 << 14, True, ("alibi",), "fwd_local"), (256, 1 << 14, False, ("dropout",), "fwd")])
+def test_short_local_and_options_forwards_take_their_tables_where_they_have_the_head_dim(
+        headdim, seqlen_q, local, features, table):
+    assert _config.forward_table(headdim, seqlen_q, local, False, features) == table
     tile = _config.tile_for(table, headdim, (9, 0), 227 * 1024, kernel_family=_config.WGMMA)
     assert tile.smem_bytes(table) <= 227 * 1024 and tile.threads == 128 * (1 + tile.block_m // 64)
     assert any(k.pass_ == "fwd" and k.tile == tile for _, k in _kernels.compile_jobs())  # compile-checked
@@ -248,7 +253,7 @@ def test_the_persistent_forward_groups_pairs_whose_k_and_v_fit_the_l2(pairs, kv_
 
 def test_every_wgmma_forward_head_dim_has_a_counter_group_share():
     from cupyflash._schedule import COUNTER_GROUP_L2_SHARE
-    for table in ("fwd", "fwd_short", "fwd_local"):
+    for table in ("fwd", "fwd_short", "fwd_options", "fwd_local"):
         assert set(_config.TILES[_config.WGMMA]["sm90"][table]) <= set(COUNTER_GROUP_L2_SHARE)
 
 
@@ -314,7 +319,7 @@ def test_the_bias_kernels_hold_a_ring_of_bias_tiles():
 
 def test_the_local_wgmma_forwards_can_take_tiles_from_a_counter():
     tables = _config.TILES[_config.WGMMA]["sm90"]
-    for table in ("fwd", "fwd_short", "fwd_local"):
+    for table in ("fwd", "fwd_short", "fwd_options", "fwd_local"):
         for hd, entry in tables[table].items():
             tile = _config.Tile(hd, *entry, _config.WGMMA)
             assert tile.takes_tiles_from_counter(True) and not tile.takes_tiles_from_counter(False)

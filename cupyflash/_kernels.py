@@ -183,8 +183,7 @@ _CHECKED_FLAGS = {"fwd": (((), False), (FEATURES, False)), "bwd": (((), False),)
                   "decode": (((), False), (DECODE_FEATURES, False)),
                   "decode_small": (((), False), (DECODE_FEATURES, False)),
                   "decode_few": (((), False), (DECODE_FEATURES, False))}
-_SINGLE_FLAGS = {"fwd": tuple(((f,), False) for f in FEATURES),
-                 "bwd_options": tuple(((f,), False) for f in FEATURES)}
+_SINGLE_FLAGS = {table: tuple(((f,), False) for f in FEATURES) for table in ("fwd", "fwd_local", "bwd_options")}
 # Softcap alone: bfloat16 forwards then subtract a fixed maximum (cuda_src/common/score.cuh,
 # score_bound), code that the kernel with every feature does not hold.
 _BOUNDED_FLAGS = {"fwd": ((("softcap",), False),)}

@@ -336,6 +336,10 @@ def test_the_compile_checks_build_each_table_plain_with_every_feature_and_each_f
     assert {(k.pass_, k.features, k.deterministic) for k in kernels if k.tile is not None} == {
         ("fwd", (), False), ("fwd", every, False), ("bwd", (), False), ("bwd", every, False), ("bwd", every, True),
         ("decode", (), False), ("decode", decode, False)} | alone
+    jobs = [kernel for _, kernel in _kernels.compile_jobs()]
+    for wgmma in (False, True):  # (the wgmma forward's LOCAL hd128 calls run the 'fwd_local' table)
+        assert {(k.pass_, k.features, False) for k in jobs if k.wgmma == wgmma and len(k.features) == 1} == {
+            (pass_, features, False) for pass_, features, deterministic in alone if features}
     # each feature alone: at hd128, once per tile; but bfloat16 forwards of softcap alone, whose fixed
     # maximum no other kernel holds, at every forward tile
     bounded = {k for k in kernels if k.features == ("softcap",) and k.dtype == "bfloat16" and k.pass_ == "fwd"}

@@ -5,10 +5,13 @@ bench/sass.py lists each kernel's loops (its main loop's size and opcodes).
 
     FA4_PYTHON=/path/to/venv/bin/python python bench/fa4_sass.py fwd 128 [--causal] [--keep DIR]
     python bench/sass.py loops . fwd_bfloat16 wgmma_hd128     # cupyflash's, to compare
+    FA4_PYTHON=... python bench/fa4_sass.py fwd 128 --stalls  # its step loops' stalls (`sass.py stalls`)
 
 FA4_PYTHON is a Python with flash-attn-4 and what it imports (nvidia-cutlass-dsl with its cu13
 libs, a CPU build of torch, triton, quack-kernels, apache-tvm-ffi<0.2, einops; the versions
 ../shared/peers/fa4/pack.sh names): not a dependency of cupyflash, nor of this checkout's venv.
+On this machine (Python 3.11) such a Python is pyenv's 3.12 with the cp312 torch wheel of the
+local index, PYTHONPATH holding `pack.sh`'s wheels unpacked as `install.sh finish` unpacks them.
 nvdisasm as bench/sass.py says. Shapes: bf16, batch 4, seqlen 4096, 2048 / headdim heads.
 """
 
@@ -60,6 +63,8 @@ def main(argv):
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--keep", type=pathlib.Path, help="leave the cubins in this directory")
     parser.add_argument("--min", type=int, default=60, help="the shortest loop listed, in instructions")
+    parser.add_argument("--stalls", action="store_true", help="the step loops' stall cycles, as `sass.py stalls`")
+    parser.add_argument("--listing", action="store_true", help="with --stalls: each step instruction")
     args = parser.parse_args(argv)
     python = os.environ.get("FA4_PYTHON")
     if not python:
@@ -71,6 +76,9 @@ def main(argv):
         lines = sass.listing(cubin)
         print(f"FA4 {args.pass_} hd{args.headdim}{' causal' if args.causal else ''}: "
               f"{len(sass.instructions(lines))} instructions")
+        if args.stalls:
+            sass.print_stalls(cubin, args.min, args.listing)
+            return
         for count, opcodes in sass.loops(lines, args.min):
             print(f"  loop of {count}: " + ", ".join(f"{op} {n}" for op, n in opcodes.most_common(14)))
 

@@ -236,6 +236,27 @@ def step_changes(old_lines, new_lines, shortest):
     return [len(x) for x in loops[0]], [len(x) for x in loops[1]], changes
 
 
+def print_stalls(cubin, shortest, with_listing=False):
+    """`stalls`' report of a cubin's step loops: each loop's stall cycles by opcode, its segments
+    between barriers and waits, and with `with_listing` each instruction with its control bits."""
+    lines, controls = control_listing(cubin)
+    texts = instructions(lines)
+    for first, end in step_loops(lines, shortest):
+        cycles, waiting, by_opcode = stalls(texts, controls, first, end)
+        top = sorted(by_opcode.items(), key=lambda kv: -kv[1][0])[:12]
+        print(f"  loop of {end - first}: {cycles} stall cycles ({cycles / (end - first):.2f} an instruction),"
+              f" {waiting} wait on a scoreboard; by opcode (cycles/count): "
+              + ", ".join(f"{op} {c}/{n}" for op, (c, n) in top))
+        for cycles, count, until in segments(texts, controls, first, end):
+            print(f"    {cycles:5d} cycles, {count:4d} instructions, until {until or 'the loop ends'}")
+        if with_listing:
+            for i in range(first, end):
+                c = controls[i]
+                marks = f"w{'-' if c.write_barrier is None else c.write_barrier}" \
+                        f"r{'-' if c.read_barrier is None else c.read_barrier} {c.waits:06b}"
+                print(f"    {i - first:4d} s{c.stall:<2d} {marks} {texts[i]}")
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("diff", "loops", "blocks", "steps", "stalls"))
@@ -267,23 +288,8 @@ def main(argv):
         return
     if args.command == "stalls":
         for name, (cubin, registers, spills, warnings) in sorted(kernels[0].items()):
-            lines, controls = control_listing(cubin)
-            texts = instructions(lines)
             print(name)
-            for first, end in step_loops(lines, args.min):
-                cycles, waiting, by_opcode = stalls(texts, controls, first, end)
-                top = sorted(by_opcode.items(), key=lambda kv: -kv[1][0])[:12]
-                print(f"  loop of {end - first}: {cycles} stall cycles ({cycles / (end - first):.2f} an instruction),"
-                      f" {waiting} wait on a scoreboard; by opcode (cycles/count): "
-                      + ", ".join(f"{op} {c}/{n}" for op, (c, n) in top))
-                for cycles, count, until in segments(texts, controls, first, end):
-                    print(f"    {cycles:5d} cycles, {count:4d} instructions, until {until or 'the loop ends'}")
-                if args.listing:
-                    for i in range(first, end):
-                        c = controls[i]
-                        marks = f"w{'-' if c.write_barrier is None else c.write_barrier}" \
-                                f"r{'-' if c.read_barrier is None else c.read_barrier} {c.waits:06b}"
-                        print(f"    {i - first:4d} s{c.stall:<2d} {marks} {texts[i]}")
+            print_stalls(cubin, args.min, args.listing)
         return
     if args.command == "loops":
         for name, (cubin, registers, spills, warnings) in sorted(kernels[0].items()):

@@ -4,7 +4,8 @@ Two kernel families: the mma.sync kernels (cuda_src/sm80/, every pass, sm_80 and
 wgmma kernels (cuda_src/sm90/, the forward and the backward, sm_90a: compute capability 9.0 exactly).
 TILES[kernel family] holds one table per GPU family (sm90, sm86, sm80; sm100 and sm120, Blackwell's,
 derived from them), then per tile table
-(TABLES; the wgmma forward also has 'fwd_short' and 'fwd_local': forward_table) and head dim.
+(TABLES; the wgmma forward also has 'fwd_bias', 'fwd_short', 'fwd_options' and 'fwd_local':
+forward_table) and head dim.
 The kernels are templates over (head dim, block_m, block_n, warps, stages). A caller's head dim is
 rounded up to the next head dim of the table (the extra columns are zero-filled and never
 written). Setting CUPYFLASH_TILES to a GPU family (sm90, say) forces its table on any GPU, and

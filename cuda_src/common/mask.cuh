@@ -151,13 +151,13 @@ __device__ __forceinline__ uint32 queries_seeing(const FlashParams& p, const Seq
 // Zeroes the elements of one fragment row (half `half` of column tiles nt0 .. nt0 + COUNT - 1)
 // whose bit in `seen` is clear.
 template <int COUNT, int NT>
-__device__ __forceinline__ void zero_unseen(float (&s)[NT][4], int nt0, int half, uint32 seen) {
+__device__ __forceinline__ void zero_unseen(float (&s)[NT][4], int nt0, int half, uint32 seen, float hidden = 0.f) {
     static_assert(COUNT <= 16, "a row's fragment elements are the bits of one word");
 #pragma unroll
     for (int c = 0; c < COUNT; ++c)
 #pragma unroll
         for (int j = 0; j < 2; ++j)
-            if (!((seen >> (2 * c + j)) & 1u)) s[nt0 + c][2 * half + j] = 0.f;
+            if (!((seen >> (2 * c + j)) & 1u)) s[nt0 + c][2 * half + j] = hidden;
 }
 
 // Key blocks [first, end) that query rows [row0, row0 + block_m) see at all: the blocks outside

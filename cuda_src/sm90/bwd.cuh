@@ -166,16 +166,18 @@ __device__ __forceinline__ void probabilities_transposed(float (&s)[MT][4], floa
     }
     if ((FEATURES & feature::bias) != 0 && bias_tile != 0)
         add_swizzled_tile_transposed<BF16, COUNT>(s, nt0, bias_tile, tile_key0, p.inv_softmax_scale, p.bias_box_rows == 1);
-    for_each_element<1, COUNT>([&](int, int c, int e) {
-        const int nt = nt0 + c;
-        s[nt][e] = fast_exp2(fmaf(s[nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
-    });
+    // Hidden scores are -inf before the exps (lse_log2 is +inf only for a row that sees no key, so
+    // each gives 0), which keeps the mask's branch ahead of the exps, not between them and P's packs.
     if (masked) {
 #pragma unroll
         for (int half = 0; half < 2; ++half)
             zero_unseen<COUNT>(s, nt0, half, queries_seeing<LOCAL>(p, seq, warp_key0 + fragment_row(0, 2 * half),
-                                                                   row0 + fragment_col(nt0, 0)));
+                                                                   row0 + fragment_col(nt0, 0)), -CUPYFLASH_INF);
     }
+    for_each_element<1, COUNT>([&](int, int c, int e) {
+        const int nt = nt0 + c;
+        s[nt][e] = fast_exp2(fmaf(s[nt][e], p.scale_log2, -lse[fragment_col(nt, e)]));
+    });
 }
 
 // dS^T of one tile from its P^T (s) and dP^T (dp; dot indexed by the column): dp becomes the

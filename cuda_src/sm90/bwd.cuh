@@ -302,12 +302,16 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     const int group = p.nheads / p.nheads_k;
     const BlockRange query_blocks = query_blocks_seeing<LOCAL>(p, seq, key0, BLOCK_M, BLOCK_N);
     const int steps = group * (query_blocks.end - query_blocks.first);
-    // The steps walk the query blocks that see this key block, of each query head of the group in turn.
+    // The steps walk the query blocks that see this key block, of each query head of the group in turn:
+    // up, or down in the deterministic LOCAL kernels. Their key blocks add a query block's dQ in key
+    // order, and walking up, the later ones (seeing fewer query blocks, from a later one) would reach
+    // each query block first and wait there for the earlier ones; walking down, all reach it together.
+    constexpr bool kDown = DETERMINISTIC && LOCAL;
+    const int first_head = head_k * group, first_row0 = (kDown ? query_blocks.end - 1 : query_blocks.first) * BLOCK_M;
     auto advance = [&](int& head, int& row0) {
-        row0 += BLOCK_M;
-        if (row0 >= query_blocks.end * BLOCK_M) { row0 = query_blocks.first * BLOCK_M; ++head; }
+        row0 += kDown ? -BLOCK_M : BLOCK_M;
+        if (kDown ? row0 < query_blocks.first * BLOCK_M : row0 >= query_blocks.end * BLOCK_M) { row0 = first_row0; ++head; }
     };
-    const int first_head = head_k * group, first_row0 = query_blocks.first * BLOCK_M;
 
     const int warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {

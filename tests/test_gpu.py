@@ -199,6 +199,19 @@ def test_the_options_backward_family_on_hopper(case, monkeypatch):
     assert {k.wgmma for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "bwd"} == {True}
 
 
+@pytest.mark.parametrize("case", [
+    Case(113, 1000, 64, "bfloat16", True, nheads=4, nheads_k=2, deterministic=True),
+    Case(1000, 113, 64, "float16", False, nheads=2, nheads_k=1, deterministic=True),
+    Case(17, 300, 128, "bfloat16", True, nheads=2, window_size=(40, 9), deterministic=True),
+    Case(1000, 1000, 128, "float16", True, batch=2, nheads=2, deterministic=True),
+    Case(300, 113, 256, "bfloat16", True, nheads=2, nheads_k=1, deterministic=True),
+], ids=str)
+def test_deterministic_backward_without_options(case):
+    """The deterministic backward without score options: its own tiles, and in the causal and window
+    kernels key blocks that walk their query blocks from the last (sm90/bwd.cuh), over tails."""
+    _assert_ok(_check.run_gpu_case(case, _seed(case)))
+
+
 def test_a_cached_wgmma_plan_reads_each_calls_arrays(monkeypatch):
     """The tensor maps are encoded once per plan and aimed at each call's arrays: calls with other
     arrays of the same layout reuse the plan and read their own inputs."""

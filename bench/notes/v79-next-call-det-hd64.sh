@@ -1,0 +1,20 @@
+#!/bin/bash
+# A device call (v79; about 3 min; carry [".device_scratch28"], or rebuild it: device_trees.py
+# .device_scratch28 main=HEAD t128=HEAD+bench/notes/v79-det-hd64-plain-tiles.patch --kernels ab
+# --options '{"deterministic": true}'): hd64's deterministic backward without options on the plain
+# 128-row tile (dQ's rows split over the consumers, one reduction a step), not the options' 64-row
+# one (two pieces a step, each waited for). Compiles spill-free (168 registers, LOCAL).
+# Prediction: hd64 deterministic +30-60% (v78: 2.0-2.4x the plain backward at HEAD, whose 128-row
+# tile is the whole difference but for the turns); hd128 and hd256 unchanged (the same tiles).
+cd "$(dirname "$0")/../.."
+SCRATCH=.device_scratch28 source bench/device_call.sh
+nvidia-smi --query-gpu=name --format=csv,noheader >> $L
+C=64:1024:0,64:1024:1,64:4096:0,64:4096:1,64:16384:0,64:16384:1
+echo "== ab bwd deterministic" >> $L
+timeout 120 python /tmp/ab.py --pass bwd --rounds 3 --options '{"deterministic": true}' --cells $C \
+  $S/main $S/t128 2>&1 | tee -a $OUT/ab.txt | tail -8 >> $L
+echo "== ab bwd plain (main)" >> $L
+timeout 60 python /tmp/ab.py --pass bwd --rounds 3 --cells $C $S/main 2>&1 | tee -a $OUT/ab.txt | tail -8 >> $L
+echo "== GPU tests of t128: deterministic" >> $L
+gpu_tests t128 tests 200 tests/test_gpu.py tests/test_gpu_variants.py tests/test_head_dims.py -k deterministic
+cat $L

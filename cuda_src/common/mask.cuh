@@ -191,6 +191,25 @@ __device__ __forceinline__ BlockRange query_blocks_seeing(const FlashParams& p, 
     return row_begin < row_end ? BlockRange{row_begin / block_m, ceil_div(row_end, block_m)} : BlockRange{0, 0};
 }
 
+// The backward's steps for one key block: the query blocks that see it (`blocks`), of each query
+// head of its kv group in turn, walked up from the first or, where DOWN, down from the last. The
+// deterministic LOCAL backwards walk down: they add a query block's dQ in key-block order, and
+// walking up, the later key blocks (seeing fewer query blocks, from a later one) would reach each
+// query block first and wait there for the earlier ones; walking down, all reach it together.
+template <int BLOCK_M, bool DOWN>
+struct QueryWalk {
+    const BlockRange& blocks;
+    __device__ __forceinline__ int first_row0() const { return (DOWN ? blocks.end - 1 : blocks.first) * BLOCK_M; }
+    // The next step's (head, row0), with no division.
+    __device__ __forceinline__ void advance(int& head, int& row0) const {
+        row0 += DOWN ? -BLOCK_M : BLOCK_M;
+        if (DOWN ? row0 < blocks.first * BLOCK_M : row0 >= blocks.end * BLOCK_M) {
+            row0 = first_row0();
+            ++head;
+        }
+    }
+};
+
 // Key blocks that query rows [row0, row0 + block_m) see whole, with no mask: a sub-range of
 // `seen` (possibly empty, first == end). The blocks of `seen` before it are masked by a window's
 // left edge, those after it by the diagonal or the sequence's partial last block.

@@ -121,12 +121,8 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k, k, p.k_row_stride, seq.seqlen_k - key0, p.headdim);
     copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_v, v, p.v_row_stride, seq.seqlen_k - key0, p.headdim);
 
-    // The steps walk the query blocks that see this key block, of each query head of the kv group
-    // in turn; (head, row0) moves on by `advance`, with no division.
-    auto advance = [&](int& head, int& row0) {
-        row0 += BLOCK_M;
-        if (row0 >= query_blocks.end * BLOCK_M) { row0 = query_blocks.first * BLOCK_M; ++head; }
-    };
+    // The steps (common/mask.cuh), walked up.
+    const QueryWalk<BLOCK_M, false> walk{query_blocks};
     // Loads Q, dO, lse_log2 and D of a query block into a stage; rows past the end are zero-filled.
     auto load_step = [&](int head, int row0, int stage) {
         const uint16* q = static_cast<const uint16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride
@@ -144,7 +140,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
             cp_async_4(smem_address(s_dot(stage) + threadIdx.x), valid ? p.dout_dot_out + row : p.dout_dot_out, valid);
         }
     };
-    int head = head_k * group, row0 = query_blocks.first * BLOCK_M;  // the current step's query block
+    int head = head_k * group, row0 = walk.first_row0();  // the current step's query block
     if (kMaySplit && tail.unit >= 0) {
         const int first = tail.first(steps, p);
         steps = tail.count(steps, p);
@@ -161,7 +157,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     for (int step = 0; step < steps; ++step) {
         const int stage = STAGES == 2 ? step % 2 : 0;
         int next_head = head, next_row0 = row0;
-        advance(next_head, next_row0);
+        walk.advance(next_head, next_row0);
         cp_async_wait<0>();
         __syncthreads();  // this step's Q, dO, lse, D (and K, V) have landed; every warp is done with the last step
         if (STAGES == 2 && step + 1 < steps) load_step(next_head, next_row0, stage ^ 1);

@@ -302,16 +302,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     const int group = p.nheads / p.nheads_k;
     const BlockRange query_blocks = query_blocks_seeing<LOCAL>(p, seq, key0, BLOCK_M, BLOCK_N);
     const int steps = group * (query_blocks.end - query_blocks.first);
-    // The steps walk the query blocks that see this key block, of each query head of the group in turn:
-    // up, or down in the deterministic LOCAL kernels. Their key blocks add a query block's dQ in key
-    // order, and walking up, the later ones (seeing fewer query blocks, from a later one) would reach
-    // each query block first and wait there for the earlier ones; walking down, all reach it together.
-    constexpr bool kDown = DETERMINISTIC && LOCAL;
-    const int first_head = head_k * group, first_row0 = (kDown ? query_blocks.end - 1 : query_blocks.first) * BLOCK_M;
-    auto advance = [&](int& head, int& row0) {
-        row0 += kDown ? -BLOCK_M : BLOCK_M;
-        if (kDown ? row0 < query_blocks.first * BLOCK_M : row0 >= query_blocks.end * BLOCK_M) { row0 = first_row0; ++head; }
-    };
+    const QueryWalk<BLOCK_M, DETERMINISTIC && LOCAL> walk{query_blocks};
+    const int first_head = head_k * group, first_row0 = walk.first_row0();
 
     const int warpgroup = threadIdx.x / 128;
     if (threadIdx.x == 0) {
@@ -363,9 +355,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             int head = first_head, row0 = first_row0;
             if constexpr (T::kDQTransposed) {
 #pragma unroll 1
-                for (int step = 0; step < steps; ++step, advance(head, row0)) add_step(step, head, row0);
+                for (int step = 0; step < steps; ++step, walk.advance(head, row0)) add_step(step, head, row0);
             } else {
-                for (int step = 0; step < steps; ++step, advance(head, row0)) add_step(step, head, row0);
+                for (int step = 0; step < steps; ++step, walk.advance(head, row0)) add_step(step, head, row0);
             }
             bulk_wait_all<false>();
         }
@@ -379,7 +371,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         load_tile<BLOCK_N, HEADDIM>(s_k, &maps.k, kv_full, seq.first_row_k + key0, head_k, batch_coord);
         load_tile<BLOCK_N, HEADDIM>(s_v, &maps.v, kv_full, seq.first_row_k + key0, head_k, batch_coord);
         int head = first_head, row0 = first_row0;
-        for (int step = 0; step < steps; ++step, advance(head, row0)) {
+        for (int step = 0; step < steps; ++step, walk.advance(head, row0)) {
             const int stage = step % STAGES;
             if (step >= STAGES) mbarrier_wait(q_empty(stage), ((step / STAGES) & 1) ^ 1);
             load_tile<BLOCK_M, HEADDIM>(s_q(stage), &maps.q, q_full(stage), seq.first_row_q + row0, head, batch_coord,
@@ -419,7 +411,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         zero(acc_dv);
         mbarrier_wait(kv_full, 0);
         int head = first_head, row0 = first_row0;
-        for (int step = 0; step < steps; ++step, advance(head, row0)) {
+        for (int step = 0; step < steps; ++step, walk.advance(head, row0)) {
             const int stage = step % STAGES;
             if ((FEATURES & feature::bias) != 0 && consumer == 0)  // the step's bias reads then wait on L1
                 Bias<BF16>(p, seq, batch, recomputed(head)).prefetch<BLOCK_M, BLOCK_N>(row0, key0);
@@ -570,7 +562,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
         mbarrier_wait(kv_full, 0);
 
         int head = first_head, row0 = first_row0;
-        for (int step = 0; step < steps; ++step, advance(head, row0)) {
+        for (int step = 0; step < steps; ++step, walk.advance(head, row0)) {
             const int stage = step % STAGES, buffer = step % 2;
             if constexpr ((FEATURES & feature::bias) != 0)  // the step's bias reads then wait on L1
                 Bias<BF16>(p, seq, batch, recomputed(head), T::kBiasTiles).prefetch<BLOCK_M, 64>(row0, key0 + wg_key0);

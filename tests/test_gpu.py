@@ -204,6 +204,7 @@ def test_the_options_backward_family_on_hopper(case, monkeypatch):
     Case(1000, 113, 64, "float16", False, nheads=2, nheads_k=1, deterministic=True),
     Case(17, 300, 128, "bfloat16", True, nheads=2, window_size=(40, 9), deterministic=True),
     Case(1000, 1000, 128, "float16", True, batch=2, nheads=2, deterministic=True),
+    Case(113, 1000, 128, "bfloat16", False, nheads=4, nheads_k=2, deterministic=True),
     Case(300, 113, 256, "bfloat16", True, nheads=2, nheads_k=1, deterministic=True),
 ], ids=str)
 def test_deterministic_backward_without_options(case):

@@ -151,7 +151,7 @@ __device__ __forceinline__ uint32 queries_seeing(const FlashParams& p, const Seq
 // Sets the elements of one fragment row (half `half` of column tiles nt0 .. nt0 + COUNT - 1)
 // whose bit in `seen` is clear to `hidden`: 0 for probabilities, -inf for scores before their exps.
 template <int COUNT, int NT>
-__device__ __forceinline__ void zero_unseen(float (&s)[NT][4], int nt0, int half, uint32 seen, float hidden = 0.f) {
+__device__ __forceinline__ void hide_unseen(float (&s)[NT][4], int nt0, int half, uint32 seen, float hidden) {
     static_assert(COUNT <= 16, "a row's fragment elements are the bits of one word");
 #pragma unroll
     for (int c = 0; c < COUNT; ++c)

@@ -193,9 +193,9 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
                 for (int mt = 0; mt < GS::MT; ++mt)
 #pragma unroll
                     for (int half = 0; half < 2; ++half)
-                        zero_unseen<GS::NT>(s[mt], 0, half,
+                        hide_unseen<GS::NT>(s[mt], 0, half,
                                             keys_seen<LOCAL>(p, seq, row0 + GS::row0() + fragment_row(mt, 2 * half),
-                                                             key0 + GS::col0() + fragment_col(0, 0)));
+                                                             key0 + GS::col0() + fragment_col(0, 0)), 0.f);
             }
             // dS = P * (dP - D)
             for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {

@@ -171,7 +171,7 @@ __device__ __forceinline__ void probabilities_transposed(float (&s)[MT][4], floa
     if (masked) {
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-            zero_unseen<COUNT>(s, nt0, half, queries_seeing<LOCAL>(p, seq, warp_key0 + fragment_row(0, 2 * half),
+            hide_unseen<COUNT>(s, nt0, half, queries_seeing<LOCAL>(p, seq, warp_key0 + fragment_row(0, 2 * half),
                                                                    row0 + fragment_col(nt0, 0)), -CUPYFLASH_INF);
     }
     for_each_element<1, COUNT>([&](int, int c, int e) {

@@ -142,12 +142,12 @@ def _print_wgmma_tables(family):
                "fwd_short": f"its calls of at most {_config.SHORT_SEQLEN} query rows take",
                "fwd_options": "its longer calls with ALiBi or dropout (no other option) take",
                "fwd_local": "its causal or windowed calls take",
-               "bwd_options": "its calls with score options or deterministic take",
-               "bwd_full": "its plain calls without causal or window edges or varlen take"}
+               "bwd_options": "its calls with score options take",
+               "bwd_full": "its calls without score options, causal or window edges or varlen take"}
     printed = []
     for table, wgmma in _config.TILES[_config.WGMMA].get(family, {}).items():
         if any(wgmma is other for other in printed):
-            continue  # (the deterministic backward's: the options' table)
+            continue  # (the deterministic backward's: the plain table)
         printed.append(wgmma)
         tiles = "; ".join(_tile_text(_config.Tile(hd, *cfg, _config.WGMMA), table) for hd, cfg in wgmma.items())
         if table in instead:

@@ -169,12 +169,12 @@ TILES[WGMMA] = {"sm90": {
         256: (64, 64, 12, 2),   # the consumers split dK's and dV's columns (not timed)
     },
 }}
-# The options' and the deterministic backward: the plain tiles (not timed apart), but hd64 on 64
-# query rows, whose dropout decisions are one word a step.
+# The options' backward: the plain tiles (not timed apart), but hd64 on 64 query rows, whose
+# dropout decisions are one word a step. The deterministic one without options: the plain tiles.
 TILES[WGMMA]["sm90"]["bwd_options"] = {**TILES[WGMMA]["sm90"]["bwd"], 64: (64, 128, 12, 2)}
-TILES[WGMMA]["sm90"]["bwd_deterministic"] = TILES[WGMMA]["sm90"]["bwd_options"]
-# The plain backward without causal or window edges and without varlen: hd128 on 80 query rows a
-# step, dQ transposed (sm90/bwd.cuh, kDQTransposed).
+TILES[WGMMA]["sm90"]["bwd_deterministic"] = TILES[WGMMA]["sm90"]["bwd"]
+# The backward without score options, causal or window edges or varlen (deterministic or not):
+# hd128 on 80 query rows a step, dQ transposed (sm90/bwd.cuh, kDQTransposed).
 TILES[WGMMA]["sm90"]["bwd_full"] = {128: (80, 128, 12, 2)}
 SHORT_SEQLEN = 1024
 

@@ -179,7 +179,7 @@ def backward_table(features, deterministic):
 # backward's bias kernels a twin with them (ring_features).
 _CHECKED_FLAGS = {"fwd": (((), False), (FEATURES, False)), "bwd": (((), False),),
                   "bwd_options": ((FEATURES, False), (FEATURES, True)), "bwd_deterministic": (((), True),),
-                  "bwd_full": (((), False),), "fwd_bias": ((("bias",), False), (FEATURES, False)),
+                  "bwd_full": (((), False), ((), True)), "fwd_bias": ((("bias",), False), (FEATURES, False)),
                   "decode": (((), False), (DECODE_FEATURES, False)),
                   "decode_small": (((), False), (DECODE_FEATURES, False)),
                   "decode_few": (((), False), (DECODE_FEATURES, False))}

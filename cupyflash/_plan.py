@@ -538,7 +538,7 @@ def _backward_plan(call, inputs, return_dbias):
     shape, varlen, device_id = call.shape, call.varlen is not None, call.caller.device_id
     table = _kernels.backward_table(call.features, call.needs("deterministic"))
     wgmma_tables = _config.TILES[_config.WGMMA]["sm90"]
-    if (table == "bwd" and not call.local
+    if (table in ("bwd", "bwd_deterministic") and not call.local
             and _config.padded_headdim(shape.headdim, tuple(wgmma_tables["bwd"])) in wgmma_tables["bwd_full"]
             and _schedule.kernel_family("bwd_full", device_id, shape.headdim) == _config.WGMMA):
         table = "bwd_full"

@@ -47,7 +47,7 @@ def test_info_without_a_gpu_shows_every_tile_table_and_the_cache(env, tmp_path):
     for line in ("the fwd pass up to head dim 256 is wgmma's", "the bwd pass up to head dim 256 is wgmma's",
                  f"its calls of at most {_config.SHORT_SEQLEN} query rows take: wgmma hd64: 128x128",
                  "its causal or windowed calls take: wgmma hd128: 128x128, 12 warps, 2 stage(s)",
-                 "its plain calls without causal or window edges or varlen take: wgmma hd128: 80x128"):
+                 "its calls without score options, causal or window edges or varlen take: wgmma hd128: 80x128"):
         assert out.count(line) == 1, line
     assert out.count("is wgmma's") == 2  # (the subsidiary tables are not passes of their own)
 

@@ -111,6 +111,7 @@ def test_the_kernel_family_on_hopper(family, headdim, monkeypatch):
 @pytest.mark.parametrize("case, block_m", [
     (Case(1000, 777, 128, "bfloat16", False, nheads=4, nheads_k=2), 80),
     (Case(161, 1000, 96, "float16", False, nheads=6, nheads_k=1), 80),
+    (Case(1000, 113, 128, "bfloat16", False, nheads=4, nheads_k=2, deterministic=True), 80),
     (Case(1000, 777, 128, "bfloat16", True, nheads=4, nheads_k=2), 64),
     (Case(300, 300, 128, "float16", False, nheads=4, window_size=(40, 9)), 64),
     (Case(300, 300, 128, "bfloat16", False, nheads=4, softcap=4.0), 64),
@@ -121,10 +122,10 @@ def test_the_kernel_family_on_hopper(family, headdim, monkeypatch):
     (Case.packed((561, 241, 81), (561, 241, 81), 128, "bfloat16", True, nheads=4), 64),
 ], ids=str)
 def test_the_full_and_the_edged_backward_tables(case, block_m, monkeypatch):
-    """On compute capability 9.0 a plain hd128 backward without causal or window edges runs the
-    'bwd_full' tile (80 query rows a step, dQ transposed), varlen too (its sequences' padded rows
-    128 apart: Sequence::padded_row0); causal, window and options' calls keep 64-row steps. Each
-    passes against float64."""
+    """On compute capability 9.0 an hd128 backward without score options, causal or window edges
+    (deterministic too) runs the 'bwd_full' tile (80 query rows a step, dQ transposed), varlen too
+    (its sequences' padded rows 128 apart: Sequence::padded_row0); causal, window and options' calls
+    keep 64-row steps. Each passes against float64."""
     _needs_hopper(monkeypatch)
     from cupyflash import _plan
     monkeypatch.setattr(_plan, "_plans", {})
@@ -208,8 +209,9 @@ def test_the_options_backward_family_on_hopper(case, monkeypatch):
     Case(300, 113, 256, "bfloat16", True, nheads=2, nheads_k=1, deterministic=True),
 ], ids=str)
 def test_deterministic_backward_without_options(case):
-    """The deterministic backward without score options: its own tiles, and in the causal and window
-    kernels key blocks that walk their query blocks from the last (sm90/bwd.cuh), over tails."""
+    """The deterministic backward without score options: the plain backward's tiles, and in the
+    causal and window kernels key blocks that walk their query blocks from the last (common/mask.cuh,
+    QueryWalk), over tails."""
     _assert_ok(_check.run_gpu_case(case, _seed(case)))
 
 

@@ -271,8 +271,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     // inside its sequence's padded rows: a head's are whole blocks, a varlen sequence's gap 128 rows.)
     static_assert(BLOCK_M % Sequence::kPaddedRows == 0 || T::kDQTransposed, "a query block starts a sequence's padded rows' piece");
     static_assert(BLOCK_M == 64 || !DROPOUT, "a step's dropout decisions are one word: 64 query rows");
-    static_assert(!T::kDQTransposed || (!LOCAL && FEATURES == 0 && !DETERMINISTIC),
-                  "the 80-row tile serves plain calls without causal or window edges");
+    static_assert(!T::kDQTransposed || (!LOCAL && FEATURES == 0),
+                  "the 80-row tile serves calls without score options, causal or window edges");
     constexpr int kDQWidth = T::kSplitDQColumns ? HEADDIM / T::kConsumers : HEADDIM;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];

@@ -1,8 +1,7 @@
 #!/bin/bash
 # A device call (v79, about 5 min, nothing carried): HEAD with v79's three changes, the deterministic
-# and table-choice GPU tests of both families, then the wgmma family's options table (the
-# rows of v79's question and the options' bounds) (kernels
-# compiled first, one process an option, so that the table's serial calls find them cached).
+# and table-choice GPU tests of both families, then the wgmma family's options table's rows with a
+# bound (their kernels compiled first, one process an option, so that the table finds them cached).
 cd "$(dirname "$0")/../.."
 L=$OUT/log.txt
 export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -193,3 +193,17 @@ def test_option_rows_are_selected_by_words_and_keep_the_plain_row():
     assert benchmark.selected_options(names, ["attn_bias", "dropout"]) == [
         "plain", "attn_bias (b, h, s, s) bf16", "dropout 0.1"]
     assert benchmark.selected_options(names, ["nothing"]) == ["plain"]
+
+
+def test_option_ratios_divide_by_the_plain_time_of_their_own_row(tmp_path):
+    nan = float("nan")
+    results = [("plain", 4096, "fwd", 1.0, "SDPA flash (FA2)", 2.0, 1.02),
+               ("dropout 0.1", 4096, "fwd", 1.5, "SDPA flash (FA2)", 3.0, 1.2),
+               ("alibi", 4096, "bwd", 2.2, "", nan, 2.0)]
+    text = benchmark.write_options(results, str(tmp_path))
+    assert "| plain | 4096 | fwd | 1.000 | 0.98 | SDPA flash (FA2) | 2.000 | 2.00x |" in text
+    assert "| dropout 0.1 | 4096 | fwd | 1.500 | 1.25 | SDPA flash (FA2) | 3.000 | 2.00x |" in text
+    assert "| alibi | 4096 | bwd | 2.200 | 1.10 |  |  |  |" in text
+    rows = (tmp_path / "options.csv").read_text().splitlines()
+    assert rows[0] == "option,seqlen,pass,cupyflash_ms,peer,peer_ms,plain_ms"
+    assert rows[2] == "dropout 0.1,4096,fwd,1.5000,SDPA flash (FA2),3.0000,1.2000"

@@ -195,6 +195,41 @@ def test_option_rows_are_selected_by_words_and_keep_the_plain_row():
     assert benchmark.selected_options(names, ["nothing"]) == ["plain"]
 
 
+def test_each_option_row_times_the_plain_kernels_in_its_own_turns(monkeypatch):
+    torch = pytest.importorskip("torch")  # (no tensor is made: randn is replaced)
+    monkeypatch.setattr(torch, "randn", lambda *shape, **kw: None)
+    ms = {("plain", "fwd"): [1.0, 1.1], ("plain", "bwd"): [2.0, 2.2],  # each row's turns read their own clock
+          ("softcap", "fwd"): [1.3], ("softcap", "bwd"): [2.6], ("peer", "fwd"): [2.5], ("peer", "bwd"): [5.0]}
+    rows_timed = []
+
+    class Timer:
+        def __init__(self, fn, sync=None):
+            self.key = fn
+
+        def batch_ms(self):
+            return ms[self.key][min(len(rows_timed) - 1, len(ms[self.key]) - 1)]
+
+    def median(timers, report=print):
+        rows_timed.append(sorted(key for key in timers))
+        return {key: timer.batch_ms() for key, timer in timers.items()}
+
+    monkeypatch.setattr(benchmark, "BatchTimer", Timer)
+    monkeypatch.setattr(benchmark, "median_ms", median)
+    monkeypatch.setattr(benchmark, "_option_calls", lambda *args: {
+        "plain": ({}, {}, "SDPA", None), "softcap 30": ({"softcap": 30.0}, {"softcap": 30.0}, "SDPA", None)})
+    monkeypatch.setattr(benchmark, "_cupyflash_option", lambda q, k, v, dout, fwd, bwd: {
+        pass_: ("softcap" if fwd else "plain", pass_) for pass_ in ("fwd", "bwd")})
+    monkeypatch.setattr(benchmark, "_peer_option", lambda q, k, v, dout, spec: {
+        pass_: (("peer", pass_), None) for pass_ in ("fwd", "bwd")})
+    results = benchmark.run_options(seqlens=(4096,), report=lambda message: None)
+    assert [row[:3] for row in results] == [("plain", 4096, "fwd"), ("plain", 4096, "bwd"),
+                                            ("softcap 30", 4096, "fwd"), ("softcap 30", 4096, "bwd")]
+    assert all(("plain", "fwd") in timed and ("plain", "bwd") in timed for timed in rows_timed)
+    # the softcap row divides by the plain times of its own turns (1.1, 2.2), not the plain row's
+    assert results[2][3:] == (1.3, "SDPA", 2.5, 1.1) and results[3][3:] == (2.6, "SDPA", 5.0, 2.2)
+    assert results[0][6] == 1.0 and results[1][6] == 2.0
+
+
 def test_option_ratios_divide_by_the_plain_time_of_their_own_row(tmp_path):
     nan = float("nan")
     results = [("plain", 4096, "fwd", 1.0, "SDPA flash (FA2)", 2.0, 1.02),

@@ -1,5 +1,6 @@
 #!/bin/bash
-# A device call (v80, about 5 min; carry [".device_scratch30"], or rebuild it: device_trees.py
+# A device call (v80, about 5 min, 6 with the options table; carry [".device_scratch30",
+# ".device_scratch29"] (the second for v79's options table at the end), or rebuild it: device_trees.py
 # .device_scratch30 main=HEAD alibi=HEAD+bench/notes/v80-alibi-alone-on-the-plain-tiles.patch --kernels ab
 # --options '{"alibi_slopes": "random"}'; the forced family's kernels compile on the device).
 # ALiBi alone's backward on the plain tiles: the mma.sync kernels add it by rows ahead of the plain
@@ -23,4 +24,12 @@ echo "== GPU tests of alibi: ALiBi and the table choice, wgmma; then mma.sync (f
 gpu_tests alibi tests 150 tests/test_gpu.py tests/test_gpu_variants.py tests/test_head_dims.py -k "alibi or full_and_the_edged"
 CUPYFLASH_FAMILY=mma_sync gpu_tests alibi tests-mma-sync 150 tests/test_gpu.py tests/test_gpu_variants.py \
   tests/test_head_dims.py -k "alibi"
+# Then v79-next-call-options.sh's table (HEAD), where .device_scratch29 came too (its kernels).
+if [ -f .device_scratch29/cache.tar.xz ]; then
+  tar -xJf .device_scratch29/cache.tar.xz -C /tmp/pcache --strip-components=1
+  timeout 150 python -m cupyflash bench --options-only --option-rows softcap alibi dropout deterministic \
+    --out $OUT/options > $OUT/options.log 2>&1
+  echo "options rc $? ($(date +%T))" >> $L
+  cat $OUT/options/options.md >> $L
+fi
 cat $L

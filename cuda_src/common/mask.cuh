@@ -192,12 +192,13 @@ __device__ __forceinline__ BlockRange query_blocks_seeing(const FlashParams& p, 
 }
 
 // The backward's steps for one key block: the query blocks that see it (`blocks`), of each query
-// head of its kv group in turn, walked up from the first or, where DOWN, down from the last. The
-// deterministic LOCAL backwards walk down: they add a query block's dQ in key-block order, and
-// walking up, the later key blocks (seeing fewer query blocks, from a later one) would reach each
-// query block first and wait there for the earlier ones; walking down, all reach it together.
-template <int BLOCK_M, bool DOWN>
+// head of its kv group in turn, walked up from the first or, in the deterministic LOCAL backwards,
+// down from the last: they add a query block's dQ in key-block order, and walking up, the later key
+// blocks (seeing fewer query blocks, from a later one) would reach each query block first and wait
+// there for the earlier ones; walking down, all reach it together.
+template <int BLOCK_M, bool DETERMINISTIC, bool LOCAL>
 struct QueryWalk {
+    static constexpr bool DOWN = DETERMINISTIC && LOCAL;
     const BlockRange& blocks;
     __device__ __forceinline__ int first_row0() const { return (DOWN ? blocks.end - 1 : blocks.first) * BLOCK_M; }
     // The next step's (head, row0), with no division.

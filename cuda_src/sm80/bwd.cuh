@@ -121,7 +121,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_k, k, p.k_row_stride, seq.seqlen_k - key0, p.headdim);
     copy_tile_async<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(s_v, v, p.v_row_stride, seq.seqlen_k - key0, p.headdim);
 
-    const QueryWalk<BLOCK_M, DETERMINISTIC && LOCAL> walk{query_blocks};  // (common/mask.cuh)
+    const QueryWalk<BLOCK_M, DETERMINISTIC, LOCAL> walk{query_blocks};  // (common/mask.cuh)
     // Loads Q, dO, lse_log2 and D of a query block into a stage; rows past the end are zero-filled.
     auto load_step = [&](int head, int row0, int stage) {
         const uint16* q = static_cast<const uint16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride

@@ -302,7 +302,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     const int group = p.nheads / p.nheads_k;
     const BlockRange query_blocks = query_blocks_seeing<LOCAL>(p, seq, key0, BLOCK_M, BLOCK_N);
     const int steps = group * (query_blocks.end - query_blocks.first);
-    const QueryWalk<BLOCK_M, DETERMINISTIC && LOCAL> walk{query_blocks};
+    const QueryWalk<BLOCK_M, DETERMINISTIC, LOCAL> walk{query_blocks};
     const int first_head = head_k * group, first_row0 = walk.first_row0();
 
     const int warpgroup = threadIdx.x / 128;

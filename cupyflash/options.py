@@ -239,7 +239,8 @@ SEED_ARRAY = "a uint32 array of shape (2,) (low word, high word) or an int64 or 
 
 
 def is_seed_array(seed):
-    return hasattr(seed, "shape") and hasattr(seed, "dtype")
+    """Whether a seed is an array (read on the device); a NumPy scalar is an integer."""
+    return hasattr(seed, "shape") and hasattr(seed, "dtype") and not isinstance(seed, numpy.generic)
 
 
 def check_seed(seed, dropout_p):

@@ -161,6 +161,15 @@ def test_a_seed_array_holds_the_seeds_eight_bytes():
     assert not numpy.array_equal(flash_attn_func(q, k, v, dropout_p=0.3, seed=seed + 1), want)
 
 
+def test_a_numpy_integer_seed_is_an_integer():
+    q, k, v = _qkv()
+    want = flash_attn_func(q, k, v, dropout_p=0.3, seed=7)
+    for seed in (numpy.uint32(7), numpy.int64(7), numpy.uint64(7)):
+        numpy.testing.assert_array_equal(flash_attn_func(q, k, v, dropout_p=0.3, seed=seed), want)
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\), got np.int64\(-1\)"):
+        flash_attn_func(q, k, v, dropout_p=0.3, seed=numpy.int64(-1))
+
+
 def test_backward_checks_deterministic_and_return_dbias():
     q, k, v = _qkv()
     out, lse = flash_attn_func(q, k, v, return_lse=True)

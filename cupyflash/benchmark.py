@@ -502,8 +502,8 @@ def run_options(seqlens=(4096, 16384), headdim=128, report=print, words=None):
                         timers[peer, pass_] = BatchTimer(fn, sync)
                 except Exception as error:
                     report(f"  {peer} failed at {option} s{seqlen}: {type(error).__name__}: {str(error)[:160]}")
-            # 11 rounds, as the grid's cells: with 5 the plain row's backward read 0.91-0.94 of
-            # itself (bench/notes/v82), one ordering of its turns in every row.
+            # 11 rounds, as the grid's cells: in 5, whose shuffled orders every row repeats, the plain
+            # row's backward read 6-9% off itself (bench/notes/v82).
             times = median_ms(timers, reps=11, report=report)
             _add_derived_bwd(times, timers, peer)
             timers = None

@@ -166,7 +166,7 @@ def test_a_numpy_integer_seed_is_an_integer():
     want = flash_attn_func(q, k, v, dropout_p=0.3, seed=7)
     for seed in (numpy.uint32(7), numpy.int64(7), numpy.uint64(7)):
         numpy.testing.assert_array_equal(flash_attn_func(q, k, v, dropout_p=0.3, seed=seed), want)
-    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\), got np.int64\(-1\)"):
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\), got .*-1"):
         flash_attn_func(q, k, v, dropout_p=0.3, seed=numpy.int64(-1))
 
 

@@ -1,0 +1,22 @@
+#!/bin/bash
+# A device call (v83, about 4 min; carry [".device_scratch33"], or rebuild it: device_trees.py
+# .device_scratch33 main=HEAD e2=HEAD+P2 e4=HEAD+bench/notes/v83-softcap-exps-on-fma.patch e6=HEAD+P6
+# --kernels ab --options '{"softcap": 30.0}', P2 and P6 the patch with 2 and 6 in kExpOnFmaEighths).
+# The wgmma forward with softcap folded takes 2, 4 or 6 of every 8 column tiles' exps on the FMA
+# pipes (exp2_on_fma: 8 instructions for one MUFU op) at hd64 and hd128.
+# Prediction (MUFU cycles per step equal the wgmmas' at hd128 with softcap; v83 note): hd128
+# softcap 1.36x plain -> 1.10-1.20x with e4 (e2 between, e6 no better than e4: FMA-pipe issue);
+# hd64 (MUFU twice the wgmmas, issue nearly full) at most 5% better; hd256 (no change) within noise.
+cd "$(dirname "$0")/../.."
+SCRATCH=.device_scratch33 source bench/device_call.sh
+nvidia-smi --query-gpu=name --format=csv,noheader >> $L
+ab() { timeout "$1" python /tmp/ab.py --rounds 3 "${@:2}" 2>&1 | tee -a $OUT/ab.txt | tail -10 >> $L; }
+C=64:4096:0,64:4096:1,128:4096:0,128:4096:1,128:16384:0,128:16384:1,256:4096:0
+echo "== ab fwd softcap 30: main, e2, e4, e6" >> $L
+ab 150 --pass fwd --options '{"softcap": 30.0}' --cells $C $S/main $S/e2 $S/e4 $S/e6
+echo "== ab fwd plain: main (the ratio's denominator)" >> $L
+ab 60 --pass fwd --cells $C $S/main
+echo "== GPU tests of e4: softcap" >> $L
+gpu_tests e4 tests-e4 150 tests/test_gpu.py tests/test_gpu_variants.py tests/test_head_dims.py -k "softcap"
+save_new_kernels
+cat $L

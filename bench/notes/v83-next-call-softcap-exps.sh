@@ -7,6 +7,8 @@
 # Prediction (MUFU cycles per step equal the wgmmas' at hd128 with softcap; v83 note): hd128
 # softcap 1.36x plain -> 1.10-1.20x with e4 (e2 between, e6 no better than e4: FMA-pipe issue);
 # hd64 (MUFU twice the wgmmas, issue nearly full) at most 5% better; hd256 (no change) within noise.
+# With .device_scratch34 carried too (p1, p2: HEAD with 1 or 2 eighths of the plain hd64 forward's
+# exps on the FMA pipes, where ex2 alone matches the wgmmas' cycles): hd64 plain within -3..+5%.
 cd "$(dirname "$0")/../.."
 SCRATCH=.device_scratch33 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L
@@ -16,6 +18,11 @@ echo "== ab fwd softcap 30: main, e2, e4, e6" >> $L
 ab 150 --pass fwd --options '{"softcap": 30.0}' --cells $C $S/main $S/e2 $S/e4 $S/e6
 echo "== ab fwd plain: main (the ratio's denominator)" >> $L
 ab 60 --pass fwd --cells $C $S/main
+if [ -d .device_scratch34 ]; then
+  tar -xJf .device_scratch34/cache.tar.xz -C /tmp/pcache --strip-components=1
+  echo "== ab fwd plain hd64: main, p1, p2" >> $L
+  ab 90 --pass fwd --cells 64:1024:0,64:1024:1,64:4096:0,64:4096:1,64:16384:0,64:16384:1 $S/main $PWD/.device_scratch34/p1 $PWD/.device_scratch34/p2
+fi
 echo "== GPU tests of e4: softcap" >> $L
 gpu_tests e4 tests-e4 150 tests/test_gpu.py tests/test_gpu_variants.py tests/test_head_dims.py -k "softcap"
 save_new_kernels

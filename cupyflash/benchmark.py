@@ -6,7 +6,7 @@ hidden 2048 (nheads = 2048 / headdim), layout (batch, seqlen, nheads, headdim). 
 forward); fwd+bwd 3.5x. Timing: CUDA events on PyTorch's current stream around a batch of
 back-to-back calls (sized to ~25 ms, so the host's launch work overlaps the GPU's), per-call time =
 elapsed / calls, median of 7 batches after a warm-up call (which includes compilation). In each
-cell the implementations' batches take turns in a shuffled order (median_ms): under load the GPU
+cell the implementations' batches take turns in a balanced order (median_ms): under load the GPU
 runs at its power cap, and a batch timed alone after an idle spell would get higher clocks. JAX has
 no stream to put events on: its cells use the host clock around a batch ended by
 block_until_ready, and its backward is (fwd+bwd) - fwd. Fresh random inputs per cell; a peer that
@@ -125,15 +125,29 @@ class GraphTimer:
         return start.elapsed_time(stop) / self.calls
 
 
+def balanced_order(n, round_):
+    """Round `round_`'s order of n timers, from a Williams design (a balanced Latin square): over
+    a cycle of n rounds (2n for odd n) each timer takes every position equally often and follows
+    every other timer equally often. Under the power cap a batch's clocks depend on the batch before
+    it, so a timer that always ran after the same one (as seeded shuffles repeat in every cell)
+    would carry that one's bias."""
+    first = [0]  # 0, 1, n-1, 2, n-2, ...
+    for i in range(1, n):
+        first.append((i + 1) // 2 if i % 2 else n - i // 2)
+    row = [(x + round_) % n for x in first]
+    return row[::-1] if n % 2 and round_ // n % 2 else row
+
+
 def median_ms(timers, reps=5, report=print):
     """{key: median per-call milliseconds} of `timers` ({key: BatchTimer}) over `reps` rounds. A
-    round times one batch of every timer, in an order shuffled per round (seeded), so that a slow
+    round times one batch of every timer, in a balanced order (balanced_order), so that a slow
     spell of the GPU falls on all of them alike: under load the H200 sits at its power cap, and the
     batch that follows a power-hungry one starts at lower clocks. A timer that fails is reported
     and left out."""
     samples = {key: [] for key in timers}
     for round_ in range(reps):
-        for key in random.Random(round_).sample(list(samples), len(samples)):
+        keys = list(samples)
+        for key in (keys[i] for i in balanced_order(len(keys), round_)):
             try:
                 samples[key].append(timers[key].batch_ms())
             except Exception as error:
@@ -502,9 +516,9 @@ def run_options(seqlens=(4096, 16384), headdim=128, report=print, words=None):
                         timers[peer, pass_] = BatchTimer(fn, sync)
                 except Exception as error:
                     report(f"  {peer} failed at {option} s{seqlen}: {type(error).__name__}: {str(error)[:160]}")
-            # 11 rounds, as the grid's cells: in 5, whose shuffled orders every row repeats, the plain
-            # row's backward read 6-9% off itself (bench/notes/v82).
-            times = median_ms(timers, reps=11, report=report)
+            # Whole cycles of the balanced order: 4 timers, 6 with a peer (bench/notes/v82: with 5
+            # rounds in orders every row repeated, the plain row's backward read 6-9% off itself).
+            times = median_ms(timers, reps=12, report=report)
             _add_derived_bwd(times, timers, peer)
             timers = None
             for pass_ in ("fwd", "bwd"):

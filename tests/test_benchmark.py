@@ -1,6 +1,8 @@
 """The benchmark's bookkeeping: a peer's wrong results left blank, turns, derived backward times; bench/ab.py's cells;
 bench/power.py's runs and samples."""
 
+import collections
+
 import pytest
 
 from cupyflash import benchmark
@@ -25,7 +27,18 @@ def test_wrong_results_accepts_rounding_and_flags_wrong_or_nonfinite_passes():
     assert benchmark._wrong_results(_calls_returning(out.flip(1), [dq, dk, dv]), expected) == {"fwd", "fwd+bwd"}
 
 
-def test_median_ms_takes_turns_in_shuffled_orders_and_leaves_out_a_timer_that_fails():
+@pytest.mark.parametrize("n", range(1, 10))
+def test_balanced_order_puts_each_timer_in_every_position_and_after_every_other_equally_often(n):
+    cycle = [benchmark.balanced_order(n, r) for r in range(n if n % 2 == 0 else 2 * n)]
+    assert all(sorted(order) == list(range(n)) for order in cycle)
+    positions = collections.Counter((timer, i) for order in cycle for i, timer in enumerate(order))
+    assert len(positions) == n * n and len(set(positions.values())) == 1
+    pairs = collections.Counter(pair for order in cycle for pair in zip(order, order[1:]))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+    assert benchmark.balanced_order(n, len(cycle)) == cycle[0]  # the cycle repeats
+
+
+def test_median_ms_takes_turns_in_balanced_orders_and_leaves_out_a_timer_that_fails():
     order, messages = [], []
 
     class Timer:

@@ -40,7 +40,6 @@ import itertools
 import math
 import os
 import pstats
-import random
 import sys
 import time
 
@@ -557,7 +556,7 @@ def write_options(results, out_dir):
 # cuDNN, at shapes small enough that the host sets the pace (where a call's GPU work takes longer,
 # as it can at the large shape, the figure is the GPU's time). Timing: `calls` back-to-back calls
 # after the warm-up (which takes any torch.compile or jax.jit compilation), synchronised once at the
-# end, wall time / calls; the columns take turns in an order shuffled per round, and a cell is the
+# end, wall time / calls; the columns take turns in balanced orders (median_ms's), and a cell is the
 # median of its HOST_REPS turns. The lent hosts' speed wanders: one call read 2x apart between
 # consecutive turns of a process (bench/notes/v43), so many short interleaved turns, not a few.
 
@@ -892,8 +891,8 @@ def _host_line(cell):
 
 def run_host_here(shapes, calls, columns, profile=False, device="cuda", report=print):
     """[HostCell] for every shape, pass and column, timed in this process. The columns of a shape and pass
-    take turns, HOST_REPS rounds of `calls` calls each after every column's warm-up, in an order
-    shuffled per round (seeded), and each cell is the median of its rounds: the host's speed
+    take turns, HOST_REPS rounds of `calls` calls each after every column's warm-up, in balanced
+    orders (balanced_order), and each cell is the median of its rounds: the host's speed
     drifts over a run, and turns give every column the same. A column that fails in a cell (not installed, not
     supported here) gives a NaN cell with the reason. With `profile`, each cell's cProfile report
     is printed after its timing. `device` other than "cuda" only exercises the plumbing (the tests
@@ -926,9 +925,10 @@ def run_host_here(shapes, calls, columns, profile=False, device="cuda", report=p
                     del timed[column]
             samples = {column: [] for column in timed}
             for round_ in range(HOST_REPS):
-                for column, call in random.Random(round_).sample(list(timed.items()), len(timed)):
+                order = list(timed)
+                for column in [order[i] for i in balanced_order(len(order), round_)]:
                     try:
-                        samples[column].append(_host_turn(call, calls))
+                        samples[column].append(_host_turn(timed[column], calls))
                     except Exception as error:
                         failed[column] = _error_note(error)
                         del timed[column]
@@ -993,7 +993,7 @@ def write_host(cells, out_dir, environment, calls=HOST_CALLS):
     lines = ["# Host time per call", "", environment, "",
              f"Microseconds per call (lower is better): the wall time of {calls} back-to-back calls after "
              f"{HOST_WARMUP} warm-up calls (which take any torch.compile or jax.jit compilation), synchronised "
-             f"once at the end, divided by {calls}; the columns take turns in an order shuffled per round (the "
+             f"once at the end, divided by {calls}; the columns take turns in balanced orders (the "
              "torch.compile columns and the JAX columns each in a process of their own), and a "
              f"cell is the median of its {HOST_REPS} turns. bf16, causal; shapes "
              "are batch x seqlen x nheads x headdim; fwd+bwd is the forward, then the gradients of q, k and v for "

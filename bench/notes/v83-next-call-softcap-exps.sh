@@ -25,5 +25,10 @@ if [ -d .device_scratch34 ]; then
 fi
 echo "== GPU tests of e4: softcap" >> $L
 gpu_tests e4 tests-e4 150 tests/test_gpu.py tests/test_gpu_variants.py tests/test_head_dims.py -k "softcap"
+echo "== options table of e4: softcap (the issue's bound, 1.15x plain)" >> $L
+(cd $S/e4 && PYTHONPATH=. timeout 90 python -m cupyflash bench --options-only --option-rows softcap \
+  --out $OUT/options-e4 > $OUT/options-e4.log 2>&1)
+echo "options rc $? ($(date +%T))" >> $L
+cat $OUT/options-e4/options.md >> $L
 save_new_kernels
 cat $L

@@ -6,7 +6,7 @@
 # pipes (exp2_on_fma: 8 instructions for one MUFU op) at hd64 and hd128.
 # Prediction (MUFU cycles per step equal the wgmmas' at hd128 with softcap; v83 note): hd128
 # softcap 1.36x plain -> 1.10-1.20x with e4 (e2 between, e6 no better than e4: FMA-pipe issue);
-# hd64 (MUFU twice the wgmmas, issue nearly full) at most 5% better; hd256 (no change) within noise.
+# hd64 (MUFU twice the wgmmas; issue ~87% of the plain period) 0-20% better; hd256 (no change) within noise.
 # With .device_scratch34 carried too (p1, p2: HEAD with 1 or 2 eighths of the plain hd64 forward's
 # exps on the FMA pipes, where ex2 alone matches the wgmmas' cycles): hd64 plain within -3..+5%.
 cd "$(dirname "$0")/../.."

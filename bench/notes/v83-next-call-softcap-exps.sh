@@ -3,7 +3,7 @@
 # .device_scratch33 main=HEAD e2=HEAD+P2 e4=HEAD+bench/notes/v83-softcap-exps-on-fma.patch e6=HEAD+P6
 # --kernels ab --options '{"softcap": 30.0}', P2 and P6 the patch with 2 and 6 in kExpOnFmaEighths).
 # The wgmma forward with softcap folded takes 2, 4 or 6 of every 8 column tiles' exps on the FMA
-# pipes (exp2_on_fma: 8 instructions for one MUFU op) at hd64 and hd128.
+# pipes (exp2_on_fma: 9 instructions for one MUFU op) at hd64 and hd128.
 # Prediction (MUFU cycles per step equal the wgmmas' at hd128 with softcap; v83 note): hd128
 # softcap 1.36x plain -> 1.10-1.20x with e4 (e2 between, e6 no better than e4: FMA-pipe issue);
 # hd64 (MUFU twice the wgmmas; issue ~87% of the plain period) 0-20% better; hd256 (no change) within noise.

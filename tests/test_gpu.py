@@ -360,6 +360,27 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf():
         assert bool(cupy.all(cupy.isfinite(grad)))
 
 
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_nan_key_makes_nan_of_exactly_the_rows_the_reference_does(causal, headdim, softcap):
+    """A NaN in one key's vector reaches every output row that attends to that key and no other
+    (tests/test_reference.py), whichever unit, special-function or FMA, takes its column's exponential."""
+    import cupy
+    from cupyflash import flash_attn_func
+    from cupyflash.reference import attention_forward
+    case = Case(300, 300, headdim, "bfloat16", causal, batch=2, nheads=4, nheads_k=2)
+    inputs = _check.random_inputs(case, 5)
+    inputs["k"][1, 130, 0, 3] = numpy.nan  # key 130: in the third 64-key block, off its first column tile
+    arrays = _check.to_cupy_inputs(case, inputs)
+    out = flash_attn_func(arrays["q"], arrays["k"], arrays["v"], causal=causal, softcap=softcap)
+    nan = numpy.isnan(numpy.asarray(cupy.asnumpy(out)).astype(numpy.float32))
+    want = numpy.isnan(attention_forward(*(inputs[n].astype(numpy.float64) for n in "qkv"), causal=causal,
+                                         softcap=softcap)[0])
+    assert want.any() and not want.all()
+    numpy.testing.assert_array_equal(nan, want)
+
+
 def test_misaligned_views_are_still_correct():
     """Views whose rows are not 16-byte aligned (odd element offset) are copied, not misread, also
     when an aligned call of the same shapes and strides has cached its launch plan first."""

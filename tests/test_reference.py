@@ -157,6 +157,20 @@ def test_causal_hand_checked_case():
     np.testing.assert_allclose(lse[..., 1], lse1[..., 0], rtol=1e-14)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_a_nan_key_reaches_exactly_the_rows_that_see_it(causal, softcap):
+    # batch 2, 7 rows and keys, query heads 0 and 1 on kv head 0: key 4 of batch 1, kv head 0 is NaN.
+    q, k, v, _ = random_inputs(5, 2, 7, 7, 4, 2, 8)
+    k[1, 4, 0, 3] = np.nan
+    expected = np.zeros((2, 7, 4), bool)
+    expected[1, 4 if causal else 0:, :2] = True
+    for forward in (ref.attention_forward, ref.attention_forward_tiled):
+        out = forward(q, k, v, causal=causal, softcap=softcap)[0]
+        nan = np.isnan(out)
+        assert (nan.all(axis=-1) == expected).all() and (nan.any(axis=-1) == expected).all()
+
+
 def test_rows_without_keys_give_zero_out_minus_inf_lse_and_zero_gradient():
     # seqlen_q = 5, seqlen_k = 2, causal: rows 0..2 see no key, row 3 sees key 0, row 4 keys 0..1.
     q, k, v, dout = random_inputs(31, 2, 5, 2, 2, 1, 8)

@@ -11,5 +11,5 @@ ab 60 --pass fwd --options '{"softcap": 30.0}' --cells $C $S/main $S/e4
 echo "== v83 ab fwd plain: main" >> $L
 ab 25 --pass fwd --cells $C $S/main
 echo "== v83 GPU tests of e4: softcap" >> $L
-gpu_tests e4 tests-e4 90 tests/test_gpu.py tests/test_gpu_variants.py tests/test_head_dims.py -k "softcap"
+gpu_tests e4 tests-e4 90 tests/test_gpu.py tests/test_gpu_variants.py tests/test_head_dims.py -k "softcap or nan_key"
 cat $L

@@ -24,7 +24,10 @@ if [ -d .device_scratch34 ]; then
   ab 90 --pass fwd --cells 64:1024:0,64:1024:1,64:4096:0,64:4096:1,64:16384:0,64:16384:1 $S/main $PWD/.device_scratch34/p1 $PWD/.device_scratch34/p2
 fi
 echo "== GPU tests of e4: softcap" >> $L
-gpu_tests e4 tests-e4 150 tests/test_gpu.py tests/test_gpu_variants.py tests/test_head_dims.py -k "softcap"
+gpu_tests e4 tests-e4 150 tests/test_gpu.py tests/test_gpu_variants.py tests/test_head_dims.py -k "softcap or nan_key"
+echo "== GPU tests of main: the NaN key, both families (the property e4 keeps)" >> $L
+gpu_tests main tests-main-nan 60 tests/test_gpu.py -k "nan_key"
+CUPYFLASH_FAMILY=mma_sync gpu_tests main tests-main-nan-mma-sync 60 tests/test_gpu.py -k "nan_key"
 echo "== options table of e4: softcap (the issue's bound, 1.15x plain)" >> $L
 (cd $S/e4 && PYTHONPATH=. timeout 90 python -m cupyflash bench --options-only --option-rows softcap \
   --out $OUT/options-e4 > $OUT/options-e4.log 2>&1)

@@ -13,7 +13,7 @@ ab 70 --pass fwd --options '{"softcap": 30.0}' --cells $C $S/main $S/e4
 echo "== v83 ab fwd plain: main" >> $L
 ab 30 --pass fwd --cells $C $S/main
 echo "== v83 GPU tests of e4: softcap" >> $L
-gpu_tests e4 tests-e4 100 tests/test_gpu.py tests/test_gpu_variants.py tests/test_head_dims.py -k "softcap"
+gpu_tests e4 tests-e4 100 tests/test_gpu.py tests/test_gpu_variants.py tests/test_head_dims.py -k "softcap or nan_key"
 S2=$PWD/.device_scratch32
 echo "== v82 GPU tests of light, mma.sync (forced): ALiBi, dropout, the light tables" >> $L
 S=$S2 CUPYFLASH_FAMILY=mma_sync gpu_tests light tests-mma-sync 130 tests/test_gpu.py tests/test_gpu_variants.py \

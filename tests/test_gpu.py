@@ -371,7 +371,7 @@ def test_a_nan_key_makes_nan_of_exactly_the_rows_the_reference_does(causal, head
     from cupyflash.reference import attention_forward
     case = Case(300, 300, headdim, "bfloat16", causal, batch=2, nheads=4, nheads_k=2)
     inputs = _check.random_inputs(case, 5)
-    inputs["k"][1, 130, 0, 3] = numpy.nan  # key 130: in the third 64-key block, off its first column tile
+    inputs["k"][1, 130, 0, 3] = numpy.nan  # key 130: column tile 0 of its block, one that moves its exps
     arrays = _check.to_cupy_inputs(case, inputs)
     out = flash_attn_func(arrays["q"], arrays["k"], arrays["v"], causal=causal, softcap=softcap)
     nan = numpy.isnan(numpy.asarray(cupy.asnumpy(out)).astype(numpy.float32))

@@ -124,16 +124,17 @@ class GraphTimer:
         return start.elapsed_time(stop) / self.calls
 
 
-def balanced_order(n, round_):
-    """Round `round_`'s order of n timers, from a Williams design (a balanced Latin square): over
-    a cycle of n rounds (2n for odd n) each timer takes every position equally often and follows
-    every other timer equally often. Under the power cap a batch's clocks depend on the batch before
+def balanced_order(items, round_):
+    """`items` in round `round_`'s order, from a Williams design (a balanced Latin square): over a
+    cycle of n rounds (2n for odd n items) each item takes every position equally often and follows
+    every other item equally often. Under the power cap a batch's clocks depend on the batch before
     it, so a timer that always ran after the same one (as seeded shuffles repeat in every cell)
     would carry that one's bias."""
+    n = len(items)
     first = [0]  # 0, 1, n-1, 2, n-2, ...
     for i in range(1, n):
         first.append((i + 1) // 2 if i % 2 else n - i // 2)
-    row = [(x + round_) % n for x in first]
+    row = [items[(x + round_) % n] for x in first]
     return row[::-1] if n % 2 and round_ // n % 2 else row
 
 
@@ -145,8 +146,7 @@ def median_ms(timers, reps=5, report=print):
     and left out."""
     samples = {key: [] for key in timers}
     for round_ in range(reps):
-        keys = list(samples)
-        for key in (keys[i] for i in balanced_order(len(keys), round_)):
+        for key in balanced_order(list(samples), round_):
             try:
                 samples[key].append(timers[key].batch_ms())
             except Exception as error:
@@ -925,8 +925,7 @@ def run_host_here(shapes, calls, columns, profile=False, device="cuda", report=p
                     del timed[column]
             samples = {column: [] for column in timed}
             for round_ in range(HOST_REPS):
-                order = list(timed)
-                for column in [order[i] for i in balanced_order(len(order), round_)]:
+                for column in balanced_order(list(timed), round_):
                     try:
                         samples[column].append(_host_turn(timed[column], calls))
                     except Exception as error:

@@ -29,13 +29,15 @@ def test_wrong_results_accepts_rounding_and_flags_wrong_or_nonfinite_passes():
 
 @pytest.mark.parametrize("n", range(1, 10))
 def test_balanced_order_puts_each_timer_in_every_position_and_after_every_other_equally_often(n):
-    cycle = [benchmark.balanced_order(n, r) for r in range(n if n % 2 == 0 else 2 * n)]
+    cycle = [benchmark.balanced_order(list(range(n)), r) for r in range(n if n % 2 == 0 else 2 * n)]
     assert all(sorted(order) == list(range(n)) for order in cycle)
     positions = collections.Counter((timer, i) for order in cycle for i, timer in enumerate(order))
     assert len(positions) == n * n and len(set(positions.values())) == 1
     pairs = collections.Counter(pair for order in cycle for pair in zip(order, order[1:]))
     assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
-    assert benchmark.balanced_order(n, len(cycle)) == cycle[0]  # the cycle repeats
+    assert benchmark.balanced_order(list(range(n)), len(cycle)) == cycle[0]  # the cycle repeats
+    names = "abcdefghi"[:n]  # any items, in the order of their indices'
+    assert benchmark.balanced_order(list(names), 1) == [names[i] for i in cycle[1 % len(cycle)]]
 
 
 def test_median_ms_takes_turns_in_balanced_orders_and_leaves_out_a_timer_that_fails():

@@ -18,8 +18,8 @@ echo "== GPU tests of light, mma.sync (forced): ALiBi, dropout, the light tables
 CUPYFLASH_FAMILY=mma_sync gpu_tests light tests-mma-sync 150 tests/test_gpu.py tests/test_gpu_variants.py \
   tests/test_head_dims.py -k "alibi or dropout or light"
 echo "== mma.sync (forced): ab bwd ALiBi, dropout, main and light" >> $L
-CUPYFLASH_FAMILY=mma_sync ab 120 --options '{"alibi_slopes": "random"}' --cells $C $S/main $S/light
-CUPYFLASH_FAMILY=mma_sync ab 120 --options '{"dropout_p": 0.1, "seed": 1}' --cells $C $S/main $S/light
+CUPYFLASH_FAMILY=mma_sync ab 100 --options '{"alibi_slopes": "random"}' --cells $C $S/main $S/light
+CUPYFLASH_FAMILY=mma_sync ab 100 --options '{"dropout_p": 0.1, "seed": 1}' --cells $C $S/main $S/light
 echo "== GPU tests of light, wgmma (its kernels unchanged; the light tables' test)" >> $L
 gpu_tests light tests 60 tests/test_gpu.py -k "light"
 cat $L

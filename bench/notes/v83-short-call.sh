@@ -1,7 +1,7 @@
 #!/bin/bash
 # One short device call (about 7 min) for a session with little device time: v83's minimal call
 # (the softcap A/B and its tests), then v82's forced-family tests and A/B on 3 cells.
-# carry [".device_scratch33", ".device_scratch32"].
+# carry [".device_scratch33", ".device_scratch32", ".device_scratch34"].
 cd "$(dirname "$0")/../.."
 bash bench/notes/v83-minimal-call.sh > /dev/null 2>&1
 SCRATCH=.device_scratch32 source bench/device_call.sh  # (the same $L: v82's lines follow v83's)

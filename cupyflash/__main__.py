@@ -77,7 +77,8 @@ def _tile_text(tile, table):
 
 # A column per tile table (_config.TABLES; a table without its header here is a KeyError).
 _TABLE_HEADERS = {"fwd": "fwd tile", "bwd": "bwd tile", "bwd_options": "bwd tile with options",
-                  "bwd_deterministic": "deterministic bwd tile", "decode": "decode tile",
+                  "bwd_deterministic": "deterministic bwd tile", "bwd_light": "bwd tile with ALiBi or dropout alone",
+                  "decode": "decode tile",
                   "decode_small": f"decode tile of pages under {_config.DENSE_TILE_PAGE} rows, caches of "
                                   f"{_config.SHORT_CACHE} or fewer",
                   "decode_few": "decode tile of calls of at most a CTA per SM"}
@@ -147,7 +148,7 @@ def _print_wgmma_tables(family):
     printed = []
     for table, wgmma in _config.TILES[_config.WGMMA].get(family, {}).items():
         if any(wgmma is other for other in printed):
-            continue  # (the deterministic backward's: the plain table)
+            continue  # (another's: the deterministic backward's is the plain table, the light options' the options')
         printed.append(wgmma)
         tiles = "; ".join(_tile_text(_config.Tile(hd, *cfg, _config.WGMMA), table) for hd, cfg in wgmma.items())
         if table in instead:

@@ -28,7 +28,9 @@ KERNEL_FAMILIES = (MMA_SYNC, WGMMA)
 #   bwd: 2 block_n row + stages (2 block_m row + 8 block_m) + 2 block_m row_bytes(block_n)
 # and it must fit the GPU family's opt-in limit (FAMILY_SMEM_LIMIT). 'bwd_options' is the backward
 # of the kernels with score options (features: cuda_src/common/score.cuh; deterministic or not),
-# whose options need registers; 'bwd_deterministic' that of the deterministic ones without.
+# whose options need registers; 'bwd_deterministic' that of the deterministic ones without;
+# 'bwd_light' that of the light options (_kernels.LIGHT_FEATURES), which the mma.sync kernels run
+# in the plain kernels' passes.
 # Timings: bench/tiles.py on an H200, bf16, seqlen 1k-16k.
 _DECODE = {hd: (16, 32 if hd <= 64 else 16, 4, 2) for hd in HEADDIMS if hd != 224}  # 4 warps, 2 stages (below)
 _SM90 = {
@@ -120,6 +122,12 @@ TILES = {
 for _tables, _instead in ((TILES[MMA_SYNC]["sm90"], {64: (128, 64, 8, 2)}),  # (the plain 128x128 spills)
                           (TILES[MMA_SYNC]["sm86"], {}), (TILES[MMA_SYNC]["sm80"], {})):
     _tables["bwd_deterministic"] = {**_tables["bwd"], **_instead}
+# The light options' backward: the options' tiles, but sm90's hd128 on the plain one (forced mma.sync,
+# H100, v84: ALiBi +20-23%, dropout +19-25% over the options' kernels); at hd64 and hd256 the plain
+# tiles spill with them, and the spill-free stand-ins lose 10-16% to the options' tiles (v82).
+for _tables in (TILES[MMA_SYNC]["sm90"], TILES[MMA_SYNC]["sm86"], TILES[MMA_SYNC]["sm80"]):
+    _tables["bwd_light"] = dict(_tables["bwd_options"])
+TILES[MMA_SYNC]["sm90"]["bwd_light"][128] = TILES[MMA_SYNC]["sm90"]["bwd"][128]
 # The wgmma kernels, head dims 64, 128 and 256 only (their tiles are whole 64-wide swizzled column
 # blocks). Forward: block_m / 64 consumer warpgroups of 64 query rows and a producer warpgroup
 # (warps = 4 (1 + block_m / 64)); `stages` K/V buffers. hd64 takes three consumers (192 rows,
@@ -173,6 +181,7 @@ TILES[WGMMA] = {"sm90": {
 # dropout decisions are one word a step. The deterministic one without options: the plain tiles.
 TILES[WGMMA]["sm90"]["bwd_options"] = {**TILES[WGMMA]["sm90"]["bwd"], 64: (64, 128, 12, 2)}
 TILES[WGMMA]["sm90"]["bwd_deterministic"] = TILES[WGMMA]["sm90"]["bwd"]
+TILES[WGMMA]["sm90"]["bwd_light"] = TILES[WGMMA]["sm90"]["bwd_options"]  # (one code for every option)
 # The backward without score options, causal or window edges or varlen (deterministic or not):
 # hd128 on 80 query rows a step, dQ transposed (sm90/bwd.cuh, kDQTransposed).
 TILES[WGMMA]["sm90"]["bwd_full"] = {128: (80, 128, 12, 2)}
@@ -223,11 +232,11 @@ def decode_table(page_size, capacity, ctas, sms):
 FAMILY_SMEM_LIMIT = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024, "sm100": 227 * 1024,
                      "sm120": 99 * 1024}
 # The tile tables of each GPU family (see kernel_pass).
-TABLES = ("fwd", "bwd", "bwd_options", "bwd_deterministic", "decode", "decode_small", "decode_few")
+TABLES = ("fwd", "bwd", "bwd_options", "bwd_deterministic", "bwd_light", "decode", "decode_small", "decode_few")
 
 
 def kernel_pass(table):
-    """The kernel pass a tile table serves: 'bwd_options' and 'bwd_deterministic' hold backward tiles,
+    """The kernel pass a tile table serves: 'bwd_options', 'bwd_deterministic' and 'bwd_light' hold backward tiles,
     'decode_small' and 'decode_few' decode ones."""
     return table.split("_")[0]
 
@@ -339,6 +348,7 @@ _BLACKWELL_CLEAN = {
     "fwd": {64: (128, 32, 4, 2), 96: (64, 64, 4, 1), 128: (64, 64, 4, 2), 256: (64, 32, 4, 1)},
     "bwd": _BLACKWELL_BWD,
     "bwd_deterministic": _BLACKWELL_BWD,
+    "bwd_light": {128: _BLACKWELL_BWD[128]},  # (sm90's options tile spills with dropout under 12.8 and 12.9)
 }
 
 

@@ -35,8 +35,8 @@ class Kernel:
     `features` are the score options compiled in (a subsequence of FEATURES; DECODE_FEATURES for
     decode): a call runs the kernel of exactly the options it uses, compiled on first use, so an
     option costs only its own code (where that kernel spills, the one with every feature instead:
-    _compile.spill_free). A backward with features runs the tile table 'bwd_options', a
-    deterministic one without 'bwd_deterministic' (backward_table); the forward has no
+    _compile.spill_free). A backward with features runs the tile table 'bwd_options' (the light
+    ones 'bwd_light'), a deterministic one without 'bwd_deterministic' (backward_table); the forward has no
     deterministic kernel, its order of adds being fixed anyway.
     all_kernels lists the variants the compile checks build: each table's plain kernel and its
     kernel with every feature, the heaviest code, which holds every subset's.
@@ -167,10 +167,18 @@ def _bool(flag):
     return "true" if flag else "false"
 
 
+# The light options: a backward with one of these alone, not deterministic, runs the plain kernels'
+# passes in the mma.sync family (cuda_src/sm80/bwd.cuh) on the 'bwd_light' tiles.
+LIGHT_FEATURES = (("alibi",), ("dropout",))
+
+
 def backward_table(features, deterministic):
-    """The tile table a backward runs: 'bwd_options' where it compiles in score options (their code
-    needs the registers), else 'bwd_deterministic' where it is deterministic, else 'bwd'."""
-    return "bwd_options" if features else "bwd_deterministic" if deterministic else "bwd"
+    """The tile table a backward runs: 'bwd_light' for LIGHT_FEATURES, else 'bwd_options' where it
+    compiles in score options (their code needs the registers), else 'bwd_deterministic' where it
+    is deterministic, else 'bwd'."""
+    if features:
+        return "bwd_light" if tuple(features) in LIGHT_FEATURES and not deterministic else "bwd_options"
+    return "bwd_deterministic" if deterministic else "bwd"
 
 
 # The (features, deterministic) pairs the compile checks build per tile table (or its pass): the plain kernel and
@@ -179,6 +187,7 @@ def backward_table(features, deterministic):
 # backward's bias kernels a twin with them (ring_features).
 _CHECKED_FLAGS = {"fwd": (((), False), (FEATURES, False)), "bwd": (((), False),),
                   "bwd_options": ((FEATURES, False), (FEATURES, True)), "bwd_deterministic": (((), True),),
+                  "bwd_light": tuple((features, False) for features in LIGHT_FEATURES),
                   "bwd_full": (((), False), ((), True)), "fwd_bias": ((("bias",), False), (FEATURES, False)),
                   "decode": (((), False), (DECODE_FEATURES, False)),
                   "decode_small": (((), False), (DECODE_FEATURES, False)),
@@ -268,9 +277,10 @@ def representative_jobs(jobs):
             for t in tables(k))
 
     def heaviest_flags(k):
-        # (a backward with options: the deterministic one, whose code holds the other's)
+        # (a backward with options: the deterministic one, whose code holds the other's; but the
+        # light options', compiled without)
         return k.local and not k.even_k and (k.options or k.pass_ != "fwd") and (k.deterministic or not (
-            k.pass_ == "bwd" and k.options))
+            k.pass_ == "bwd" and k.options and k.features not in LIGHT_FEATURES))
 
     def own_deterministic_tile(arch, k):
         # a 'bwd_deterministic' tile that is not the plain backward's (where the plain one spills)
@@ -282,7 +292,8 @@ def representative_jobs(jobs):
             return k.tile.headdim == 128 and k.local and not k.even_k and (k.wgmma or (arch == primary
                                                                                       and native(arch, k)))
         heaviest_features = k.features in ((), FEATURES, DECODE_FEATURES) or (
-            k.bias_tiles and k.features == ring_features(k.tile, k.pass_))
+            k.bias_tiles and k.features == ring_features(k.tile, k.pass_)) or (
+            k.pass_ == "bwd" and k.features in LIGHT_FEATURES)  # (their own code)
         if not heaviest_features or (k.deterministic and not k.features and not own_deterministic_tile(arch, k)):
             return False  # (the sweep's single features: their code is the full set's, less)
         if k.wgmma:  # every tile with the heaviest flags, and every flag at hd128

@@ -147,7 +147,10 @@ def test_a_driver_older_than_the_cupy_wheel_names_the_cuda12_extra(monkeypatch):
 def test_default_check_compiles_a_small_set_covering_every_table_and_dtype():
     from cupyflash import _kernels
     jobs = _kernels.representative_jobs(_kernels.compile_jobs())
-    assert len(jobs) <= 88  # (a distinct tile in each table: one kernel each; the bias tiles' kernels)
+    assert len(jobs) <= 114  # (a distinct tile in each table: one kernel each; the bias tiles' kernels)
+    # the light options' backwards (_kernels.LIGHT_FEATURES: their own code), in each family
+    assert {(k.features, k.wgmma) for _, k in jobs if k.pass_ == "bwd" and k.features in _kernels.LIGHT_FEATURES} == {
+        (features, wgmma) for features in _kernels.LIGHT_FEATURES for wgmma in (False, True)}
     # softcap alone in bfloat16, whose forwards hold the fixed maximum's code (_kernels._BOUNDED_FLAGS), once per family
     assert sorted(k.wgmma for _, k in jobs if k.features == ("softcap",) and k.dtype == "bfloat16") == [False, True]
     assert {arch for arch, _ in jobs} == {arch for archs in _config.COMPILE_CHECKS.values() for arch in archs}

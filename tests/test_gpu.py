@@ -201,6 +201,24 @@ def test_the_options_backward_family_on_hopper(case, monkeypatch):
 
 
 @pytest.mark.parametrize("case", [
+    Case(300, 500, 128, "bfloat16", True, nheads=4, nheads_k=2, alibi_slopes=True),
+    Case(1000, 113, 128, "float16", False, nheads=4, alibi_slopes=True),
+    Case(200, 300, 64, "float16", False, nheads=4, nheads_k=1, dropout_p=0.15),
+    Case(113, 257, 256, "bfloat16", True, nheads=2, dropout_p=0.1),
+], ids=str)
+def test_the_light_options_backward_runs_its_own_tiles(case, monkeypatch):
+    """A backward with ALiBi alone or dropout alone (not deterministic) runs its family's 'bwd_light'
+    tile (the mma.sync kernels: in the plain kernels' passes) and passes against float64."""
+    import cupy
+    from cupyflash import _plan, _schedule
+    monkeypatch.setattr(_plan, "_plans", {})
+    _assert_ok(_check.run_gpu_case(case, _seed(case)))
+    kernels = [k for plan in _plan._plans.values() for k in plan.kernels if k.pass_ == "bwd"]
+    family = _config.WGMMA if kernels[0].wgmma else _config.MMA_SYNC
+    assert {k.tile for k in kernels} == {_schedule.tile("bwd_light", case.headdim, cupy.cuda.Device().id, family)}
+
+
+@pytest.mark.parametrize("case", [
     Case(113, 1000, 64, "bfloat16", True, nheads=4, nheads_k=2, deterministic=True),
     Case(1000, 113, 64, "float16", False, nheads=2, nheads_k=1, deterministic=True),
     Case(17, 300, 128, "bfloat16", True, nheads=2, window_size=(40, 9), deterministic=True),

@@ -343,7 +343,10 @@ def test_the_compile_checks_build_each_table_plain_with_every_feature_and_each_f
     # each feature alone: at hd128, once per tile; but bfloat16 forwards of softcap alone, whose fixed
     # maximum no other kernel holds, at every forward tile
     bounded = {k for k in kernels if k.features == ("softcap",) and k.dtype == "bfloat16" and k.pass_ == "fwd"}
-    assert {k.tile.headdim for k in kernels if len(k.features) == 1 and k not in bounded} == {128}
+    # and the light options' backwards (their own code, 'bwd_light'), at every head dim
+    light = {k for k in kernels if k.pass_ == "bwd" and k.features in _kernels.LIGHT_FEATURES}
+    assert {k.tile.headdim for k in light} == set(_config.HEADDIMS)
+    assert {k.tile.headdim for k in kernels if len(k.features) == 1 and k not in bounded | light} == {128}
     assert {(k.tile, k.local, k.even_k) for k in bounded} == {
         (k.tile, k.local, k.even_k) for k in kernels if k.pass_ == "fwd" and k.dtype == "bfloat16" and not k.features}
 

@@ -78,6 +78,11 @@ template <int HEADDIM, int BLOCK_M, int BLOCK_N, int WARPS, int STAGES, bool BF1
 __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     typedef BwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS, STAGES> T;
     constexpr bool OPTIONS = FEATURES != 0;
+    // The light options (_kernels.LIGHT_FEATURES) run in the plain kernels' passes: ALiBi alone added
+    // by rows ahead of them, dropout alone drawn in dS's.
+    constexpr bool kAlibiAlone = FEATURES == feature::alibi && !DETERMINISTIC;
+    constexpr bool kDropoutAlone = FEATURES == feature::dropout && !DETERMINISTIC;
+    constexpr bool kPlainPasses = !OPTIONS || kAlibiAlone || kDropoutAlone;
     typedef typename T::S GS;
     typedef typename T::KV GKV;
     typedef typename T::Q GQ;
@@ -176,11 +181,15 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
         // is exactly 0. Rows past the end were zero-filled (Q, dO, lse_log2, D): their P is at most 1
         // but dO and dP - D are 0, so they add nothing to dV, dK or dQ.
         const bool masked = block_needs_mask<LOCAL>(p, seq, row0, key0, BLOCK_M, BLOCK_N);
-        if constexpr (OPTIONS) {
+        if constexpr (!kPlainPasses) {
             options_probabilities<BF16, LOCAL, FEATURES, GS::MT, GS::NT>(s, dp, p, seq, batch, head, row0 + GS::row0(),
                                                                key0 + GS::col0(), masked, s_lse(stage) + GS::row0(),
                                                                s_dot(stage) + GS::row0());
         } else {
+            if constexpr (kAlibiAlone) {  // (the step's head's slope: a CTA walks its KV group's heads)
+                const Alibi alibi(p, seq, batch, head);
+                if (alibi.on()) added_by_rows(s, alibi, row0 + GS::row0(), key0 + GS::col0());
+            }
             // (Three passes rather than one: fused, the 255-register variants spill.)
             for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
                 s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -s_lse(stage)[GS::row0() + fragment_row(mt, e)]));
@@ -197,18 +206,27 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
                                                              key0 + GS::col0() + fragment_col(0, 0)), 0.f);
             }
             // dS = P * (dP - D)
-            for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
-                dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - s_dot(stage)[GS::row0() + fragment_row(mt, e)]);
-            });
+            if constexpr (kDropoutAlone) {  // dP and dV's P: the kept elements times dropout_scale, the others 0
+                for_each_dropout_decision<GS::MT, GS::NT>(p, p.dropout_scale != 0.f, batch, head, row0 + GS::row0(),
+                                                         key0 + GS::col0(), [&](int mt, int nt, int e, bool kept) {
+                    const float drop = p.dropout_scale == 0.f ? 1.f : (kept ? p.dropout_scale : 0.f);
+                    dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] * drop - s_dot(stage)[GS::row0() + fragment_row(mt, e)]);
+                    s[mt][nt][e] *= drop;
+                });
+            } else {
+                for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
+                    dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - s_dot(stage)[GS::row0() + fragment_row(mt, e)]);
+                });
+            }
         }
         // stmatrix (a quarter of the pair stores, a few more live registers) for P where a warp's S
-        // tile is 32 x 32 or wider, and for dS from 32 x 64 (hd32/hd64), the options off: at hd128
+        // tile is 32 x 32 or wider, and for dS from 32 x 64 (hd32/hd64), in the plain passes: at hd128
         // both tiles by stmatrix spill, and P alone is 1-2% faster.
-        if constexpr (GS::NT >= 4 && !OPTIONS)
+        if constexpr (GS::NT >= 4 && kPlainPasses)
             store_fragment_by_matrix<BF16, GS::MT, GS::NT, BLOCK_N>(s_p, s, GS::row0(), GS::col0());
         else
             store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_p, s, 1.f, GS::row0(), GS::col0());
-        if constexpr (GS::NT >= 8 && !OPTIONS)
+        if constexpr (GS::NT >= 8 && kPlainPasses)
             store_fragment_by_matrix<BF16, GS::MT, GS::NT, BLOCK_N>(s_ds, dp, GS::row0(), GS::col0());
         else
             store_fragment<BF16, GS::MT, GS::NT, BLOCK_N>(s_ds, dp, 1.f, GS::row0(), GS::col0());

@@ -383,13 +383,13 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf():
 @pytest.mark.parametrize("causal", [False, True])
 def test_a_nan_key_makes_nan_of_exactly_the_rows_the_reference_does(causal, headdim, softcap):
     """A NaN in one key's vector reaches every output row that attends to that key and no other
-    (tests/test_reference.py), whichever unit, special-function or FMA, takes its column's exponential."""
+    (tests/test_reference.py), through the online softmax's maximum, exponentials and sums."""
     import cupy
     from cupyflash import flash_attn_func
     from cupyflash.reference import attention_forward
     case = Case(300, 300, headdim, "bfloat16", causal, batch=2, nheads=4, nheads_k=2)
     inputs = _check.random_inputs(case, 5)
-    inputs["k"][1, 130, 0, 3] = numpy.nan  # key 130: column tile 0 of its block, one that moves its exps
+    inputs["k"][1, 130, 0, 3] = numpy.nan  # key 130: causal rows 0-129 do not see it
     arrays = _check.to_cupy_inputs(case, inputs)
     out = flash_attn_func(arrays["q"], arrays["k"], arrays["v"], causal=causal, softcap=softcap)
     nan = numpy.isnan(numpy.asarray(cupy.asnumpy(out)).astype(numpy.float32))

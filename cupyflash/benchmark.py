@@ -5,7 +5,7 @@ hidden 2048 (nheads = 2048 / headdim), layout (batch, seqlen, nheads, headdim). 
 4 b h s^2 d, halved when causal; backward 2.5x that, timed alone (the backward of an existing
 forward); fwd+bwd 3.5x. Timing: CUDA events on PyTorch's current stream around a batch of
 back-to-back calls (sized to ~25 ms, so the host's launch work overlaps the GPU's), per-call time =
-elapsed / calls, median of 7 batches after a warm-up call (which includes compilation). In each
+elapsed / calls, median of 11 batches after a warm-up call (which includes compilation). In each
 cell the implementations' batches take turns in a balanced order (median_ms): under load the GPU
 runs at its power cap, and a batch timed alone after an idle spell would get higher clocks. JAX has
 no stream to put events on: its cells use the host clock around a batch ended by

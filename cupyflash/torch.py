@@ -26,8 +26,9 @@ import torch
 from . import _config, _paged, api, options, validate
 from ._arrays import bfloat16_dtype
 
-if not hasattr(torch.library, "custom_op"):
-    raise ImportError(f"cupyflash.torch needs PyTorch 2.4 or newer (torch.library.custom_op); found {torch.__version__}")
+if not hasattr(torch.library, "register_autograd"):
+    raise ImportError("cupyflash.torch needs PyTorch 2.4 or newer (torch.library.register_fake, register_autograd); "
+                      f"found {torch.__version__}")
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
@@ -80,6 +81,26 @@ def _empty(like, shape=None, dtype=None):
 # to off.
 
 _KIND_ANNOTATIONS = {"flag": bool, "real": float, "array": Optional[Tensor], "seed": Optional[Tensor]}
+
+
+_LIBRARY = torch.library.Library("cupyflash", "FRAGMENT")
+_infer_schema = getattr(torch.library, "infer_schema", None)
+if _infer_schema is None:  # PyTorch 2.4
+    from torch._library.infer_schema import infer_schema as _infer_schema
+
+
+def _define(name, implementation, fake, mutates_args=()):
+    """The OpOverload of a new op cupyflash::`name` whose schema is `implementation`'s signature
+    (writing in place the arguments named by `mutates_args`).
+    Defined through torch.library.Library rather than torch.library.custom_op, whose Python layers
+    around the implementation (an aliasing check, a dispatch-key wrapper) cost ~15-20 us a call:
+    compiled graphs call the ops at every step, and their backward on autograd's thread pays that
+    again. The implementation serves every device (the core picks the kernels or NumPy)."""
+    _LIBRARY.define(name + _infer_schema(implementation, mutates_args=mutates_args))
+    # As custom_op does: torch.compile must not trace into the implementation when a graph runs it.
+    _LIBRARY.impl(name, torch._disable_dynamo(implementation), "CompositeExplicitAutograd")
+    torch.library.register_fake(f"cupyflash::{name}", fake, lib=_LIBRARY)
+    return getattr(torch.ops.cupyflash, name).default
 
 
 def _option_parameters(varlen, pass_=None):
@@ -136,8 +157,7 @@ class _Op:
         self.names = list(self.signature.parameters)
         self.defaults = [p.default for p in params]
         self.required = sum(p.default is inspect.Parameter.empty for p in params)
-        self.op = torch.library.custom_op(f"cupyflash::{name}", self._with_signature(self.run), mutates_args=())
-        self.op.register_fake(self._with_signature(self._fake))
+        self.op = _define(name, self._with_signature(self.run), self._with_signature(self._fake))
 
     def _with_signature(self, method):
         def function(*args, **kwargs):
@@ -163,8 +183,25 @@ class _Op:
         return results
 
     def compute(self, a):
-        """The core's results for the op's arguments: (out, lse), (dq, dk, dv), or for the dense
-        backward (dq, dk, dv, dbias or None)."""
+        """The op's results for its arguments: (out, lse), (dq, dk, dv), or for the dense backward
+        (dq, dk, dv, dbias or None). A dense call on CUDA tensors runs its signature's resolved
+        plans (as the drop-in's eager calls do), skipping the core's checks and plan lookup."""
+        if not self.varlen and a["q"].is_cuda and (a["seed"] is None or not a["seed"].is_cuda):
+            dropout_seed, bias = a["seed"], a[options.DIFFERENTIABLE]
+            scalars = (a["softmax_scale"], a["causal"], a["dropout_p"], (a["window_left"], a["window_right"]),
+                       a["softcap"], a["deterministic"])
+            resolved = _resolution(a["q"], a["k"], a["v"], a["alibi_slopes"], bias, scalars)
+            if resolved:
+                # The ops run inside torch.compile's graphs, whose memory pools must not hold our
+                # scratch across calls: no kept scratch (keep=False).
+                if self.pass_ == "fwd":
+                    return resolved.forward(a["q"], a["k"], a["v"], a["alibi_slopes"], bias, dropout_seed, keep=False)
+                return resolved.backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], a["alibi_slopes"],
+                                         bias, dropout_seed, a["return_dbias"], keep=False)
+        return self.core(a)
+
+    def core(self, a):
+        """compute() through the core's public functions (which check every argument)."""
         varlen = self.varlen
         arrays = [_to_core(a[n]) for n in self.leading]
         if varlen:
@@ -221,7 +258,7 @@ class _Differentiable:
         self.tensors += [o.name for o in options.OPTIONS if o.kind in ("array", "seed") and o.name in forward.names]
         self.others = [n for n in forward.names if n not in self.tensors]
         self.takes_return_dbias = "return_dbias" in backward.names
-        forward.op.register_autograd(self._gradient_of_op, setup_context=self._save_op)
+        torch.library.register_autograd(forward.op, self._gradient_of_op, setup_context=self._save_op, lib=_LIBRARY)
 
     def __call__(self, arguments):
         """(out, lse) of the forward op's arguments (a dict with every one of them)."""
@@ -418,16 +455,17 @@ class _Resolved:
             return _apply_resolved(self, seed, lse_out, alibi_slopes, q, k, v, attn_bias), lse_out[0]
         return self.forward(q, k, v, alibi_slopes, attn_bias, seed)
 
-    def forward(self, q, k, v, alibi_slopes, attn_bias, seed):
+    def forward(self, q, k, v, alibi_slopes, attn_bias, seed, keep=True):
+        """(out, lse); `keep`: Plan.call's (the eager calls keep their small scratch per stream)."""
         given = (q, k, v, alibi_slopes, attn_bias)
         result = self.plan.call([given[i] for i in self.forward_positions], None if seed is None else int(seed),
-                                keep=True)
+                                keep=keep)
         if result is None:
-            result = _forward.compute(dict(self.arguments, q=q, k=k, v=v, alibi_slopes=alibi_slopes,
-                                           attn_bias=attn_bias, seed=seed))
+            result = _forward.core(dict(self.arguments, q=q, k=k, v=v, alibi_slopes=alibi_slopes,
+                                        attn_bias=attn_bias, seed=seed))
         return result
 
-    def backward(self, dout, q, k, v, out, lse, alibi_slopes, attn_bias, seed, return_dbias):
+    def backward(self, dout, q, k, v, out, lse, alibi_slopes, attn_bias, seed, return_dbias, keep=True):
         """(dq, dk, dv, dbias or None)."""
         stride = dout.stride()
         if stride[-1] != 1:
@@ -445,9 +483,9 @@ class _Resolved:
         grads = None
         if planned:
             plan, positions = planned
-            grads = plan.call([given[i] for i in positions], None if seed is None else int(seed), keep=True)
+            grads = plan.call([given[i] for i in positions], None if seed is None else int(seed), keep=keep)
         if grads is None:
-            grads = _backward.compute(dict(self.arguments, dout=dout, q=q, k=k, v=v, out=out, lse=lse,
+            grads = _backward.core(dict(self.arguments, dout=dout, q=q, k=k, v=v, out=out, lse=lse,
                                            alibi_slopes=alibi_slopes, attn_bias=attn_bias, seed=seed,
                                            return_dbias=return_dbias))
         return (*grads[:3], grads[3] if return_dbias else None)
@@ -542,10 +580,8 @@ def _kvcache_op():
             return method(arguments.arguments)
         function.__signature__ = signature
         return function
-    op = torch.library.custom_op("cupyflash::flash_attn_with_kvcache", bound(_kvcache_implementation),
-                                 mutates_args=("k_cache", "v_cache"))
-    op.register_fake(bound(_kvcache_fake))
-    return op
+    return _define("flash_attn_with_kvcache", bound(_kvcache_implementation), bound(_kvcache_fake),
+                   mutates_args=("k_cache", "v_cache"))
 
 
 _kvcache = _kvcache_op()

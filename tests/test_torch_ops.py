@@ -224,3 +224,30 @@ def test_ops_bind_their_arguments_as_their_signatures_do():
             op.bind(*range(op.required - 1))
         with pytest.raises(TypeError):
             op.bind(*range(len(op.names) + 1))
+
+
+@pytest.mark.gpu
+def test_ops_on_cuda_run_the_resolved_plans_with_the_cores_bits():
+    """A dense op call on CUDA tensors runs its signature's resolved plans (what the drop-in's eager
+    calls run), not the core's public functions: the same bits as the core's, forward and backward,
+    with the options off and on (dropout's seed a CPU tensor; dbias asked and not)."""
+    import cupyflash.torch as cft
+    for shape in [(2, 17, 29, 4, 2, 16, True), (1, 113, 113, 2, 2, 64, False)]:
+        q, k, v, dout = _inputs(shape, torch.bfloat16, "cuda", seed=8)
+        plain = (0.25, shape[-1], -1, -1, 0.0, None, None, 0.0, None, True)
+        every = tuple(x.detach() if isinstance(x, torch.Tensor) else x
+                      for x in _option_args(shape, torch.bfloat16, "cuda", seed=8))
+        for options in (plain, every):
+            forward = cft._forward.bind(q, k, v, *options)
+            resolved = cft._resolution(q, k, v, forward["alibi_slopes"], forward["attn_bias"],
+                                       (0.25, shape[-1], forward["dropout_p"], options[2:4], forward["softcap"], True))
+            assert resolved, "a dense CUDA call has resolved plans"
+            out, lse = cft._forward.compute(forward)
+            for got, want in zip((out, lse), cft._forward.core(forward)):
+                assert torch.equal(got, want)
+            for return_dbias in (False, True):
+                backward = cft._backward.bind(dout, q, k, v, out, lse, *options, return_dbias)
+                got, want = cft._backward.compute(backward), cft._backward.core(backward)
+                for name, x, y in zip(("dq", "dk", "dv", "dbias"), got, want):
+                    assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), name
+                assert (got[3] is not None) == (return_dbias and forward["attn_bias"] is not None)

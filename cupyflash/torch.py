@@ -54,7 +54,7 @@ def _to_core(t):
 
 
 def _from_core(x):
-    if isinstance(x, torch.Tensor):
+    if x is None or isinstance(x, torch.Tensor):
         return x
     if x.dtype == bfloat16_dtype():
         return torch.from_numpy(numpy.ascontiguousarray(x, dtype=numpy.float32)).to(torch.bfloat16)

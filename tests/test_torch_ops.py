@@ -251,3 +251,19 @@ def test_ops_on_cuda_run_the_resolved_plans_with_the_cores_bits():
                 for name, x, y in zip(("dq", "dk", "dv", "dbias"), got, want):
                     assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), name
                 assert (got[3] is not None) == (return_dbias and forward["attn_bias"] is not None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_op_asked_for_dbias_without_a_bias(device):
+    """return_dbias=True with no attn_bias: the gradients, and dbias as the op's empty (0,) tensor
+    (custom ops return no optional tensor), not an error."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, dout = _inputs((1, 17, 17, 2, 2, 16, True), dtype, device, seed=9)
+    ops = torch.ops.cupyflash
+    out, lse = ops.flash_attn_forward(q, k, v, 0.25, True)
+    *grads, dbias = ops.flash_attn_backward(dout, q, k, v, out, lse, 0.25, True, deterministic=True,
+                                            return_dbias=True)
+    want = ops.flash_attn_backward(dout, q, k, v, out, lse, 0.25, True, deterministic=True)[:3]
+    assert dbias.shape == (0,)
+    for got, expected in zip(grads, want):
+        assert torch.equal(got, expected)

@@ -77,7 +77,8 @@ def _tile_text(tile, table):
 
 # A column per tile table (_config.TABLES; a table without its header here is a KeyError).
 _TABLE_HEADERS = {"fwd": "fwd tile", "bwd": "bwd tile", "bwd_options": "bwd tile with options",
-                  "bwd_deterministic": "deterministic bwd tile", "bwd_light": "bwd tile with ALiBi or dropout alone",
+                  "bwd_deterministic": "deterministic bwd tile",
+                  "bwd_light": "bwd tile with softcap, ALiBi or dropout alone",
                   "decode": "decode tile",
                   "decode_small": f"decode tile of pages under {_config.DENSE_TILE_PAGE} rows, caches of "
                                   f"{_config.SHORT_CACHE} or fewer",

@@ -169,7 +169,7 @@ def _bool(flag):
 
 # The light options: a backward with one of these alone, not deterministic, runs the plain kernels'
 # passes in the mma.sync family (cuda_src/sm80/bwd.cuh) on the 'bwd_light' tiles.
-LIGHT_FEATURES = (("alibi",), ("dropout",))
+LIGHT_FEATURES = (("softcap",), ("alibi",), ("dropout",))
 
 
 def backward_table(features, deterministic):
@@ -288,7 +288,7 @@ def representative_jobs(jobs):
         return not k.wgmma and plain is not None and k.tile != _config.Tile(k.tile.headdim, *plain)
 
     def keep(arch, k):
-        if k.features == ("softcap",) and k.dtype == "bfloat16":  # the fixed maximum's code (_BOUNDED_FLAGS)
+        if k.pass_ == "fwd" and k.features == ("softcap",) and k.dtype == "bfloat16":  # (_BOUNDED_FLAGS' code)
             return k.tile.headdim == 128 and k.local and not k.even_k and (k.wgmma or (arch == primary
                                                                                       and native(arch, k)))
         heaviest_features = k.features in ((), FEATURES, DECODE_FEATURES) or (

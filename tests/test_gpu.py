@@ -205,10 +205,13 @@ def test_the_options_backward_family_on_hopper(case, monkeypatch):
     Case(1000, 113, 128, "float16", False, nheads=4, alibi_slopes=True),
     Case(200, 300, 64, "float16", False, nheads=4, nheads_k=1, dropout_p=0.15),
     Case(113, 257, 256, "bfloat16", True, nheads=2, dropout_p=0.1),
+    Case(300, 500, 128, "bfloat16", True, nheads=4, nheads_k=2, softcap=30.0),
+    Case(1000, 113, 64, "float16", False, nheads=2, softcap=5.0),
+    Case(17, 1000, 256, "bfloat16", False, nheads=2, nheads_k=1, softcap=2.0),
 ], ids=str)
 def test_the_light_options_backward_runs_its_own_tiles(case, monkeypatch):
-    """A backward with ALiBi alone or dropout alone (not deterministic) runs its family's 'bwd_light'
-    tile (the mma.sync kernels: in the plain kernels' passes) and passes against float64."""
+    """A backward with softcap, ALiBi or dropout alone (not deterministic) runs its family's
+    'bwd_light' tile (the mma.sync kernels: in the plain kernels' passes) and passes against float64."""
     import cupy
     from cupyflash import _plan, _schedule
     monkeypatch.setattr(_plan, "_plans", {})

@@ -79,10 +79,12 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     typedef BwdTile<HEADDIM, BLOCK_M, BLOCK_N, WARPS, STAGES> T;
     constexpr bool OPTIONS = FEATURES != 0;
     // The light options (_kernels.LIGHT_FEATURES) run in the plain kernels' passes: ALiBi alone added
-    // by rows ahead of them, dropout alone drawn in dS's.
+    // by rows ahead of them, dropout alone drawn in dS's, softcap alone in one pass that makes P and
+    // dS together (dS takes each element's tanh).
     constexpr bool kAlibiAlone = FEATURES == feature::alibi && !DETERMINISTIC;
     constexpr bool kDropoutAlone = FEATURES == feature::dropout && !DETERMINISTIC;
-    constexpr bool kPlainPasses = !OPTIONS || kAlibiAlone || kDropoutAlone;
+    constexpr bool kSoftcapAlone = FEATURES == feature::softcap && !DETERMINISTIC;
+    constexpr bool kPlainPasses = !OPTIONS || kAlibiAlone || kDropoutAlone || kSoftcapAlone;
     typedef typename T::S GS;
     typedef typename T::KV GKV;
     typedef typename T::Q GQ;
@@ -190,22 +192,39 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
                 const Alibi alibi(p, seq, batch, head);
                 if (alibi.on()) added_by_rows(s, alibi, row0 + GS::row0(), key0 + GS::col0());
             }
-            // (Three passes rather than one: fused, the 255-register variants spill.)
-            for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
-                s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -s_lse(stage)[GS::row0() + fragment_row(mt, e)]));
-            });
+            if constexpr (kSoftcapAlone) {
+                // P of the capped scores and dS = P * (dP - D) * d/ds in one pass: every call that runs
+                // these kernels has softcap on (their features are the options a call turns on).
+                const Softcap softcap(p, seq, batch, head);
+                for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
+                    const int r = GS::row0() + fragment_row(mt, e);
+                    float grad = 1.f;
+                    const float x = softcap.apply(s[mt][nt][e], 0, 0, grad);
+                    const float prob = fast_exp2(fmaf(x, p.scale_log2, -s_lse(stage)[r]));
+                    dp[mt][nt][e] = prob * (dp[mt][nt][e] - s_dot(stage)[r]) * grad;
+                    s[mt][nt][e] = prob;
+                });
+            } else {
+                // (Three passes rather than one: fused, the 255-register variants spill.)
+                for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
+                    s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2,
+                                                  -s_lse(stage)[GS::row0() + fragment_row(mt, e)]));
+                });
+            }
             // A row's visible keys as one word of bits, made where it is used (rows' bounds held
-            // across the pass make the LOCAL hd128 backward spill).
+            // across the pass make the LOCAL hd128 backward spill); softcap's dS is hidden with its P.
             if (masked) {
 #pragma unroll
                 for (int mt = 0; mt < GS::MT; ++mt)
 #pragma unroll
-                    for (int half = 0; half < 2; ++half)
-                        hide_unseen<GS::NT>(s[mt], 0, half,
-                                            keys_seen<LOCAL>(p, seq, row0 + GS::row0() + fragment_row(mt, 2 * half),
-                                                             key0 + GS::col0() + fragment_col(0, 0)), 0.f);
+                    for (int half = 0; half < 2; ++half) {
+                        const uint32 seen = keys_seen<LOCAL>(p, seq, row0 + GS::row0() + fragment_row(mt, 2 * half),
+                                                           key0 + GS::col0() + fragment_col(0, 0));
+                        hide_unseen<GS::NT>(s[mt], 0, half, seen, 0.f);
+                        if constexpr (kSoftcapAlone) hide_unseen<GS::NT>(dp[mt], 0, half, seen, 0.f);
+                    }
             }
-            // dS = P * (dP - D)
+            // dS = P * (dP - D) (softcap's is made with its P)
             if constexpr (kDropoutAlone) {  // dP and dV's P: the kept elements times dropout_scale, the others 0
                 for_each_dropout_decision<GS::MT, GS::NT>(p, p.dropout_scale != 0.f, batch, head, row0 + GS::row0(),
                                                          key0 + GS::col0(), [&](int mt, int nt, int e, bool kept) {
@@ -213,7 +232,7 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
                     dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] * drop - s_dot(stage)[GS::row0() + fragment_row(mt, e)]);
                     s[mt][nt][e] *= drop;
                 });
-            } else {
+            } else if constexpr (!kSoftcapAlone) {
                 for_each_element<GS::MT, GS::NT>([&](int mt, int nt, int e) {
                     dp[mt][nt][e] = s[mt][nt][e] * (dp[mt][nt][e] - s_dot(stage)[GS::row0() + fragment_row(mt, e)]);
                 });

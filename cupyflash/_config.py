@@ -123,8 +123,9 @@ for _tables, _instead in ((TILES[MMA_SYNC]["sm90"], {64: (128, 64, 8, 2)}),  # (
                           (TILES[MMA_SYNC]["sm86"], {}), (TILES[MMA_SYNC]["sm80"], {})):
     _tables["bwd_deterministic"] = {**_tables["bwd"], **_instead}
 # The light options' backward: the options' tiles, but sm90's hd128 on the plain one (forced mma.sync,
-# H100, v84: ALiBi +20-23%, dropout +19-25% over the options' kernels); at hd64 and hd256 the plain
-# tiles spill with them, and the spill-free stand-ins lose 10-16% to the options' tiles (v82).
+# H100, v84: ALiBi +20-23%, dropout +19-25% over the options' kernels; v85: softcap +16-17%); at hd64
+# and hd256 the plain tiles spill with them, and the spill-free stand-ins lose 10-16% to the options'
+# tiles (v82).
 for _tables in (TILES[MMA_SYNC]["sm90"], TILES[MMA_SYNC]["sm86"], TILES[MMA_SYNC]["sm80"]):
     _tables["bwd_light"] = dict(_tables["bwd_options"])
 TILES[MMA_SYNC]["sm90"]["bwd_light"][128] = TILES[MMA_SYNC]["sm90"]["bwd"][128]

@@ -486,8 +486,8 @@ class _Resolved:
             grads = plan.call([given[i] for i in positions], None if seed is None else int(seed), keep=keep)
         if grads is None:
             grads = _backward.core(dict(self.arguments, dout=dout, q=q, k=k, v=v, out=out, lse=lse,
-                                           alibi_slopes=alibi_slopes, attn_bias=attn_bias, seed=seed,
-                                           return_dbias=return_dbias))
+                                        alibi_slopes=alibi_slopes, attn_bias=attn_bias, seed=seed,
+                                        return_dbias=return_dbias))
         return (*grads[:3], grads[3] if return_dbias else None)
 
 

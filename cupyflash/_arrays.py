@@ -198,11 +198,15 @@ class Caller:
 
     def capturing(self):
         """Whether the stream of stream_pointer() is capturing a CUDA graph."""
+        return self.capture_reader()()
+
+    def capture_reader(self):
+        """capturing as a function of no arguments, resolved once (for launch plans)."""
         if self.allocates_with_torch:
             import torch
-            return torch.cuda.is_current_stream_capturing()
+            return getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
         import cupy
-        return cupy.cuda.get_current_stream().is_capturing()
+        return lambda: cupy.cuda.get_current_stream().is_capturing()
 
     def allocator(self, shape, dtype, zeroed=False, twin=None, anchor=0):
         """A function of a call's inputs (a sequence) that returns a new GPU array (zero-filled if

@@ -228,7 +228,10 @@ class Plan:
         # A caller's workspace may start anywhere XLA aligns its buffers (less than the offsets' alignment).
         self.scratch_sizes = tuple(w.nbytes + _SCRATCH_ALIGNMENT for w in self.workspaces)
         self.scratch_by_stream = {}  # (stream, workspace index) -> the workspace kept for that stream
+        # stream -> the addresses of its kept scratch in slot order, where every workspace is kept
+        self.kept_addresses = {} if all(w.keepable for w in self.workspaces) else None
         self.pointer_of, self.stream_of = caller.pointer_reader(), caller.stream_reader()
+        self.capturing = caller.capture_reader()
         dropout = params["dropout_scale"][0] != 0
         self.seed_slot = slot("dropout_seed") if dropout and "seed" not in inputs else None
         # The kernels' arguments: the parameter block, and for the wgmma kernels the tensor maps
@@ -281,15 +284,17 @@ class Plan:
         zeroing = ()
         if self.workspaces:
             if workspaces is None:
-                # Held until the launches are queued: an allocator without a pool frees a released
-                # array's memory at once, before the kernels read it.
-                scratch = self._scratch(inputs, stream, self.keeps_buffers if keep is None else keep)
-                bases = [pointer_of(workspace) for workspace in scratch]
+                keep = self.keeps_buffers if keep is None else keep
+                kept = self.kept_addresses.get(stream) if keep and self.kept_addresses is not None else None
+                if kept is None or self.capturing():
+                    # Held until the launches are queued: an allocator without a pool frees a released
+                    # array's memory at once, before the kernels read it.
+                    scratch, kept = self._scratch(inputs, stream, keep)
+                pointers += kept
             else:  # the caller's, aligned up; a zeroed one is zeroed on the stream (capturable, unlike an allocation)
                 bases = [-(-address // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT for address in workspaces]
                 zeroing = [(base, w.nbytes) for w, base in zip(self.workspaces, bases) if w.zeroed]
-            for base, offsets in zip(bases, self.scratch_offsets):
-                pointers += [base + offset for offset in offsets]
+                pointers += self._addresses(bases)
         words = self.words
         with self.lock:  # the launch copies the parameter block, so it is free again after it
             for base, nbytes in zeroing:
@@ -312,12 +317,13 @@ class Plan:
 
     def _scratch(self, inputs, stream, keep):
         """The workspaces (arrays) of a call on `stream` (`inputs`: call()'s, which their allocators
-        take). Where `keep`, a small plain workspace is kept per stream and reused by the plan's
-        calls on it: the stream runs them one after another (a call's launches are enqueued
-        together, under the lock), so none reads another's scratch, and the call spends no
-        allocation. The rest, and every workspace of a call under graph capture (whose replays may
-        run beside other calls), are allocated per call."""
-        capturing = keep and self.caller.capturing()
+        take) and their buffers' addresses in slot order. Where `keep`, a small plain workspace is
+        kept per stream and reused by the plan's calls on it: the stream runs them one after
+        another (a call's launches are enqueued together, under the lock), so none reads another's
+        scratch, and the call spends no allocation (where every workspace is kept, it finds their
+        addresses in kept_addresses). The rest, and every workspace of a call under graph capture
+        (whose replays may run beside other calls), are allocated per call."""
+        capturing = keep and self.capturing()
         result = []
         for index, w in enumerate(self.workspaces):
             kept = keep and w.keepable and not capturing
@@ -327,11 +333,20 @@ class Plan:
                 if kept:
                     if len(self.scratch_by_stream) >= _MAX_KEPT_SCRATCH:
                         self.scratch_by_stream.clear()
+                        if self.kept_addresses is not None:
+                            self.kept_addresses.clear()  # (their workspaces may be freed now)
                     self.scratch_by_stream[stream, index] = workspace
             result.append(workspace)
+        addresses = self._addresses([self.pointer_of(workspace) for workspace in result])
         if capturing and self.keeps_buffers:  # CuPy's pool would hand these to later arrays while replays write them
             self.captured_scratch.append(result)
-        return result
+        elif keep and not capturing and self.kept_addresses is not None:
+            self.kept_addresses[stream] = addresses
+        return result, addresses
+
+    def _addresses(self, bases):
+        """The scratch buffers' addresses in slot order, from their workspaces' base addresses."""
+        return [base + offset for base, offsets in zip(bases, self.scratch_offsets) for offset in offsets]
 
     def allocates_on(self, stream, names):
         """Whether a run on `stream` with results `names` given by address (`into`) and the plan's
@@ -565,7 +580,7 @@ def _backward_plan(call, inputs, return_dbias):
     if call.needs("deterministic"):
         semaphore_blocks = -(-shape.seqlen_q // tile.block_m)
         outputs.append(_Output("dq_semaphore", (shape.batch * shape.nheads * semaphore_blocks,), "int32", True, True))
-    finish = lambda o: (o["dq"], o["dk"], o["dv"])  # noqa: E731
+    finish = None  # the results are (dq, dk, dv)
     grid, block_major = _schedule.block_grid(-(-shape.seqlen_k // tile.block_n), shape.nheads_k, shape.batch,
                                              call.local)
     if block_major and kernel.wgmma:  # (batch, kv head) pairs in groups whose rows fit the L2 (grid_slot in common/mask.cuh)

@@ -76,13 +76,17 @@ class Maps:
         self.words = (ctypes.c_uint64 * (_MAP_BYTES // 8 * slots)).from_address(self.address)
         self.word = address_word()
         self._encode(addresses)
+        # Each map's address word in self.words, where the driver's layout shows it.
+        self.address_slots = (None if self.word is None
+                              else [i * (_MAP_BYTES // 8) + self.word for i in range(len(specs))])
 
     def point(self, addresses):
-        if self.word is None:
+        if self.address_slots is None:
             self._encode(addresses)
             return
-        for i, address in enumerate(addresses):
-            self.words[i * (_MAP_BYTES // 8) + self.word] = address
+        words = self.words
+        for slot, address in zip(self.address_slots, addresses):
+            words[slot] = address
 
     def _encode(self, addresses):
         for i, (spec, address) in enumerate(zip(self.specs, addresses)):

@@ -228,8 +228,8 @@ class Plan:
         # A caller's workspace may start anywhere XLA aligns its buffers (less than the offsets' alignment).
         self.scratch_sizes = tuple(w.nbytes + _SCRATCH_ALIGNMENT for w in self.workspaces)
         self.scratch_by_stream = {}  # (stream, workspace index) -> the workspace kept for that stream
-        # stream -> the addresses of its kept scratch in slot order, where every workspace is kept
-        self.kept_addresses = {} if all(w.keepable for w in self.workspaces) else None
+        # stream -> (its kept workspaces, their buffers' addresses in slot order), where every workspace is kept
+        self.kept_scratch = {} if all(w.keepable for w in self.workspaces) else None
         self.pointer_of, self.stream_of = caller.pointer_reader(), caller.stream_reader()
         self.capturing = caller.capture_reader()
         dropout = params["dropout_scale"][0] != 0
@@ -285,12 +285,11 @@ class Plan:
         if self.workspaces:
             if workspaces is None:
                 keep = self.keeps_buffers if keep is None else keep
-                kept = self.kept_addresses.get(stream) if keep and self.kept_addresses is not None else None
-                if kept is None or self.capturing():
-                    # Held until the launches are queued: an allocator without a pool frees a released
-                    # array's memory at once, before the kernels read it.
-                    scratch, kept = self._scratch(inputs, stream, keep)
-                pointers += kept
+                kept = self.kept_scratch.get(stream) if keep and self.kept_scratch is not None else None
+                # Held until the launches are queued: an allocator without a pool frees a released
+                # array's memory at once, before the kernels read it.
+                scratch, addresses = self._scratch(inputs, stream, keep) if kept is None or self.capturing() else kept
+                pointers += addresses
             else:  # the caller's, aligned up; a zeroed one is zeroed on the stream (capturable, unlike an allocation)
                 bases = [-(-address // _SCRATCH_ALIGNMENT) * _SCRATCH_ALIGNMENT for address in workspaces]
                 zeroing = [(base, w.nbytes) for w, base in zip(self.workspaces, bases) if w.zeroed]
@@ -320,8 +319,8 @@ class Plan:
         take) and their buffers' addresses in slot order. Where `keep`, a small plain workspace is
         kept per stream and reused by the plan's calls on it: the stream runs them one after
         another (a call's launches are enqueued together, under the lock), so none reads another's
-        scratch, and the call spends no allocation (where every workspace is kept, it finds their
-        addresses in kept_addresses). The rest, and every workspace of a call under graph capture
+        scratch, and the call spends no allocation (where every workspace is kept, it finds them
+        and their addresses in kept_scratch). The rest, and every workspace of a call under graph capture
         (whose replays may run beside other calls), are allocated per call."""
         capturing = keep and self.capturing()
         result = []
@@ -333,15 +332,15 @@ class Plan:
                 if kept:
                     if len(self.scratch_by_stream) >= _MAX_KEPT_SCRATCH:
                         self.scratch_by_stream.clear()
-                        if self.kept_addresses is not None:
-                            self.kept_addresses.clear()  # (their workspaces may be freed now)
+                        if self.kept_scratch is not None:
+                            self.kept_scratch.clear()
                     self.scratch_by_stream[stream, index] = workspace
             result.append(workspace)
         addresses = self._addresses([self.pointer_of(workspace) for workspace in result])
         if capturing and self.keeps_buffers:  # CuPy's pool would hand these to later arrays while replays write them
             self.captured_scratch.append(result)
-        elif keep and not capturing and self.kept_addresses is not None:
-            self.kept_addresses[stream] = addresses
+        elif keep and not capturing and self.kept_scratch is not None:
+            self.kept_scratch[stream] = result, addresses
         return result, addresses
 
     def _addresses(self, bases):

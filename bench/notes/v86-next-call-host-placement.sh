@@ -4,6 +4,7 @@
 # v86-host-ab.py on this tree in three processes each: unpinned, pinned to one core pair's
 # neighbours (0-3), and pinned to two far cores (first and last listed). ~3 min.
 cd "$(dirname "$0")/../.."
+export PYTHONPATH=$PWD
 lscpu | grep -E "^(CPU\(s\)|On-line|Thread|Core|Socket|NUMA|L3|Model name)"
 nproc; cat /sys/fs/cgroup/cpuset.cpus.effective 2>/dev/null
 cpus=$(python -c "import os; print(sorted(os.sched_getaffinity(0)))")

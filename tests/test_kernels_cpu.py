@@ -6,12 +6,14 @@ import itertools
 import os
 import pathlib
 import re
+import threading
+import types
 import warnings
 
 import numpy
 import pytest
 
-from cupyflash import _compile, _config, _kernels, _params, _sources
+from cupyflash import _compile, _config, _kernels, _params, _plan, _sources
 
 
 # ------------------------------------------------------------------------------- tile selection
@@ -549,8 +551,6 @@ def _varlen_padded_blocks(lengths, block_m, gap):
 def test_varlen_sequences_padded_rows_keep_their_blocks_apart(block_m, transposed_dq):
     """A varlen batch's sequences keep their blocks' padded rows apart and within _padded_rows: a
     gap of 64 rows a sequence, 128 with the 80-row backward, whose blocks reach further."""
-    import types
-    from cupyflash import _plan
     rng = numpy.random.default_rng(block_m)
     assert _backward_tile(block_m).transposes_dq == transposed_dq
     gap = 128 if transposed_dq else 64
@@ -572,8 +572,6 @@ def test_varlen_sequences_padded_rows_keep_their_blocks_apart(block_m, transpose
 def test_the_parameters_stride_over_the_padded_rows_the_scratch_holds(block_m, varlen):
     """A backward's parameter block steps from head to head (and batch entry) by the padded rows
     its scratch is allocated with per head (_padded_rows), the 80-row tile's wider varlen gaps too."""
-    import types
-    from cupyflash import _plan
     batch, nheads, seqlen = 3, 4, 81
     shape = types.SimpleNamespace(batch=batch, nheads=nheads, nheads_k=2, seqlen_q=seqlen, seqlen_k=seqlen,
                                   total_q=batch * seqlen, total_k=batch * seqlen, headdim=128, varlen=varlen)
@@ -592,7 +590,46 @@ def test_the_parameters_stride_over_the_padded_rows_the_scratch_holds(block_m, v
 def test_a_heads_padded_rows_hold_whole_query_blocks_from_a_multiple_of_64(seqlen, block_m):
     """The backward's padded rows per head (dq_accum, lse_log2, D): whole query blocks of the tile,
     rounded up to 64 (every head's rows start at a multiple of 64, Sequence::padded_row0)."""
-    import types
-    from cupyflash import _plan
     rows = _plan._padded_rows(types.SimpleNamespace(varlen=False, seqlen_q=seqlen), _backward_tile(block_m))
     assert rows % 64 == 0 and rows >= -(-seqlen // block_m) * block_m and rows < -(-seqlen // block_m) * block_m + 64
+
+
+def test_plan_keeps_small_scratch_per_stream_without_a_gpu(monkeypatch):
+    """Plan.call's kept scratch: one workspace per stream, allocated by the stream's first call and
+    found with its addresses by the later ones; a call under graph capture gets its own and leaves
+    the kept ones alone; past _MAX_KEPT_SCRATCH streams the kept workspaces start afresh, their
+    addresses with them (none is launched on after it may be freed)."""
+    monkeypatch.setattr(_plan, "_MAX_KEPT_SCRATCH", 2)
+    allocated, launched, capturing = [], [], [False]
+
+    def allocate(inputs):
+        allocated.append(types.SimpleNamespace(ptr=1_000_000 * (len(allocated) + 1)))
+        return allocated[-1]
+
+    plan = _plan.Plan.__new__(_plan.Plan)
+    plan.input_names, plan.alignments, plan.seed_slot, plan.maps, plan.hands_back = ["q"], [16], None, None, False
+    plan.pointer_of, plan.capturing = (lambda a: a.ptr), (lambda: capturing[0])
+    plan.current_context, plan.context, plan.lock = (lambda: "context"), "context", threading.Lock()
+    plan.result_names, plan.allocators, plan.finish = [], [], None
+    plan.workspaces = [_plan._Workspace(allocate, [(1, 0), (2, 512)], True, 1024, False)]
+    plan.slots, plan.scratch_offsets = [0, 1, 2], [[0, 512]]
+    plan.keeps_buffers, plan.scratch_by_stream, plan.kept_scratch, plan.captured_scratch = True, {}, {}, []
+    plan.words = [0] * 3
+    plan.launch_kernel = lambda function, *args: launched.append(list(plan.words[1:]))
+    plan.launches = [("bwd", (1, 1, 1), 128, 0, 0, None)]
+    q = types.SimpleNamespace(ptr=4096)
+
+    def call(stream):
+        plan.stream_of = lambda: stream
+        plan.call([q])
+        return launched[-1]
+
+    first = call(7)
+    assert first == [1_000_000, 1_000_512] and call(7) == first and len(allocated) == 1
+    assert call(8) == [2_000_000, 2_000_512] and call(7) == first and len(allocated) == 2
+    capturing[0] = True
+    assert call(7) == [3_000_000, 3_000_512] and plan.captured_scratch == [[allocated[2]]]
+    capturing[0] = False
+    assert call(7) == first and call(8) == [2_000_000, 2_000_512] and len(allocated) == 3
+    assert call(9) == [4_000_000, 4_000_512]  # a third stream: the kept ones start afresh
+    assert set(plan.kept_scratch) == {9} and call(7) == [5_000_000, 5_000_512] and len(allocated) == 5

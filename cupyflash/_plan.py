@@ -320,8 +320,8 @@ class Plan:
         kept per stream and reused by the plan's calls on it: the stream runs them one after
         another (a call's launches are enqueued together, under the lock), so none reads another's
         scratch, and the call spends no allocation (where every workspace is kept, it finds them
-        and their addresses in kept_scratch). The rest, and every workspace of a call under graph capture
-        (whose replays may run beside other calls), are allocated per call."""
+        and their addresses in kept_scratch). The rest, and every workspace of a call under graph
+        capture (whose replays may run beside other calls), are allocated per call."""
         capturing = keep and self.capturing()
         result = []
         for index, w in enumerate(self.workspaces):

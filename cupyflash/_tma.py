@@ -74,11 +74,10 @@ class Maps:
         self.storage = ctypes.create_string_buffer(_MAP_BYTES * slots + _MAP_ALIGNMENT)
         self.address = ctypes.addressof(self.storage) + (-ctypes.addressof(self.storage)) % _MAP_ALIGNMENT
         self.words = (ctypes.c_uint64 * (_MAP_BYTES // 8 * slots)).from_address(self.address)
-        self.word = address_word()
         self._encode(addresses)
         # Each map's address word in self.words, where the driver's layout shows it.
-        self.address_slots = (None if self.word is None
-                              else [i * (_MAP_BYTES // 8) + self.word for i in range(len(specs))])
+        word = address_word()
+        self.address_slots = None if word is None else [i * (_MAP_BYTES // 8) + word for i in range(len(specs))]
 
     def point(self, addresses):
         if self.address_slots is None:

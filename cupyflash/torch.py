@@ -330,8 +330,7 @@ def _needs_grad(q, k, v, bias):
 def _eager(*tensors):
     """Whether a call may skip the dispatcher: not traced by torch.compile or a functorch transform,
     and its tensors plain ones (or None). (Without a Python loop: it runs on every call.)"""
-    return (all(map(_PLAIN_OR_NONE.__contains__, map(type, tensors))) and not _is_compiling()
-            and not _transforming())
+    return _PLAIN_OR_NONE.issuperset(map(type, tensors)) and not _is_compiling() and not _transforming()
 
 
 _PLAIN_OR_NONE = frozenset((*_PLAIN_TENSORS, type(None)))

@@ -272,9 +272,13 @@ __device__ __forceinline__ void store_step_dq(const FlashParams& p, const Sequen
     for (int c = lane; c < T::kBlockM * kChunksPerRow; c += 32) {
         int row, col;
         float v[8];
-        if constexpr (T::kDQTransposed) {  // dq_accum_fragment_index: the chunk's floats 16 apart
-            row = c / kChunksPerRow;
-            col = c % kChunksPerRow * 8;
+        if constexpr (T::kDQTransposed) {
+            // dq_accum_fragment_index: the chunk's floats 16 apart, a float's bank set by its row % 8
+            // and column % 16 alone: lanes over 8 rows and 2 chunks read 16 banks (a warp's load
+            // takes two passes, not eight as with a row's chunks side by side)
+            const int pair = c / 16 % (kChunksPerRow / 2);
+            row = c / 16 / (kChunksPerRow / 2) * 8 + c % 8;
+            col = (2 * pair + c / 8 % 2) * 8;
             const uint32 first = s_dq + 4 * dq_accum_fragment_index(row, col, T::kBlockM);
 #pragma unroll
             for (int i = 0; i < 8; ++i) v[i] = __uint_as_float(ld_shared_u32(first + 64 * i));

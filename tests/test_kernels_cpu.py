@@ -235,19 +235,6 @@ def test_the_backward_splits_its_last_partial_wave_where_that_saves_time(units, 
     assert _tail_split(units, steps, resident=132) == split
 
 
-@pytest.mark.parametrize("seqlen_q, seqlen_k, block_n, family, stored", [
-    (128, 128, 128, _config.WGMMA, True),       # issue 18's small shape: its keys are one block
-    (128, 128, 128, _config.MMA_SYNC, False),   # (the mma.sync kernels add dQ and convert it)
-    (128, 129, 128, _config.WGMMA, False),      # two key blocks add into one query block's dQ
-    (113, 100, 64, _config.WGMMA, False),       # ... on a tile of 64 keys
-    (4096, 64, 64, _config.WGMMA, True),        # many query blocks, each seeing the one key block
-    (1, 1, 128, _config.WGMMA, True),
-])
-def test_a_wgmma_backward_of_one_key_block_stores_dq_itself(seqlen_q, seqlen_k, block_n, family, stored):
-    shape = types.SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=8, nheads_k=2, headdim=64)
-    assert _plan.dq_stored_by_bwd(shape, _config.Tile(64, 64, block_n, 12, 2, family)) == stored
-
-
 @pytest.mark.parametrize("pairs, kv_bytes_per_pair, counter_share, group", [
     (256, 2 * 1024 * 128 * 2, None, 90),    # hd128 at 1k, batch 16: 90 pairs' K and V fill 3/4 of the L2
     (512, 2 * 1024 * 64 * 2, None, 180),    # hd64 at 1k

@@ -1,6 +1,5 @@
 // Backward pass on Hopper (sm_90a): what sm80/bwd.cuh's flash_bwd computes, on wgmma and TMA,
-// between the same row kernels (flash_bwd_dot before it, flash_bwd_convert_dq after but where the
-// keys are one block: then each step's dQ is whole, and the kernel stores it in dq). FEATURES
+// between the same row kernels (flash_bwd_dot before it, flash_bwd_convert_dq after). FEATURES
 // adds the score options of common/score.cuh that a call uses (softcap, ALiBi, attn_bias with
 // dbias, dropout); DETERMINISTIC kernels add dQ in key-block order (a counter
 // per query block, as sm80's).
@@ -52,7 +51,6 @@ struct Sm90BwdTile {
     // Up to hd128 the consumers split the keys (64 each); at hd256, whose dK and dV of 64 keys would
     // take all of a consumer's registers, both work on BLOCK_N = 64 keys and split dK's and dV's
     // columns: one computes S^T, the other dP^T, and they trade through shared memory.
-    static constexpr int kHeadDim = HEADDIM, kBlockM = BLOCK_M;
     static constexpr bool kSplitKeys = HEADDIM <= 128;
     static constexpr int kConsumers = 2;
     static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -257,55 +255,6 @@ __device__ __forceinline__ void store_dk_dv(const FlashParams& p, const Sequence
     });
 }
 
-// A step's whole dQ (p.dq_stored_by_bwd: the keys are one block), left by the consumers in shared
-// memory at s_dq as for the adder (kDQPieces pieces, in dq_accum's layout or the 80-row tile's
-// fragment order), summed, scaled and stored in dq by one warp: 16-byte chunks of 8 columns, lane
-// `lane` from chunk `lane` on. (In dq_accum's layout chunk c is the 8 floats from 8 c: 8 rows of a
-// column block in turn, so a warp's reads are contiguous.)
-template <typename T, bool BF16>
-__device__ __forceinline__ void store_step_dq(const FlashParams& p, const Sequence& seq, int batch, int head, int row0,
-                                              uint32 s_dq, int lane) {
-    constexpr int kChunksPerRow = T::kHeadDim / 8;
-    uint16* dq = static_cast<uint16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride
-                 + (seq.first_row_q + row0) * p.dq_row_stride;
-#pragma unroll 1
-    for (int c = lane; c < T::kBlockM * kChunksPerRow; c += 32) {
-        int row, col;
-        float v[8];
-        if constexpr (T::kDQTransposed) {
-            // dq_accum_fragment_index: the chunk's floats 16 apart, a float's bank set by its row % 8
-            // and column % 16 alone: lanes over 8 rows and 2 chunks read 16 banks (a warp's load
-            // takes two passes, not eight as with a row's chunks side by side)
-            const int pair = c / 16 % (kChunksPerRow / 2);
-            row = c / 16 / (kChunksPerRow / 2) * 8 + c % 8;
-            col = (2 * pair + c / 8 % 2) * 8;
-            const uint32 first = s_dq + 4 * dq_accum_fragment_index(row, col, T::kBlockM);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) v[i] = __uint_as_float(ld_shared_u32(first + 64 * i));
-        } else {
-            row = c / 8 / kChunksPerRow * 8 + c % 8;
-            col = c / 8 % kChunksPerRow * 8;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const uint4 x = ld_shared_u128(s_dq + 32 * c + 16 * half);
-                v[4 * half] = __uint_as_float(x.x), v[4 * half + 1] = __uint_as_float(x.y);
-                v[4 * half + 2] = __uint_as_float(x.z), v[4 * half + 3] = __uint_as_float(x.w);
-                if constexpr (T::kDQPieces == 2) {
-                    const uint4 y = ld_shared_u128(s_dq + T::kDQBytes + 32 * c + 16 * half);
-                    v[4 * half] += __uint_as_float(y.x), v[4 * half + 1] += __uint_as_float(y.y);
-                    v[4 * half + 2] += __uint_as_float(y.z), v[4 * half + 3] += __uint_as_float(y.w);
-                }
-            }
-        }
-        if (row0 + row < seq.seqlen_q && col < p.headdim) {
-            const float scale = p.softmax_scale;
-            st_global_u128(dq + row * p.dq_row_stride + col,
-                           make_uint4(pack_pair<BF16>(v[0] * scale, v[1] * scale), pack_pair<BF16>(v[2] * scale, v[3] * scale),
-                                      pack_pair<BF16>(v[4] * scale, v[5] * scale), pack_pair<BF16>(v[6] * scale, v[7] * scale)));
-        }
-    }
-}
-
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, int FEATURES, bool DETERMINISTIC,
           bool BIAS_TILES>
 __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMaps& maps) {
@@ -374,16 +323,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
 
     if (warpgroup == 0) {
         setmaxnreg_dec<T::kProducerRegisters>();
-        if (T::kSplitKeys && p.dq_stored_by_bwd && threadIdx.x / 32 == 1) {  // dQ's writer: a step's dQ is whole
-            int head = first_head, row0 = first_row0;
-#pragma unroll 1
-            for (int step = 0; step < steps; ++step, walk.advance(head, row0)) {
-                mbarrier_wait(dq_full, step & 1);
-                store_step_dq<T, BF16>(p, seq, batch, head, row0, s_dq, threadIdx.x % 32);
-                __syncwarp();
-                if (threadIdx.x == 32) mbarrier_arrive(dq_empty);
-            }
-        } else if (T::kSplitKeys && threadIdx.x == 32) {  // dQ's adder
+        if (T::kSplitKeys && threadIdx.x == 32) {  // dQ's adder
             const auto add_step = [&](int step, int head, int row0) {
                 mbarrier_wait(dq_full, step & 1);
                 float* dq_accum = p.dq_accum + (seq.padded_row0(p, batch, head, T::kDQTransposed) + row0) * HEADDIM;
@@ -571,11 +511,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             });
             wgmma_commit();
 
-            // dQ's chunks added to dq_accum (rows past the sequence's end add nothing), or where the
-            // keys are one block (p.dq_stored_by_bwd) stored in dq, scaled: the step's dQ is whole.
+            // dQ's chunks added to dq_accum (rows past the sequence's end add nothing).
             float* dq_rows = p.dq_accum + seq.padded_row0(p, batch, head, T::kDQTransposed) * HEADDIM;
-            uint16* dq_out = static_cast<uint16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride
-                             + seq.first_row_q * p.dq_row_stride;
             int* counter = nullptr;
             if constexpr (DETERMINISTIC) {  // this key block's turn (named barrier 4: both consumers wait for it)
                 counter = dq_turn_counter(p, batch, head, row0 / BLOCK_M);
@@ -594,15 +531,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                     const int row = row0 + lane_row + 8 * half;
                     if (row < seq.seqlen_q) {
 #pragma unroll
-                        for (int nt = 0; nt < 8; ++nt) {
-                            const int col = 64 * (2 * consumer + chunk) + fragment_col(nt, 0);
-                            const float a = dq[chunk][0][nt][2 * half], b = dq[chunk][0][nt][2 * half + 1];
-                            if (!p.dq_stored_by_bwd)
-                                atomic_add_pair(dq_rows + dq_accum_index(row, col, HEADDIM), a, b);
-                            else if (col < p.headdim)
-                                *reinterpret_cast<uint32*>(dq_out + row * p.dq_row_stride + col) =
-                                    pack_pair<BF16>(a * p.softmax_scale, b * p.softmax_scale);
-                        }
+                        for (int nt = 0; nt < 8; ++nt)
+                            atomic_add_pair(dq_rows + dq_accum_index(row, 64 * (2 * consumer + chunk) + fragment_col(nt, 0), HEADDIM),
+                                            dq[chunk][0][nt][2 * half], dq[chunk][0][nt][2 * half + 1]);
                     }
                 }
             });

@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a $L
 gpu_tests new new-tests 200 tests/test_smoke.py tests/test_gpu.py -k "smoke or one_key_block or forward_backward or softcap"
 (cd $S/new && PYTHONPATH=. timeout 120 python $OLDPWD/bench/notes/v87-bwd-kernel-time.py) > $OUT/kernel-time.txt 2>&1
 cat $OUT/kernel-time.txt >> $L
-for round in 1 2; do
+for round in 1; do
   for tree in main new; do
     PYTHONPATH=$S/$tree timeout 60 python bench/notes/v86-host-ab.py $tree >> $OUT/ab.txt 2>/dev/null
   done

@@ -1,6 +1,8 @@
 #!/bin/bash
-# v88's last call: tree new = the consumers' dQ stores under the steps rule (_plan.DQ_STORED_STEPS)
-# and the folded softcap backward; its tests of both paths, then the kernel time with and without.
+# The next session's first call (v88's never came): tree new = HEAD (the consumers' dQ stores under
+# the steps rule, _plan.DQ_STORED_STEPS), main = ecc43e6 (before v88); carry [".device_scratch"],
+# built by `python bench/device_trees.py .device_scratch main=ecc43e6 new=HEAD`. new's tests of both
+# paths, then the kernel time with and without the stores (`always` = the rule). ~3 min cold.
 cd "$(dirname "$0")/../.."
 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a $L

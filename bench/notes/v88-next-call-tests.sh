@@ -1,5 +1,5 @@
 #!/bin/bash
-# The follow-up to v88-next-call-rule.sh (warm, same carry): tree new's default-family GPU tests of
+# The follow-up to v88-next-call-first.sh (warm, same carry): tree new's default-family GPU tests of
 # the backward's callers beyond the first call's subset: test_gpu.py whole, the torch and JAX
 # autograd paths whose small shapes are one key block, the head dims' file.
 cd "$(dirname "$0")/../.."

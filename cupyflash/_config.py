@@ -273,6 +273,20 @@ class Tile:
         order, a block of block_m rows at a time (kDQTransposed in cuda_src/sm90/bwd.cuh)."""
         return self.kernel_family == WGMMA and self.headdim == 128 and self.block_m == 80
 
+    @property
+    def dq_pieces(self):
+        """The pieces of a step's dQ in this tile's wgmma backward up to hd128 (kDQPieces in
+        cuda_src/sm90/bwd.cuh): one where the consumers split dQ's columns (hd128) or rows (hd64 on
+        128 rows), else one per consumer, each its own keys' part."""
+        return 1 if self.headdim == 128 or self.block_m == 128 else 2
+
+    @property
+    def can_store_dq(self):
+        """Whether this tile's wgmma backward can store a step's dQ from its consumers' registers, where
+        that dQ is whole (kCanStoreDQ in cuda_src/sm90/bwd.cuh): at hd256, and up to hd128 where dQ is
+        one piece, untransposed."""
+        return self.kernel_family == WGMMA and (self.headdim == 256 or (self.dq_pieces == 1 and not self.transposes_dq))
+
     def fits_bias_tiles(self, pass_, features):
         """Whether this tile's wgmma kernel for `pass_` with these score features (a call's, or
         _kernels.Kernel's) has room for a ring of attn_bias tiles in shared memory (kBiasTiles of
@@ -296,8 +310,7 @@ class Tile:
         # (the wgmma backward's) alignment, K, V, (Q, dO) x stages, what the consumers trade, bias
         # tiles x stages, (lse, D) x stages, dropout's words, barriers
         if self.headdim <= 128:  # dS^T x 2, dQ (in one or two pieces), a dropout word per consumer thread
-            dq_pieces = 1 if self.headdim == 128 or self.block_m == 128 else 2
-            trade = 4 * self.block_n * self.block_m + 4 * dq_pieces * self.block_m * self.headdim
+            trade = 4 * self.block_n * self.block_m + 4 * self.dq_pieces * self.block_m * self.headdim
             kept = 4 * (self.threads - 128) if self.block_m == 64 and dropout else 0
         else:  # P^T, dS^T, dP^T (fp32)
             trade, kept = 8 * self.block_n * self.block_m, 0

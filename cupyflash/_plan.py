@@ -548,6 +548,30 @@ def _wgmma_forward_plan(call, inputs, strides):
     return Plan(call.caller, params, inputs, outputs, [_Launch(kernel, grid)], maps=maps)
 
 
+# The consumers' dQ stores cost a CTA ~0.6 us a step on the H100 (v88; 4-byte pairs, eight rows a
+# warp's store): up to this many steps a CTA they cost less than bwd_convert_dq, above it more.
+DQ_STORED_STEPS = 4
+
+
+def dq_stored_by_bwd(call, tile):
+    """Whether the backward of `call` on `tile` stores dq from its own kernel: where the keys are one
+    block, each step computes a query block's whole dQ (FlashParams.dq_stored_by_bwd), so there is no
+    dq_accum to add into and no bwd_convert_dq to launch (a launch fewer, which the small calls whose
+    time is the host's feel most). The wgmma tiles whose consumers hold dQ in rows only
+    (Tile.can_store_dq: the mma.sync kernels spill with a second way out beside their adds), and CTAs
+    of at most DQ_STORED_STEPS steps: the query blocks that see the key block (the kernel's
+    query_blocks_seeing; varlen: by the longest sequences) times the query heads of a kv head."""
+    shape = call.shape
+    if not (tile.can_store_dq and shape.seqlen_k <= tile.block_n):
+        return False
+    left, right = call.checked.get("window_size", (-1, 0 if call.causal else -1))
+    shift = shape.seqlen_k - shape.seqlen_q
+    row_begin = 0 if right < 0 else max(0, -shift - right)
+    row_end = shape.seqlen_q if left < 0 else min(shape.seqlen_q, shape.seqlen_k - shift + left)
+    blocks = -(-row_end // tile.block_m) - row_begin // tile.block_m if row_begin < row_end else 0
+    return blocks * (shape.nheads // shape.nheads_k) <= DQ_STORED_STEPS
+
+
 def _backward_plan(call, inputs, return_dbias):
     shape, varlen, device_id = call.shape, call.varlen is not None, call.caller.device_id
     table = _kernels.backward_table(call.features, call.needs("deterministic"))
@@ -573,8 +597,10 @@ def _backward_plan(call, inputs, return_dbias):
     padded = (*shape.stats[:-1], _padded_rows(shape, tile))
     outputs = [_Output("dq", tuple(q.shape), call.dtype), _Output("dk", tuple(k.shape), call.dtype),
                _Output("dv", tuple(v.shape), call.dtype), _Output("dout_dot_out", padded, "float32", scratch=True),
-               _Output("lse_log2", padded, "float32", scratch=True),
-               _Output("dq_accum", (*padded, tile.headdim), "float32", scratch=True)]  # zeroed by bwd_dot
+               _Output("lse_log2", padded, "float32", scratch=True)]
+    stores_dq = dq_stored_by_bwd(call, tile)
+    if not stores_dq:
+        outputs.append(_Output("dq_accum", (*padded, tile.headdim), "float32", scratch=True))  # zeroed by bwd_dot
     semaphore_blocks = 0
     if call.needs("deterministic"):
         semaphore_blocks = -(-shape.seqlen_q // tile.block_m)
@@ -599,9 +625,10 @@ def _backward_plan(call, inputs, return_dbias):
     if return_dbias:
         finish = _add_dbias(call, kernel, params, outputs, inputs.get(options.DIFFERENTIABLE))
     row_grid = (-(-shape.seqlen_q // _kernels.ROW_KERNEL_ROWS), shape.nheads, shape.batch)
-    launches = [_Launch(_kernels.Kernel("bwd_dot", call.dtype), row_grid),
-                _Launch(kernel, grid),
-                _Launch(_kernels.Kernel("bwd_convert_dq", call.dtype), row_grid)]
+    launches = [_Launch(_kernels.Kernel("bwd_dot", call.dtype), row_grid), _Launch(kernel, grid)]
+    params["dq_stored_by_bwd"] = int(stores_dq)
+    if not stores_dq:
+        launches.append(_Launch(_kernels.Kernel("bwd_convert_dq", call.dtype), row_grid))
     return Plan(call.caller, params, inputs, outputs, launches, finish, maps)
 
 

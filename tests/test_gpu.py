@@ -81,6 +81,11 @@ def test_forward_with_more_tiles_than_sms(case):
     _assert_ok(_check.run_gpu_case(case, _seed(case), backward=False))
 
 
+def _is_backward(plan):
+    """Whether a cached plan is a backward's (bwd_dot, the backward kernel, and maybe bwd_convert_dq)."""
+    return any(kernel.pass_ == "bwd" for kernel in plan.kernels)
+
+
 def _needs_hopper(monkeypatch):
     """Skips off compute capability 9.0; there, the device's own choice of family and tiles, whatever
     the run forces (CUPYFLASH_FAMILY, CUPYFLASH_TILES)."""
@@ -318,7 +323,7 @@ def test_local_backward_in_pair_groups(most, case, monkeypatch):
     group_of = lambda pairs: max(g for g in range(1, min(most, pairs) + 1) if pairs % g == 0)  # noqa: E731
     monkeypatch.setattr(_schedule, "pair_group", lambda batch, heads, *_: group_of(batch * heads))
     _assert_ok(_check.run_gpu_case(case, _seed(case) + most))
-    backwards = [(plan.kernels[1], plan.launches[1][1]) for plan in _plan._plans.values() if len(plan.launches) == 3]
+    backwards = [(plan.kernels[1], plan.launches[1][1]) for plan in _plan._plans.values() if _is_backward(plan)]
     assert backwards
     pairs = case.batch * case.nheads_k
     for kernel, grid in backwards:  # (the mma.sync backward, where forced, keeps its grid)
@@ -344,8 +349,47 @@ def test_backward_with_its_last_wave_split(case, resident, monkeypatch):
     monkeypatch.setattr(_schedule, "resident_ctas", lambda kernel, device: resident)
     monkeypatch.setenv("CUPYFLASH_FAMILY", "mma_sync")  # the split is the mma.sync backward's (the wgmma one is H200's)
     _assert_ok(_check.run_gpu_case(case, _seed(case) + resident))
-    bwd_grids = [plan.launches[1][1] for plan in _plan._plans.values() if len(plan.launches) == 3]
+    bwd_grids = [plan.launches[1][1] for plan in _plan._plans.values() if _is_backward(plan)]
     assert len(bwd_grids) == 1 and bwd_grids[0][2] > case.batch  # z slices past the batch: the pieces
+
+
+# Backwards whose keys are one block, each with whether its wgmma kernel stores dQ itself: hd64 on
+# 128 rows, hd128 on 64 and hd256 do, in CTAs of up to _plan.DQ_STORED_STEPS steps; hd64 on 64 rows
+# (the options' tile) and hd128 on 80 don't.
+ONE_KEY_BLOCK_CASES = [
+    (Case(113, 60, 64, "bfloat16", True, batch=2, nheads=6, nheads_k=2), True),
+    (Case(250, 64, 128, "float16", False), False),  # the 80-row tile, dQ^T's order
+    (Case(120, 30, 256, "bfloat16", True, nheads=2, window_size=(20, 5)), True),  # rows that see no key
+    (Case(80, 50, 96, "bfloat16", True, nheads=2, nheads_k=1, deterministic=True), True),
+    (Case(150, 33, 64, "float16", False, nheads=2, softcap=5.0, alibi_slopes=True, attn_bias=True, dropout_p=0.2), False),
+    (Case(150, 33, 128, "bfloat16", True, nheads=2, softcap=5.0, alibi_slopes=True, attn_bias=True, dropout_p=0.2), True),
+    (Case.packed((17, 60, 1, 30), (0, 64, 33, 1), 128, "bfloat16", True, nheads=4, nheads_k=2), True),  # a sequence without keys
+    (Case(250, 100, 64, "float16", False, nheads=4, nheads_k=2), True),  # 4 steps a CTA, over heads
+    (Case(1000, 128, 128, "bfloat16", True, nheads=4, nheads_k=1), False),  # 12 steps a CTA: the adds
+    (Case(1000, 100, 64, "float16", False, nheads=6, nheads_k=2), False),
+]
+
+
+@pytest.mark.parametrize("family", _config.KERNEL_FAMILIES)
+@pytest.mark.parametrize("case, stores_on_wgmma", ONE_KEY_BLOCK_CASES, ids=str)
+def test_backward_of_one_key_block_stores_dq_itself(family, case, stores_on_wgmma, monkeypatch):
+    """Where the keys are one block the wgmma backward's consumers store each step's whole dQ in dq
+    (FlashParams.dq_stored_by_bwd) where they hold it in rows and a CTA has few steps, and no
+    bwd_convert_dq runs (the mma.sync one adds and converts as ever): with GQA, a window that leaves
+    rows no key, deterministic adds, every option, a varlen sequence without keys, CTAs of 4 steps."""
+    import cupy
+    from cupyflash import _plan
+    if family == _config.WGMMA and cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the wgmma kernels run on compute capability 9.0")
+    monkeypatch.setattr(_plan, "_plans", {})
+    monkeypatch.setenv("CUPYFLASH_FAMILY", family)
+    _assert_ok(_check.run_gpu_case(case, _seed(case)))
+    backwards = [plan for plan in _plan._plans.values() if _is_backward(plan)]
+    assert backwards
+    stored = family == _config.WGMMA and stores_on_wgmma
+    for plan in backwards:
+        assert plan.params["dq_stored_by_bwd"][0] == stored
+        assert [k.pass_ for k in plan.kernels] == ["bwd_dot", "bwd"] + ["bwd_convert_dq"] * (not stored)
 
 
 def test_forced_tile_table_gets_its_own_plan(monkeypatch):

@@ -116,6 +116,9 @@ struct FlashParams {
     int* dq_semaphore;              // DETERMINISTIC backward: one zeroed counter per (batch, head, query block)
     int dq_semaphore_blocks;        // query blocks per (batch, head)
     int dq_accum_fragment_rows;     // 80-row wgmma backward: dq_accum by dq_accum_fragment_index in blocks of these rows; else 0
+    int dq_stored_by_bwd;           // the sm90 backward's keys are one block, so each step's dQ is whole: it stores it
+                                    //   in dq (flash_bwd_dot zeroes dq first, for rows no step sees); no dq_accum, no
+                                    //   flash_bwd_convert_dq
 
     // The plain backward's last partial wave (TailSplit in sm80/bwd_schedule.cuh): the last tail_units
     // CTAs of the (blocks, nheads_k, batch) grid are done by tail_parts pieces each, CTAs of the

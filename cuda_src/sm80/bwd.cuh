@@ -11,7 +11,8 @@
 //                         loads during the whole of the current step, and a step needs two barriers.
 //                         The plain kernels may split the key blocks of the last partial wave over
 //                         several CTAs (TailSplit), which sum dK and dV in fp32.
-//   flash_bwd_convert_dq: dq = dq_accum * scale, in the input dtype.
+//   flash_bwd_convert_dq: dq = dq_accum * scale, in the input dtype. (Not after the sm90 backward
+//                         where the keys are one block: p.dq_stored_by_bwd, sm90/bwd.cuh.)
 // As in the forward, LOCAL kernels bound each row's keys and FEATURES adds the options of
 // common/score.cuh (OPTIONS: any; they return dbias); DETERMINISTIC kernels add dQ in a fixed order.
 #pragma once
@@ -313,7 +314,8 @@ __device__ __forceinline__ void flash_bwd(const FlashParams& p) {
     store_tile<BLOCK_N, HEADDIM, T::kThreads, !EVEN_K>(dv, s_v, p.dv_row_stride, seq.seqlen_k - key0, p.headdim);
 }
 
-// D = rowsum(dO * O) and lse in base 2 per row; zeroes the rows' dq_accum.
+// D = rowsum(dO * O) and lse in base 2 per row; zeroes the rows' dq_accum (p.dq_stored_by_bwd: their
+// dq, which the sm90 backward's steps overwrite but where a row sees no key block).
 template <bool BF16>
 __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
     const RowKernel rk(p);
@@ -326,9 +328,12 @@ __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
                         + seq.first_row_q * p.out_row_stride + rk.col();
     const long long stats_row0 = seq.stats_row0(p, batch, head);
     const long long padded_row0 = seq.padded_row0(p, batch, head, p.dq_accum_fragment_rows != 0);
+    uint16* dq = static_cast<uint16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride
+                 + seq.first_row_q * p.dq_row_stride + rk.col();
     for (int row = rk.first_row(); row < rk.row0 + RowKernel::kRows; row += rk.rows_per_step()) {
         float dot = 0.f;
         if (row < seq.seqlen_q && rk.col() < p.headdim) {
+            if (p.dq_stored_by_bwd) *reinterpret_cast<uint4*>(dq + row * p.dq_row_stride) = make_uint4(0, 0, 0, 0);
             const uint4 a = *reinterpret_cast<const uint4*>(dout + row * p.dout_row_stride);
             const uint4 b = *reinterpret_cast<const uint4*>(out + row * p.out_row_stride);
             const uint32 wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
@@ -349,6 +354,7 @@ __device__ __forceinline__ void flash_bwd_dot(const FlashParams& p) {
     // dq_accum stores 8 rows together, so the block's rows (rounded up to 8) are one contiguous range.
     // In blocks of p.dq_accum_fragment_rows (dq_accum_fragment_index) any float of the sequence's
     // last block may hold one of its rows: the last row block zeroes through that block's end.
+    if (p.dq_stored_by_bwd) return;
     const int unit = p.dq_accum_fragment_rows != 0 ? p.dq_accum_fragment_rows : 8;
     const int rows = (rk.row0 + RowKernel::kRows < seq.seqlen_q ? rk.row0 + RowKernel::kRows
                                                                   : ceil_div(seq.seqlen_q, unit) * unit) - rk.row0;

@@ -1,5 +1,6 @@
 // Backward pass on Hopper (sm_90a): what sm80/bwd.cuh's flash_bwd computes, on wgmma and TMA,
-// between the same row kernels (flash_bwd_dot before it, flash_bwd_convert_dq after). FEATURES
+// between the same row kernels (flash_bwd_dot before it, flash_bwd_convert_dq after but where the
+// keys are one block: then each step's dQ is whole, and the kernel stores it in dq). FEATURES
 // adds the score options of common/score.cuh that a call uses (softcap, ALiBi, attn_bias with
 // dbias, dropout); DETERMINISTIC kernels add dQ in key-block order (a counter
 // per query block, as sm80's).
@@ -81,6 +82,10 @@ struct Sm90BwdTile {
     static constexpr bool kSplitDQRows = HEADDIM == 64 && BLOCK_M == 128;
     static constexpr int kDQPieces = kSplitDQColumns || kSplitDQRows ? 1 : kConsumers;
     static constexpr int kDQBytes = BLOCK_M * HEADDIM * 4;     // one piece of dQ, fp32
+    // Where the keys are one block (p.dq_stored_by_bwd) a step's dQ is whole, and the consumers store
+    // it from their registers where each holds whole values in rows: at hd256, and up to hd128 where
+    // dQ is one piece, untransposed (Tile.can_store_dq in cupyflash/_config.py).
+    static constexpr bool kCanStoreDQ = !kSplitKeys || (kDQPieces == 1 && !kDQTransposed);
     static constexpr int kDPBytes = BLOCK_N * BLOCK_M * 4;     // hd256: dP^T, fp32
     // What the consumers trade per step: two dS^T buffers and dQ (split keys), or P^T, dS^T and
     // dP^T (hd256, whose dQ goes to dq_accum by reductions from registers).
@@ -266,6 +271,29 @@ __device__ __forceinline__ void store_dk_dv(const FlashParams& p, const Sequence
     });
 }
 
+// A consumer thread's part of a step's whole dQ (p.dq_stored_by_bwd), scaled, stored in dq: its
+// fragments' pairs in rows `row` and row + 8, columns col0 + 8 nt, those inside the sequence and the
+// head dim. One address a row, the tiles' offsets in the instructions: the consumers have no
+// registers to spare for more.
+template <bool BF16, int TILES>
+__device__ __forceinline__ void store_dq_pairs(const FlashParams& p, const Sequence& seq, int batch, int head, int row,
+                                               int col0, const float (&dq)[TILES][4]) {
+    const uint16* first = static_cast<uint16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride
+                          + (seq.first_row_q + row) * p.dq_row_stride + col0;
+    const int cols_left = p.headdim - col0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        if (row + 8 * half >= seq.seqlen_q) break;
+        const uint16* pairs = first + 8 * half * p.dq_row_stride;
+        static_for<TILES>([&](auto nt_) {
+            constexpr int nt = decltype(nt_)::value;
+            if (8 * nt < cols_left)
+                asm volatile("st.global.b32 [%0+%1], %2;\n" :: "l"(pairs), "n"(16 * nt),
+                             "r"(pack_pair<BF16>(dq[nt][2 * half] * p.softmax_scale, dq[nt][2 * half + 1] * p.softmax_scale)) : "memory");
+        });
+    }
+}
+
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, int FEATURES, bool DETERMINISTIC,
           bool BIAS_TILES>
 __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMaps& maps) {
@@ -285,6 +313,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
     static_assert(!T::kDQTransposed || (!LOCAL && FEATURES == 0),
                   "the 80-row tile serves calls without score options, causal or window edges");
     constexpr int kDQWidth = T::kSplitDQColumns ? HEADDIM / T::kConsumers : HEADDIM;
+    const bool stores_dq = T::kCanStoreDQ && p.dq_stored_by_bwd;  // (else adds into dq_accum)
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32 s_k = (smem_address(smem_raw) + 1023) & ~1023u, s_v = s_k + T::kKVBytes;
@@ -334,7 +363,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
 
     if (warpgroup == 0) {
         setmaxnreg_dec<T::kProducerRegisters>();
-        if (T::kSplitKeys && threadIdx.x == 32) {  // dQ's adder
+        if (T::kSplitKeys && !stores_dq && threadIdx.x == 32) {  // dQ's adder
             const auto add_step = [&](int step, int head, int row0) {
                 mbarrier_wait(dq_full, step & 1);
                 float* dq_accum = p.dq_accum + (seq.padded_row0(p, batch, head, T::kDQTransposed) + row0) * HEADDIM;
@@ -522,7 +551,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             });
             wgmma_commit();
 
-            // dQ's chunks added to dq_accum (rows past the sequence's end add nothing).
+            // dQ's chunks added to dq_accum (rows past the sequence's end add nothing), or where the
+            // keys are one block stored in dq: the step's dQ is whole.
             float* dq_rows = p.dq_accum + seq.padded_row0(p, batch, head, T::kDQTransposed) * HEADDIM;
             int* counter = nullptr;
             if constexpr (DETERMINISTIC) {  // this key block's turn (named barrier 4: both consumers wait for it)
@@ -537,14 +567,19 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 constexpr int chunk = decltype(chunk_)::value;
                 wgmma_wait<2 - chunk>();  // dV and the chunks up to this one
                 fence_operands(flat(dq[chunk]));
+                if (stores_dq) {
+                    store_dq_pairs<BF16>(p, seq, batch, head, row0 + lane_row, 64 * (2 * consumer + chunk) + fragment_col(0, 0),
+                                         dq[chunk][0]);
+                } else {
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int row = row0 + lane_row + 8 * half;
-                    if (row < seq.seqlen_q) {
+                    for (int half = 0; half < 2; ++half) {
+                        const int row = row0 + lane_row + 8 * half;
+                        if (row < seq.seqlen_q) {
 #pragma unroll
-                        for (int nt = 0; nt < 8; ++nt)
-                            atomic_add_pair(dq_rows + dq_accum_index(row, 64 * (2 * consumer + chunk) + fragment_col(nt, 0), HEADDIM),
-                                            dq[chunk][0][nt][2 * half], dq[chunk][0][nt][2 * half + 1]);
+                            for (int nt = 0; nt < 8; ++nt)
+                                atomic_add_pair(dq_rows + dq_accum_index(row, 64 * (2 * consumer + chunk) + fragment_col(nt, 0), HEADDIM),
+                                                dq[chunk][0][nt][2 * half], dq[chunk][0][nt][2 * half + 1]);
+                        }
                     }
                 }
             });
@@ -741,36 +776,43 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             fence_operands(flat(acc_dv));
             fence_operands(flat(dq));
 
-            // dQ into shared memory in dq_accum's layout (dq_accum_index: each warp's pair stores fill
-            // 256 contiguous bytes; the transposed kernel's: dq_accum_fragment_index, each thread's
-            // four floats of a tile 16 contiguous bytes), once the adder has read the last step's.
-            if (step > 0) mbarrier_wait(dq_empty, (step - 1) & 1);
-            // Each address is the thread's first plus a constant (dq_accum_index(r + 8 i, c + 8 j, W) is
-            // dq_accum_index(r, c, W) + 8 i W + 64 j), written into the instruction: built by the
-            // compiler, the addresses took ~90 instructions a step at hd128.
-            if constexpr (T::kDQTransposed) {  // a tile's four floats, the warpgroup's threads side by side
-                const uint32 first = s_dq + 16 * uint32(consumer * (BLOCK_M / 8) * 128 + threadIdx.x % 128);
-                static_for<BLOCK_M / 8>([&](auto nt_) {
-                    constexpr int nt = decltype(nt_)::value;
-                    asm volatile("st.shared.v4.f32 [%0+%5], {%1, %2, %3, %4};\n" :: "r"(first), "f"(dq[0][nt][0]),
-                                 "f"(dq[0][nt][1]), "f"(dq[0][nt][2]), "f"(dq[0][nt][3]), "n"(16 * 128 * nt) : "memory");
-                });
+            if (stores_dq) {  // the step's whole dQ (the keys are one block), scaled, into dq: a pair a store
+                if constexpr (T::kCanStoreDQ)
+                    store_dq_pairs<BF16>(p, seq, batch, head,
+                                         row0 + (T::kSplitDQRows ? 64 * consumer : 0) + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4,
+                                         (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0), dq[0]);
             } else {
-                const int q_row = (T::kSplitDQRows ? 64 * consumer : 0) + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
-                const int col0 = (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0);
-                const uint32 piece = s_dq + (T::kDQPieces == 1 ? 0 : consumer * T::kDQBytes);
-                const uint32 first = piece + 4 * uint32(dq_accum_index(q_row, col0, HEADDIM));
-                static_for<2>([&](auto half_) {
-                    static_for<kDQWidth / 8>([&](auto nt_) {
-                        constexpr int half = decltype(half_)::value, nt = decltype(nt_)::value;
-                        asm volatile("st.shared.v2.f32 [%0+%3], {%1, %2};\n" :: "r"(first), "f"(dq[0][nt][2 * half]),
-                                     "f"(dq[0][nt][2 * half + 1]), "n"(4 * (8 * half * HEADDIM + 64 * nt)) : "memory");
+                // dQ into shared memory in dq_accum's layout (dq_accum_index: each warp's pair stores fill
+                // 256 contiguous bytes; the transposed kernel's: dq_accum_fragment_index, each thread's
+                // four floats of a tile 16 contiguous bytes), once the adder has read the last step's.
+                if (step > 0) mbarrier_wait(dq_empty, (step - 1) & 1);
+                // Each address is the thread's first plus a constant (dq_accum_index(r + 8 i, c + 8 j, W) is
+                // dq_accum_index(r, c, W) + 8 i W + 64 j), written into the instruction: built by the
+                // compiler, the addresses took ~90 instructions a step at hd128.
+                if constexpr (T::kDQTransposed) {  // a tile's four floats, the warpgroup's threads side by side
+                    const uint32 first = s_dq + 16 * uint32(consumer * (BLOCK_M / 8) * 128 + threadIdx.x % 128);
+                    static_for<BLOCK_M / 8>([&](auto nt_) {
+                        constexpr int nt = decltype(nt_)::value;
+                        asm volatile("st.shared.v4.f32 [%0+%5], {%1, %2, %3, %4};\n" :: "r"(first), "f"(dq[0][nt][0]),
+                                     "f"(dq[0][nt][1]), "f"(dq[0][nt][2]), "f"(dq[0][nt][3]), "n"(16 * 128 * nt) : "memory");
                     });
-                });
+                } else {
+                    const int q_row = (T::kSplitDQRows ? 64 * consumer : 0) + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4;
+                    const int col0 = (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0);
+                    const uint32 piece = s_dq + (T::kDQPieces == 1 ? 0 : consumer * T::kDQBytes);
+                    const uint32 first = piece + 4 * uint32(dq_accum_index(q_row, col0, HEADDIM));
+                    static_for<2>([&](auto half_) {
+                        static_for<kDQWidth / 8>([&](auto nt_) {
+                            constexpr int half = decltype(half_)::value, nt = decltype(nt_)::value;
+                            asm volatile("st.shared.v2.f32 [%0+%3], {%1, %2};\n" :: "r"(first), "f"(dq[0][nt][2 * half]),
+                                         "f"(dq[0][nt][2 * half + 1]), "n"(4 * (8 * half * HEADDIM + 64 * nt)) : "memory");
+                        });
+                    });
+                }
+                fence_proxy_async();  // the stores, then the copy engine reads them
+                __syncwarp();
+                if (arrives) mbarrier_arrive(dq_full);
             }
-            fence_proxy_async();  // the stores, then the copy engine reads them
-            __syncwarp();
-            if (arrives) mbarrier_arrive(dq_full);
             wgmma_wait<0>();  // dK is done with Q (and dV with dO)
             fence_operands(flat(acc_dk));
             mbarrier_arrive(q_empty(stage));

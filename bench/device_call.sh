@@ -5,7 +5,8 @@
 # packs what the call compiled into $OUT, to unpack into .device_cache/ here (bench/DEVICE.md).
 S=$PWD/${SCRATCH:-.device_scratch}
 mkdir -p /tmp/pcache && tar -xJf "$S/cache.tar.xz" -C /tmp/pcache --strip-components=1
-export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false
+# One BLAS thread a process: 15 test workers each with a thread a core fight over the cores.
+export CUPYFLASH_CACHE_DIR=/tmp/pcache XLA_PYTHON_CLIENT_PREALLOCATE=false OPENBLAS_NUM_THREADS=1
 touch /tmp/t0
 cp bench/ab.py /tmp/
 L=$OUT/log.txt

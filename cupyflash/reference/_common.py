@@ -133,9 +133,9 @@ def _softmax(s):
     row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
     # An empty row has max -inf; shifting it by 0 instead makes exp give 0, not NaN.
     row_max = np.where(np.isneginf(row_max), 0, row_max)
-    e = np.exp(s - row_max)
-    row_sum = e.sum(axis=-1, keepdims=True)
-    p = e / np.where(row_sum > 0, row_sum, 1)
+    p = np.exp(s - row_max)
+    row_sum = p.sum(axis=-1, keepdims=True)
+    p /= np.where(row_sum > 0, row_sum, 1)  # (in place: these are the tests' largest arrays)
     with np.errstate(divide="ignore"):
         lse = (row_max + np.log(row_sum))[..., 0]
     return p, lse

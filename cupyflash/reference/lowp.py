@@ -24,19 +24,35 @@ def _format_name(dtype):
 def round_to(x, dtype):
     """Round x to the nearest value representable in dtype (ties to even); returns float32.
 
-    Rounds straight from x's own precision. (ml_dtypes casts float64 -> bfloat16 through
-    float32, which rounds twice and is occasionally one ulp off.)
+    Rounds straight from x's own precision (float32 stays float32; anything else is read as
+    float64). (ml_dtypes casts float64 -> bfloat16 through float32, which rounds twice and is
+    occasionally one ulp off.) NumPy's float16 casts round once; bfloat16 rounds the bits of
+    x's format (ties to even at its last kept bit), below its smallest normal at a fixed spacing.
     """
-    digits, min_exp, max_finite = _FORMATS[_format_name(dtype)]
-    x = np.asarray(x, dtype=np.float64)
-    _, exp = np.frexp(x)  # |x| = m * 2**exp with 0.5 <= m < 1
-    # Exponent of the spacing between representable values near x; below the smallest
-    # normal the spacing stays fixed (subnormals).
-    step_exp = np.maximum(exp - 1, min_exp) - (digits - 1)
-    rounded = np.ldexp(np.round(np.ldexp(x, -step_exp)), step_exp)  # np.round: ties to even
-    rounded = np.where(np.abs(rounded) > max_finite, np.copysign(np.inf, rounded), rounded)
+    name = _format_name(dtype)
+    x = np.asarray(x)
+    x = np.asarray(x, dtype=np.float32 if x.dtype == np.float32 else np.float64)
     with np.errstate(over="ignore"):
-        return rounded.astype(np.float32)
+        if name == "float16":
+            return x.astype(np.float16).astype(np.float32)
+        digits, min_exp, max_finite = _FORMATS[name]
+        shape, x = x.shape, np.ascontiguousarray(x).reshape(-1)
+        word = np.uint32 if x.dtype == np.float32 else np.uint64
+        dropped = np.finfo(x.dtype).nmant - (digits - 1)  # x's mantissa bits below the format's
+        bits = x.view(word)
+        odd = (bits >> word(dropped)) & word(1)
+        kept = word(2 ** (8 * x.itemsize) - 2**dropped)
+        rounded = ((bits + word(2 ** (dropped - 1) - 1) + odd) & kept).view(x.dtype)
+        if x.dtype == np.float64:  # (float32's own subnormals are bfloat16's, a bit pattern apart)
+            subnormal = np.abs(x) < 2.0**min_exp
+            if subnormal.any():
+                spacing = 2.0 ** (min_exp - (digits - 1))
+                rounded[subnormal] = np.round(x[subnormal] / spacing) * spacing  # np.round: ties to even
+        nan = np.isnan(x)
+        rounded[nan] = x[nan]
+        overflow = np.abs(rounded) > max_finite
+        rounded[overflow] = np.copysign(np.inf, rounded[overflow])
+        return rounded.astype(np.float32).reshape(shape)
 
 
 def _lowp_scores_and_probs(q, k, v, dtype, softmax_scale, causal, window_size, softcap, alibi_slopes,

@@ -57,14 +57,17 @@ def _philox_keep(seed, threshold, batch_index, nheads, i, j):
     """
     batch_index, i, j = (np.asarray(x, dtype=np.int64) for x in (batch_index, i, j))
     batch_head = (batch_index[:, None] * nheads + np.arange(nheads)[None, :])[:, :, None, None]
-    i, j = i[:, None], j[None, :]
     # One Philox call covers the 16 elements whose rows and columns agree but in bits 0 and 3, so
     # that a call serves two neighbouring accumulator tiles of a lane pair (common/score.cuh); bit 0
-    # of the row and the column picks the word, bit 3 of each the byte in it.
-    words = philox4x32_10((j & ~9, i & ~9, batch_head, 0), (seed & 0xFFFFFFFF, seed >> 32))
-    word_index = 2 * (i & 1) + (j & 1)
+    # of the row and the column picks the word, bit 3 of each the byte in it. Each call is made
+    # once, for the distinct (row, column) counters, and its words handed to its elements.
+    call_rows, row_call = np.unique(i & ~9, return_inverse=True)
+    call_cols, col_call = np.unique(j & ~9, return_inverse=True)
+    words = philox4x32_10((call_cols[None, :], call_rows[:, None], batch_head, 0), (seed & 0xFFFFFFFF, seed >> 32))
+    i, j = i[:, None], j[None, :]
+    word = np.moveaxis(words, 0, -1)[..., row_call.reshape(-1, 1), col_call.reshape(1, -1), 2 * (i & 1) + (j & 1)]
     byte = 2 * ((i >> 3) & 1) + ((j >> 3) & 1)
-    bits = (np.choose(word_index, words).astype(np.int64) >> (DROPOUT_BITS * byte)) & (2 ** DROPOUT_BITS - 1)
+    bits = (word >> (DROPOUT_BITS * byte).astype(np.uint32)) & np.uint32(2 ** DROPOUT_BITS - 1)
     return bits < threshold
 
 

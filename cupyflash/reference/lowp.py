@@ -43,7 +43,7 @@ def round_to(x, dtype):
         odd = (bits >> word(dropped)) & word(1)
         kept = word(2 ** (8 * x.itemsize) - 2**dropped)
         rounded = ((bits + word(2 ** (dropped - 1) - 1) + odd) & kept).view(x.dtype)
-        if x.dtype == np.float64:  # (float32's own subnormals are bfloat16's, a bit pattern apart)
+        if x.dtype == np.float64:  # (bfloat16's subnormals are float32's with 16 low bits clear: bits round them)
             subnormal = np.abs(x) < 2.0**min_exp
             if subnormal.any():
                 spacing = 2.0 ** (min_exp - (digits - 1))

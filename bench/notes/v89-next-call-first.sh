@@ -13,12 +13,12 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee -a $L
 gpu_tests new one-key-block 150 -x tests/test_gpu.py tests/test_smoke.py -k "one_key_block or smoke"
 for tree in main new; do
   echo "== $tree" >> $OUT/kernel-time.txt
-  (cd $S/$tree && PYTHONPATH=. timeout 110 python $OLDPWD/bench/notes/v89-bwd-kernel-time.py) >> $OUT/kernel-time.txt 2>/dev/null
+  (cd $S/$tree && PYTHONPATH=. timeout 100 python $OLDPWD/bench/notes/v89-bwd-kernel-time.py) >> $OUT/kernel-time.txt 2>/dev/null
 done
 cat $OUT/kernel-time.txt >> $L
 for round in 1 2; do
   for tree in before main; do
-    PYTHONPATH=$S/$tree timeout 60 python bench/notes/v86-host-ab.py $tree >> $OUT/ab.txt 2>>$OUT/ab-err.txt
+    PYTHONPATH=$S/$tree timeout 45 python bench/notes/v86-host-ab.py $tree >> $OUT/ab.txt 2>>$OUT/ab-err.txt
   done
 done
 cat $OUT/ab.txt >> $L

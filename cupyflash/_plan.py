@@ -548,28 +548,16 @@ def _wgmma_forward_plan(call, inputs, strides):
     return Plan(call.caller, params, inputs, outputs, [_Launch(kernel, grid)], maps=maps)
 
 
-# The consumers' dQ stores cost a CTA ~0.6 us a step on the H100 (v88; 4-byte pairs, eight rows a
-# warp's store): up to this many steps a CTA they cost less than bwd_convert_dq, above it more.
-DQ_STORED_STEPS = 4
-
-
 def dq_stored_by_bwd(call, tile):
     """Whether the backward of `call` on `tile` stores dq from its own kernel: where the keys are one
     block, each step computes a query block's whole dQ (FlashParams.dq_stored_by_bwd), so there is no
     dq_accum to add into and no bwd_convert_dq to launch (a launch fewer, which the small calls whose
     time is the host's feel most). The wgmma tiles whose consumers hold dQ in rows only
-    (Tile.can_store_dq: the mma.sync kernels spill with a second way out beside their adds), and CTAs
-    of at most DQ_STORED_STEPS steps: the query blocks that see the key block (the kernel's
-    query_blocks_seeing; varlen: by the longest sequences) times the query heads of a kv head."""
-    shape = call.shape
-    if not (tile.can_store_dq and shape.seqlen_k <= tile.block_n):
-        return False
-    left, right = call.checked.get("window_size", (-1, 0 if call.causal else -1))
-    shift = shape.seqlen_k - shape.seqlen_q
-    row_begin = 0 if right < 0 else max(0, -shift - right)
-    row_end = shape.seqlen_q if left < 0 else min(shape.seqlen_q, shape.seqlen_k - shift + left)
-    blocks = -(-row_end // tile.block_m) - row_begin // tile.block_m if row_begin < row_end else 0
-    return blocks * (shape.nheads // shape.nheads_k) <= DQ_STORED_STEPS
+    (Tile.can_store_dq: the mma.sync kernels spill with a second way out beside their adds). The
+    stores (16-byte rows through shared memory) cost a step less than the adds at every step count a
+    CTA (1 to 64 measured on the H100, bench/notes/v90-dq-row-stores.md), so a CTA's step count
+    doesn't enter."""
+    return tile.can_store_dq and call.shape.seqlen_k <= tile.block_n
 
 
 def _backward_plan(call, inputs, return_dbias):

@@ -354,19 +354,20 @@ def test_backward_with_its_last_wave_split(case, resident, monkeypatch):
 
 
 # Backwards whose keys are one block, each with whether its wgmma kernel stores dQ itself: hd64 on
-# 128 rows, hd128 on 64 and hd256 do, in CTAs of up to _plan.DQ_STORED_STEPS steps; hd64 on 64 rows
+# 128 rows, hd128 on 64 and hd256 do, however many steps a CTA; hd64 on 64 rows
 # (the options' tile) and hd128 on 80 don't.
 ONE_KEY_BLOCK_CASES = [
     (Case(113, 60, 64, "bfloat16", True, batch=2, nheads=6, nheads_k=2), True),
     (Case(250, 64, 128, "float16", False), False),  # the 80-row tile, dQ^T's order
     (Case(120, 30, 256, "bfloat16", True, nheads=2, window_size=(20, 5)), True),  # rows that see no key
+    (Case(130, 60, 200, "float16", False, nheads=2), True),  # hd256's tile, the last 16-byte chunks past the head dim
     (Case(80, 50, 96, "bfloat16", True, nheads=2, nheads_k=1, deterministic=True), True),
     (Case(150, 33, 64, "float16", False, nheads=2, softcap=5.0, alibi_slopes=True, attn_bias=True, dropout_p=0.2), False),
     (Case(150, 33, 128, "bfloat16", True, nheads=2, softcap=5.0, alibi_slopes=True, attn_bias=True, dropout_p=0.2), True),
     (Case.packed((17, 60, 1, 30), (0, 64, 33, 1), 128, "bfloat16", True, nheads=4, nheads_k=2), True),  # a sequence without keys
     (Case(250, 100, 64, "float16", False, nheads=4, nheads_k=2), True),  # 4 steps a CTA, over heads
-    (Case(1000, 128, 128, "bfloat16", True, nheads=4, nheads_k=1), False),  # 12 steps a CTA: the adds
-    (Case(1000, 100, 64, "float16", False, nheads=6, nheads_k=2), False),
+    (Case(1000, 128, 128, "bfloat16", True, nheads=4, nheads_k=1), True),  # CTAs of many steps
+    (Case(1000, 100, 64, "float16", False, nheads=6, nheads_k=2), True),  # ... over 3 query heads
 ]
 
 
@@ -374,9 +375,9 @@ ONE_KEY_BLOCK_CASES = [
 @pytest.mark.parametrize("case, stores_on_wgmma", ONE_KEY_BLOCK_CASES, ids=str)
 def test_backward_of_one_key_block_stores_dq_itself(family, case, stores_on_wgmma, monkeypatch):
     """Where the keys are one block the wgmma backward's consumers store each step's whole dQ in dq
-    (FlashParams.dq_stored_by_bwd) where they hold it in rows and a CTA has few steps, and no
-    bwd_convert_dq runs (the mma.sync one adds and converts as ever): with GQA, a window that leaves
-    rows no key, deterministic adds, every option, a varlen sequence without keys, CTAs of 4 steps."""
+    (FlashParams.dq_stored_by_bwd) where they hold it in rows, and no bwd_convert_dq runs (the
+    mma.sync one adds and converts as ever): with GQA, a window that leaves rows no key,
+    deterministic adds, every option, a varlen sequence without keys, CTAs of one step and of many."""
     import cupy
     from cupyflash import _plan
     if family == _config.WGMMA and cupy.cuda.Device().compute_capability != "90":

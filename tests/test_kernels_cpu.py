@@ -235,28 +235,20 @@ def test_the_backward_splits_its_last_partial_wave_where_that_saves_time(units, 
     assert _tail_split(units, steps, resident=132) == split
 
 
-@pytest.mark.parametrize("seqlen_q, seqlen_k, heads, window, tile, stored", [
-    (128, 128, 1, (-1, 0), (64, 128, 128), True),           # issue 18's small shape: its keys are one block
-    (128, 128, 1, (-1, 0), (64, 128, 128, _config.MMA_SYNC), False),  # (the mma.sync kernels add dQ, convert it)
-    (128, 129, 1, (-1, -1), (64, 128, 128), False),         # two key blocks add into one query block's dQ
-    (113, 100, 1, (-1, -1), (256, 64, 64), False),          # ... on a tile of 64 keys
-    (256, 64, 1, (-1, -1), (256, 64, 64), True),            # 4 query blocks: 4 steps a CTA
-    (320, 64, 1, (-1, -1), (256, 64, 64), False),           # 5 steps
-    (128, 100, 4, (-1, 0), (128, 64, 128), False),          # 2 blocks of each of 4 query heads: 8 steps
-    (128, 100, 2, (-1, 0), (128, 64, 128), True),
-    (2048, 128, 1, (-1, 0), (128, 64, 128), True),          # causal: 2 blocks see the keys (rows from 1920)
-    (2048, 128, 1, (-1, -1), (128, 64, 128), False),        # every one does
-    (2048, 128, 1, (100, 0), (128, 64, 128), True),         # a window: rows 1920-2047
-    (2048, 128, 1, (-1, 3000), (128, 64, 128), False),      # a window right of the diagonal: every row
-    (1, 1, 1, (-1, -1), (128, 64, 128), True),
-    (100, 100, 1, (-1, -1), (64, 64, 128), False),          # hd64 on 64 rows: dQ in two pieces, one a consumer
-    (100, 100, 1, (-1, -1), (128, 80, 128), False),         # hd128 on 80 rows: dQ^T
+@pytest.mark.parametrize("seqlen_q, seqlen_k, tile, stored", [
+    (128, 128, (64, 128, 128), True),               # issue 18's small shape: its keys are one block
+    (128, 128, (64, 128, 128, _config.MMA_SYNC), False),  # (the mma.sync kernels add dQ, convert it)
+    (128, 129, (64, 128, 128), False),              # two key blocks add into one query block's dQ
+    (113, 100, (256, 64, 64), False),               # ... on a tile of 64 keys
+    (2048, 64, (256, 64, 64), True),                # 32 query blocks, so 32 steps a CTA or more
+    (2048, 128, (128, 64, 128), True),
+    (1, 1, (128, 64, 128), True),
+    (100, 100, (64, 64, 128), False),               # hd64 on 64 rows: dQ in two pieces, one a consumer
+    (100, 100, (128, 80, 128), False),              # hd128 on 80 rows: dQ^T
 ])
-def test_a_wgmma_backward_of_one_key_block_and_few_steps_stores_dq_itself(seqlen_q, seqlen_k, heads, window, tile,
-                                                                         stored):
+def test_a_wgmma_backward_of_one_key_block_stores_dq_itself(seqlen_q, seqlen_k, tile, stored):
     headdim, block_m, block_n, family = (*tile, _config.WGMMA)[:4]
-    shape = types.SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=2 * heads, nheads_k=2, headdim=headdim)
-    call = types.SimpleNamespace(shape=shape, causal=window[1] == 0, checked={"window_size": window})
+    call = types.SimpleNamespace(shape=types.SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=seqlen_k, headdim=headdim))
     assert _plan.dq_stored_by_bwd(call, _config.Tile(headdim, block_m, block_n, 12, 2, family)) == stored
 
 

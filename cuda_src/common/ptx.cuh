@@ -83,6 +83,12 @@ __device__ __forceinline__ void st_global_u128(void* address, uint4 value) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n"
                  :: "l"(address), "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w) : "memory");
 }
+// The store where `store` holds, predicated: no branch, so that the addresses of a run of them are
+// computed together (under a branch each, ptxas derives each from the last's).
+__device__ __forceinline__ void st_global_u128_if(bool store, void* address, uint4 value) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}\n"
+                 :: "l"(address), "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w), "r"(int(store)) : "memory");
+}
 
 // 16-byte asynchronous global -> shared copy. When `valid` is false nothing is read and the
 // 16 bytes are zero-filled, which is how tiles are padded past the end of a sequence or head.

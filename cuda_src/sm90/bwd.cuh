@@ -271,27 +271,11 @@ __device__ __forceinline__ void store_dk_dv(const FlashParams& p, const Sequence
     });
 }
 
-// A consumer thread's part of a step's whole dQ (p.dq_stored_by_bwd), scaled, stored in dq: its
-// fragments' pairs in rows `row` and row + 8, columns col0 + 8 nt, those inside the sequence and the
-// head dim. One address a row, the tiles' offsets in the instructions: the consumers have no
-// registers to spare for more.
-template <bool BF16, int TILES>
-__device__ __forceinline__ void store_dq_pairs(const FlashParams& p, const Sequence& seq, int batch, int head, int row,
-                                               int col0, const float (&dq)[TILES][4]) {
-    const uint16* first = static_cast<uint16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride
-                          + (seq.first_row_q + row) * p.dq_row_stride + col0;
-    const int cols_left = p.headdim - col0;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        if (row + 8 * half >= seq.seqlen_q) break;
-        const uint16* pairs = first + 8 * half * p.dq_row_stride;
-        static_for<TILES>([&](auto nt_) {
-            constexpr int nt = decltype(nt_)::value;
-            if (8 * nt < cols_left)
-                asm volatile("st.global.b32 [%0+%1], %2;\n" :: "l"(pairs), "n"(16 * nt),
-                             "r"(pack_pair<BF16>(dq[nt][2 * half] * p.softmax_scale, dq[nt][2 * half + 1] * p.softmax_scale)) : "memory");
-        });
-    }
+// The sequence's first row of dq at (batch, head), where a backward of one key block stores dQ
+// (p.dq_stored_by_bwd). dq is the plan's own array: rows 16-byte aligned.
+__device__ __forceinline__ uint16* dq_rows_of(const FlashParams& p, const Sequence& seq, int batch, int head) {
+    return static_cast<uint16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride
+           + seq.first_row_q * p.dq_row_stride;
 }
 
 template <int HEADDIM, int BLOCK_M, int BLOCK_N, int STAGES, bool BF16, bool LOCAL, int FEATURES, bool DETERMINISTIC,
@@ -567,9 +551,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
                 constexpr int chunk = decltype(chunk_)::value;
                 wgmma_wait<2 - chunk>();  // dV and the chunks up to this one
                 fence_operands(flat(dq[chunk]));
-                if (stores_dq) {
-                    store_dq_pairs<BF16>(p, seq, batch, head, row0 + lane_row, 64 * (2 * consumer + chunk) + fragment_col(0, 0),
-                                         dq[chunk][0]);
+                if (stores_dq) {  // 16-byte chunks of whole rows, traded over each quad
+                    const int col0 = 64 * (2 * consumer + chunk), row = row0 + lane_row;
+                    const int rows_left = seq.seqlen_q - row, cols_left = p.headdim - col0;
+                    const int row_stride = int(p.dq_row_stride);  // (as below)
+                    uint16* const first = dq_rows_of(p, seq, batch, head) + row * row_stride + col0;
+                    for_each_quad_chunk<BF16>(dq[chunk], p.softmax_scale, [&](int half, int col, uint4 value) {
+                        st_global_u128_if(8 * half < rows_left && col < cols_left, first + (8 * half * row_stride + col), value);
+                    });
                 } else {
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
@@ -776,11 +765,27 @@ __device__ __forceinline__ void flash_bwd_sm90(const FlashParams& p, const BwdMa
             fence_operands(flat(acc_dv));
             fence_operands(flat(dq));
 
-            if (stores_dq) {  // the step's whole dQ (the keys are one block), scaled, into dq: a pair a store
-                if constexpr (T::kCanStoreDQ)
-                    store_dq_pairs<BF16>(p, seq, batch, head,
-                                         row0 + (T::kSplitDQRows ? 64 * consumer : 0) + 16 * (threadIdx.x / 32 % 4) + (threadIdx.x % 32) / 4,
-                                         (T::kSplitDQColumns ? consumer * kDQWidth : 0) + fragment_col(0, 0), dq[0]);
+            if (stores_dq) {  // the step's whole dQ (the keys are one block), scaled, into dq: whole rows
+                if constexpr (T::kCanStoreDQ) {  // through this warpgroup's 64 rows of s_dq (idle: no adder)
+                    constexpr int kTiles = kDQWidth / 8;
+                    static_assert(2 * 64 * 16 * kTiles <= T::kDQBytes, "both consumers' staged rows fit dQ's buffer");
+                    const uint32 stage = s_dq + consumer * 64 * 16 * kTiles;
+                    // (The parameters in locals: each asm store would reload them. The row stride of the
+                    // plan's dq is nheads x headdim: an int, which spares 64-bit products.)
+                    const int stage_row0 = row0 + (T::kSplitDQRows ? 64 * consumer : 0);
+                    const int col0 = T::kSplitDQColumns ? consumer * kDQWidth : 0;
+                    const int rows_left = seq.seqlen_q - stage_row0, cols_left = p.headdim - col0;
+                    const int row_stride = int(p.dq_row_stride);
+                    uint16* rows = dq_rows_of(p, seq, batch, head) + stage_row0 * row_stride + col0;
+                    asm("" : "+l"(rows));  // (opaque: else each store recomputes it, ~15 instructions)
+                    __syncwarp();  // (the warp's lanes are done reading the last step's rows)
+                    stage_rows<BF16>(stage, dq, p.softmax_scale);
+                    __syncwarp();
+                    for_each_staged_chunk<kTiles, true>([&](int row, int chunk, uint32 offset) {
+                        const uint4 value = ld_shared_u128(stage + offset);
+                        st_global_u128_if(row < rows_left && 8 * chunk < cols_left, rows + (row * row_stride + 8 * chunk), value);
+                    });
+                }
             } else {
                 // dQ into shared memory in dq_accum's layout (dq_accum_index: each warp's pair stores fill
                 // 256 contiguous bytes; the transposed kernel's: dq_accum_fragment_index, each thread's

@@ -323,7 +323,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         } else if constexpr (kQuadChunks) {
             const int rows[2] = {row0 + fragment_row(0, 0), row0 + fragment_row(0, 2)};
             uint16* const row_out[2] = {out + rows[0] * p.out_row_stride, out + rows[1] * p.out_row_stride};
-            for_each_quad_chunk<BF16>(acc_o, [&](int half, int col, uint4 chunk) {
+            for_each_quad_chunk<BF16>(acc_o, 1.f, [&](int half, int col, uint4 chunk) {
                 if (rows[half] < seq.seqlen_q && col < p.headdim) st_global_u128(row_out[half] + col, chunk);
             });
         } else {

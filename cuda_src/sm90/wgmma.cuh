@@ -202,29 +202,33 @@ __device__ __forceinline__ uint32 staged_offset(int row, int chunk) {
     return uint32(row * 16 * TILES + ((chunk ^ (row % 8)) * 16));
 }
 
-// This warp's 16 rows of `acc` times `scale`, as 16-bit values, into `stage`.
+// This warp's 16 rows of `acc` times `scale`, as 16-bit values, into `stage` (aligned to a row,
+// 16 TILES bytes, so that the swizzle of a chunk is an exclusive or of the address).
 template <bool BF16, int TILES>
 __device__ __forceinline__ void stage_rows(uint32 stage, const float (&acc)[1][TILES][4], float scale) {
-    // stmatrix's matrix m = lane / 8 is column tile dt + m / 2, rows 8 (m % 2) to 8 (m % 2) + 7 of the warp's 16
+    // stmatrix's matrix m = lane / 8 is column tile dt + m / 2, rows 8 (m % 2) to 8 (m % 2) + 7 of the
+    // warp's 16; dt is even, so chunk dt + m / 2 swizzled is dt ^ (m / 2 ^ row % 8): tile 0's address
+    // with 16 dt exclusive-or'ed in.
     const int lane = threadIdx.x % 32, row = 16 * (threadIdx.x / 32 % 4) + 8 * (lane / 8 % 2) + lane % 8;
+    const uint32 first = stage + staged_offset<TILES>(row, lane / 16);
 #pragma unroll
     for (int dt = 0; dt < TILES; dt += 2)
-        stmatrix_x4(stage + staged_offset<TILES>(row, dt + lane / 16),
+        stmatrix_x4(first ^ uint32(16 * dt),
                     pack_pair<BF16>(acc[0][dt][0] * scale, acc[0][dt][1] * scale),
                     pack_pair<BF16>(acc[0][dt][2] * scale, acc[0][dt][3] * scale),
                     pack_pair<BF16>(acc[0][dt + 1][0] * scale, acc[0][dt + 1][1] * scale),
                     pack_pair<BF16>(acc[0][dt + 1][2] * scale, acc[0][dt + 1][3] * scale));
 }
 
-// visit(half, col, chunk) for each 16-byte chunk that this lane holds of `acc` as 16-bit values
-// (columns col to col + 7 of its fragment row fragment_row(0, 2 half)), with no shared memory: a
+// visit(half, col, chunk) for each 16-byte chunk that this lane holds of `acc` times `scale` as 16-bit
+// values (columns col to col + 7 of its fragment row fragment_row(0, 2 half)), with no shared memory: a
 // quad holds a row's 32 columns of four column tiles as one word each (tile d's word of lane q:
 // columns 8d + 2q and 8d + 2q + 1); transposed over the quad (2 x 2 blocks of words traded across
 // lanes q ^ 2, then each block across lanes q ^ 1), lane q holds columns 8q to 8q + 7 of the 32. A
 // warp's stores of them write whole 32-byte sectors, where the fragments' words write each sector
 // in two halves.
 template <bool BF16, int TILES, typename Visit>
-__device__ __forceinline__ void for_each_quad_chunk(const float (&acc)[1][TILES][4], Visit&& visit) {
+__device__ __forceinline__ void for_each_quad_chunk(const float (&acc)[1][TILES][4], float scale, Visit&& visit) {
     static_assert(TILES % 4 == 0, "groups of four column tiles");
     const int quad_lane = threadIdx.x % 4;
     const bool high_pair = quad_lane & 2, odd_lane = quad_lane & 1;
@@ -235,7 +239,7 @@ __device__ __forceinline__ void for_each_quad_chunk(const float (&acc)[1][TILES]
             uint32 w[4];
 #pragma unroll
             for (int d = 0; d < 4; ++d)
-                w[d] = pack_pair<BF16>(acc[0][4 * group + d][2 * half], acc[0][4 * group + d][2 * half + 1]);
+                w[d] = pack_pair<BF16>(acc[0][4 * group + d][2 * half] * scale, acc[0][4 * group + d][2 * half + 1] * scale);
 #pragma unroll
             for (int d = 0; d < 2; ++d) {  // lanes 0, 1 trade words 2, 3 for lanes 2, 3's words 0, 1
                 const uint32 got = __shfl_xor_sync(0xffffffffu, high_pair ? w[d] : w[d + 2], 2);
@@ -303,14 +307,20 @@ __device__ __forceinline__ void add_swizzled_tile_transposed(float (&acc)[TILES]
 }
 
 // After a __syncwarp that follows stage_rows: visit(row, chunk, offset) for each 16-byte chunk this
-// lane reads back (the warp's 16 rows, 32 chunks a step).
-template <int TILES, typename Visit>
+// lane reads back (the warp's 16 rows, 32 chunks a step). Pass i reads rows row + kRowsAPass i, whose
+// swizzle is row % 8 (below kRowsAPass, a power of two) exclusive-or'ed with kRowsAPass i % 8: with
+// HOLD_BASES, each offset is one of a few bases (the first's with a constant exclusive-or'ed in)
+// plus a constant, a few instructions fewer a pass for a register or two held (the 160-register
+// forwards spill with them); without, each is computed whole.
+template <int TILES, bool HOLD_BASES = false, typename Visit>
 __device__ __forceinline__ void for_each_staged_chunk(Visit&& visit) {
-    const int lane = threadIdx.x % 32;
+    static_assert((TILES & (TILES - 1)) == 0, "a power of two chunks a row");
+    constexpr int kRowsAPass = 32 / TILES;
+    const int lane = threadIdx.x % 32, row = 16 * (threadIdx.x / 32 % 4) + lane / TILES, chunk = lane % TILES;
+    const uint32 first = staged_offset<TILES>(row, chunk);
 #pragma unroll
-    for (int i = 0; i < TILES / 2; ++i) {
-        const int chunk_index = 32 * i + lane, row = 16 * (threadIdx.x / 32 % 4) + chunk_index / TILES;
-        const int chunk = chunk_index % TILES;
-        visit(row, chunk, staged_offset<TILES>(row, chunk));
-    }
+    for (int i = 0; i < TILES / 2; ++i)
+        visit(row + kRowsAPass * i, chunk,
+              HOLD_BASES ? (first ^ uint32(16 * (kRowsAPass * i % 8))) + uint32(kRowsAPass * i * 16 * TILES)
+                         : staged_offset<TILES>(row + kRowsAPass * i, chunk));
 }

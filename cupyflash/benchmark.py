@@ -131,6 +131,8 @@ def balanced_order(items, round_):
     it, so a timer that always ran after the same one (as seeded shuffles repeat in every cell)
     would carry that one's bias."""
     n = len(items)
+    if n == 0:  # every timer failed
+        return []
     first = [0]  # 0, 1, n-1, 2, n-2, ...
     for i in range(1, n):
         first.append((i + 1) // 2 if i % 2 else n - i // 2)

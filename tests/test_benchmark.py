@@ -64,6 +64,7 @@ def test_median_ms_takes_turns_in_balanced_orders_and_leaves_out_a_timer_that_fa
     rounds += [rest[i:i + 3] for i in range(0, len(rest), 3)]
     assert [sorted(r) for r in rounds] == [list("abcd")] * 2 + [list("abd")] * (reps - 2)
     assert len({tuple(r) for r in rounds[2:]}) > 1
+    assert benchmark.median_ms({"c": Timer("c", [None])}, reps=3, report=messages.append) == {}  # none left
 
 
 def test_a_backward_without_its_own_timer_is_derived_from_fwd_and_fwd_bwd():

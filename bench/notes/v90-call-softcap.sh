@@ -1,6 +1,7 @@
 #!/bin/bash
-# v90's call 5 (carry .device_scratch, its cache with aecd2e7's softcap kernels): the GPU tests with
-# softcap in both families (softcap's tanh and d/ds now one helper; two mma.sync step loops moved),
+# The GPU tests with softcap in both families for notes/v90-softcap-one-home.patch (applied to the
+# checkout first; softcap's tanh and d/ds as one helper; two mma.sync step loops moved; carry
+# .device_scratch, whose cache v90 filled with the patch's softcap kernels),
 # then three rounds of issue 18's host table for this checkout (v86-host-ab.py; read only if SDPA's
 # own columns are quiet: small fwd ~18 us, medium fwd+bwd ~137).
 cd "$(dirname "$0")/../.."

@@ -39,3 +39,17 @@ sanitizers() {
     echo "$tool rc $? ($(date +%T))" >> $L; tail -2 "$OUT/$tool.log" >> $L
   done
 }
+# host_ab ROUNDS TREE...: issue 18's host table (bench/notes/v86-host-ab.py) of each $S/TREE, one
+# process a tree, the trees in turns for ROUNDS rounds; lines in $OUT/ab.txt (then $L), errors in
+# $OUT/ab-err.txt. Read it only where SDPA's own columns look quiet (small fwd ~18 us, medium
+# fwd+bwd ~137 us).
+host_ab() {
+  local rounds=$1 round tree
+  shift
+  for round in $(seq "$rounds"); do
+    for tree in "$@"; do
+      PYTHONPATH=$S/$tree timeout 45 python bench/notes/v86-host-ab.py $tree >> $OUT/ab.txt 2>>$OUT/ab-err.txt
+    done
+  done
+  cat $OUT/ab.txt >> $L
+}

@@ -22,6 +22,7 @@ import pytest
 
 from cupyflash import _check, _config
 from cupyflash._check import Case
+from test_gpu import _is_backward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.smoke]
 
@@ -77,8 +78,7 @@ def test_backward_with_its_last_wave_split(monkeypatch):
     monkeypatch.setattr(_schedule, "resident_ctas", lambda kernel, device: resident)
     monkeypatch.setenv("CUPYFLASH_FAMILY", "mma_sync")  # the split is the mma.sync backward's (the wgmma one is H200's)
     _assert_ok(_check.run_gpu_case(case, _seed(case) + resident))
-    bwd_grids = [plan.launches[1][1] for plan in _plan._plans.values()
-                 if any(kernel.pass_ == "bwd" for kernel in plan.kernels)]
+    bwd_grids = [plan.launches[1][1] for plan in _plan._plans.values() if _is_backward(plan)]
     assert len(bwd_grids) == 1 and bwd_grids[0][2] > case.batch  # z slices past the batch: the pieces
 
 

@@ -16,11 +16,6 @@ for tree in main new; do
   (cd $S/$tree && PYTHONPATH=. timeout 100 python $OLDPWD/bench/notes/v89-bwd-kernel-time.py) >> $OUT/kernel-time.txt 2>/dev/null
 done
 cat $OUT/kernel-time.txt >> $L
-for round in 1 2; do
-  for tree in before main; do
-    PYTHONPATH=$S/$tree timeout 45 python bench/notes/v86-host-ab.py $tree >> $OUT/ab.txt 2>>$OUT/ab-err.txt
-  done
-done
-cat $OUT/ab.txt >> $L
+host_ab 2 before main
 save_new_kernels
 cat $L

@@ -4,9 +4,8 @@
 #     before=8c52c22
 # then the softcap kernels of `new` added to its cache.tar.xz, as v90 did): 1. the softcap GPU tests
 # of `new` (softcap's tanh and d/ds in one helper) in both families; 2. issue 18's host A/B, before
-# (v86's tree: three launches a small fwd+bwd) against main (v90's row stores: two), three rounds of
-# one process a tree; read it only where SDPA's own columns look quiet (small fwd ~18 us, medium
-# fwd+bwd ~137 us).
+# (v86's tree: three launches a small fwd+bwd) against main (v90's row stores: two), three rounds
+# (host_ab in bench/device_call.sh says how to read it).
 cd "$(dirname "$0")/../.."
 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a $L
@@ -15,11 +14,6 @@ for family in wgmma mma_sync; do
   gpu_tests new softcap-$family 150 -x tests/test_gpu.py tests/test_gpu_variants.py tests/test_head_dims.py -k softcap
 done
 unset CUPYFLASH_FAMILY
-for round in 1 2 3; do
-  for tree in before main; do
-    PYTHONPATH=$S/$tree timeout 45 python bench/notes/v86-host-ab.py $tree >> $OUT/ab.txt 2>>$OUT/ab-err.txt
-  done
-done
-cat $OUT/ab.txt >> $L
+host_ab 3 before main
 save_new_kernels
 cat $L

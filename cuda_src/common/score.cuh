@@ -40,13 +40,16 @@ struct Softcap {
     __device__ __forceinline__ Softcap(const FlashParams& params, const Sequence&, int, int) : p(params) {}
     __device__ __forceinline__ bool on() const { return p.softcap_inner != 0.f; }
     __device__ __forceinline__ float apply(float s, int, int, float& grad) const {
+        return p.softcap_outer * tanh_part(s, grad);
+    }
+    // The score in units of softcap_outer, where a pass folds that factor into the exps' scale
+    // (score_unit below); the second form also multiplies grad by d/ds.
+    __device__ __forceinline__ float tanh_part(float s) const { return fast_tanh(s * p.softcap_inner); }
+    __device__ __forceinline__ float tanh_part(float s, float& grad) const {
         const float t = tanh_part(s);
         grad *= 1.f - t * t;
-        return p.softcap_outer * t;
+        return t;
     }
-    // The score in units of softcap_outer, where the forward folds that factor into the softmax's
-    // scale (score_unit below).
-    __device__ __forceinline__ float tanh_part(float s) const { return fast_tanh(s * p.softcap_inner); }
 };
 
 // A forward whose only score modifier is softcap keeps its scores as tanh(s * softcap_inner) and

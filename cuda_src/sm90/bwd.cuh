@@ -163,9 +163,7 @@ __device__ __forceinline__ void probabilities_transposed(float (&s)[MT][4], floa
         const Softcap softcap(p, seq, batch, head);
         if (softcap.on())
             for_each_element<1, COUNT>([&](int, int c, int e) {
-                const float t = softcap.tanh_part(s[nt0 + c][e]);
-                grad[c][e] *= 1.f - t * t;
-                s[nt0 + c][e] = t;
+                s[nt0 + c][e] = softcap.tanh_part(s[nt0 + c][e], grad[c][e]);
             });
     } else if constexpr (FEATURES != 0) {
         // Modifier by modifier: one branch each, where per element ptxas predicates every

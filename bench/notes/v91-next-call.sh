@@ -1,10 +1,11 @@
 #!/bin/bash
 # v91's call: carry [".device_scratch"], built by
 #   python bench/device_trees.py .device_scratch main=HEAD new=HEAD+bench/notes/v91-alibi-products.patch \
-#     --options '{"alibi_slopes": "random"}'
-# plus every ALiBi wgmma forward variant of both trees compiled into its cache.tar.xz.
+#     --options '{"alibi_slopes": "random"}' --named bench/notes/v91-alibi-kernels.txt
+# (the named: every wgmma forward with ALiBi and without softcap, so that the tests compile nothing).
 # 1. new's ALiBi GPU tests (wgmma family: the change is the wgmma forward's); 2. the ALiBi forward
-# A/B, main against new, and the plain forward of main in the same lease (the option's ratio).
+# A/B, main against new, and the plain forward of main in the same lease (the option's ratio);
+# two fp16 cells.
 cd "$(dirname "$0")/../.."
 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a $L
@@ -15,5 +16,6 @@ CELLS=64:4096:0,64:16384:1,128:4096:0,128:16384:0,128:4096:1,128:16384:1,256:409
 ab() { timeout "$1" python /tmp/ab.py --rounds "$2" "${@:3}" 2>&1 | tee -a $OUT/ab.txt | tail -12 >> $L; }
 ab 150 5 --cells $CELLS --options '{"alibi_slopes": "random"}' $S/main $S/new
 ab 90 3 --cells $CELLS $S/main
+ab 60 3 --dtype float16 --cells 128:4096:0,128:16384:1 --options '{"alibi_slopes": "random"}' $S/main $S/new
 save_new_kernels
 cat $L

@@ -1,8 +1,9 @@
 # Sourced from the repository root by a device call's script (bench/notes/*-next-call*.sh, run as
 # .device_scratch/next_callN.sh): the carried kernel cache unpacked and used, S the carried trees
 # (.device_scratch, or the folder SCRATCH names), L the call's log (in $OUT). gpu_tests runs a
-# tree's GPU tests and logs how they ended, sanitizers its memcheck and racecheck; save_new_kernels
-# packs what the call compiled into $OUT, to unpack into .device_cache/ here (bench/DEVICE.md).
+# tree's GPU tests and logs how they ended, sanitizers its memcheck and racecheck, ab and host_ab
+# time trees against each other (kernels, host); save_new_kernels packs what the call compiled into
+# $OUT, to unpack into .device_cache/ here (bench/DEVICE.md).
 S=$PWD/${SCRATCH:-.device_scratch}
 mkdir -p /tmp/pcache && tar -xJf "$S/cache.tar.xz" -C /tmp/pcache --strip-components=1
 # One BLAS thread a process: 15 test workers each with a thread a core fight over the cores.
@@ -40,16 +41,27 @@ sanitizers() {
   done
 }
 # host_ab ROUNDS TREE...: issue 18's host table (bench/notes/v86-host-ab.py) of each $S/TREE, one
-# process a tree, the trees in turns for ROUNDS rounds; lines in $OUT/ab.txt (then $L), errors in
-# $OUT/ab-err.txt. Read it only where SDPA's own columns look quiet (small fwd ~18 us, medium
+# process a tree, the trees in turns for ROUNDS rounds; lines in $OUT/host-ab.txt (then $L), errors
+# in $OUT/host-ab-err.txt. Read it only where SDPA's own columns look quiet (small fwd ~18 us, medium
 # fwd+bwd ~137 us).
 host_ab() {
   local rounds=$1 round tree
   shift
   for round in $(seq "$rounds"); do
     for tree in "$@"; do
-      PYTHONPATH=$S/$tree timeout 45 python bench/notes/v86-host-ab.py $tree >> $OUT/ab.txt 2>>$OUT/ab-err.txt
+      PYTHONPATH=$S/$tree timeout 45 python bench/notes/v86-host-ab.py $tree >> $OUT/host-ab.txt 2>>$OUT/host-ab-err.txt
     done
   done
-  cat $OUT/ab.txt >> $L
+  cat $OUT/host-ab.txt >> $L
+}
+# ab SECONDS ARGS...: bench/ab.py (its copy in /tmp) with ARGS (trees as $S/TREE), stopped after
+# SECONDS; its whole output added to $OUT/ab.txt, its table (or, without one, its last lines) to $L.
+ab() {
+  local seconds=$1
+  shift
+  timeout "$seconds" python /tmp/ab.py "$@" > $OUT/ab-last.txt 2>&1
+  echo "ab rc $? ($(date +%T))" >> $L
+  cat $OUT/ab-last.txt >> $OUT/ab.txt
+  if grep -q "median of" $OUT/ab-last.txt; then sed -n '/median of/,$p' $OUT/ab-last.txt >> $L
+  else tail -5 $OUT/ab-last.txt >> $L; fi
 }

@@ -13,9 +13,8 @@ export CUPYFLASH_FAMILY=wgmma
 gpu_tests new alibi-wgmma 170 -x tests/test_gpu.py tests/test_gpu_variants.py tests/test_head_dims.py -k "alibi or ALiBi"
 unset CUPYFLASH_FAMILY
 CELLS=64:4096:0,64:16384:1,128:4096:0,128:16384:0,128:4096:1,128:16384:1,256:4096:0,256:16384:1
-ab() { timeout "$1" python /tmp/ab.py --rounds "$2" "${@:3}" 2>&1 | tee -a $OUT/ab.txt | tail -12 >> $L; }
-ab 150 5 --cells $CELLS --options '{"alibi_slopes": "random"}' $S/main $S/new
-ab 90 3 --cells $CELLS $S/main
-ab 60 3 --dtype float16 --cells 128:4096:0,128:16384:1 --options '{"alibi_slopes": "random"}' $S/main $S/new
+ab 150 --rounds 5 --cells $CELLS --options '{"alibi_slopes": "random"}' $S/main $S/new
+ab 90 --rounds 3 --cells $CELLS $S/main
+ab 60 --rounds 3 --dtype float16 --cells 128:4096:0,128:16384:1 --options '{"alibi_slopes": "random"}' $S/main $S/new
 save_new_kernels
 cat $L

@@ -14,9 +14,10 @@
 A TREE is a directory holding one version's cupyflash/ and cuda_src/ (for a commit:
 `mkdir DIR && git archive REV cupyflash cuda_src | tar -x -C DIR`), or `.` for this checkout. Each
 version runs in a process of its own, so it brings its own launch code and tile tables; the
-versions take turns for --rounds rounds and a cell is the median of its rounds. The same tree given
-twice shows the run's noise: up to 5% in a cell on the H200, so smaller differences need more
-rounds or more runs. Cells are TFLOP/s (FLOPs as in ../shared/peers/README.md) at 16384 tokens (or
+versions take turns for --rounds rounds (every other round in reverse order) and a cell is the
+median of its rounds, each round printed below. The same tree given twice shows the run's noise:
+up to 5% in a cell on the H200 (8% on an H100 in v92), so smaller differences need more rounds or
+more runs. Cells are TFLOP/s (FLOPs as in ../shared/peers/README.md) at 16384 tokens (or
 a cell's fourth field) and hidden 2048; each timing spans 10 calls back to back between CUDA events
 (the host's time per call stays hidden), median of 7. Decode cells are batch:cache:nheads:nheads_k:hd:layout (layout dense or
 pagedN, N-row pages in a random order), the cache full, one query row, bf16; each timing is a
@@ -275,8 +276,9 @@ def main(argv):
         return
     results = {}  # (cell, column) -> [TFLOP/s per round]
     columns = [f"{i}:{tree.name}" for i, tree in enumerate(trees)]
-    for _ in range(args.rounds):
-        for column, tree in zip(columns, trees):
+    for round_ in range(args.rounds):  # odd rounds in reverse order, so no version always runs first
+        order = list(zip(columns, trees))
+        for column, tree in order[::-1] if round_ % 2 else order:
             for cell, value in (run_tree(tree, "--worker-time", args) or {}).items():
                 results.setdefault((cell, column), []).append(value)
     if decode:
@@ -290,6 +292,11 @@ def main(argv):
         values = [results.get((cell, column)) for column in columns]
         print(f"{cell:{width}}" + "".join(f"{statistics.median(v):16.{3 if decode else 1}f}" if v else f"{'-':>16}"
                                           for v in values))
+    print("each round (as run; the spread is the noise a difference must exceed)")
+    for cell in args.cells:
+        for column in columns:
+            values = results.get((cell, column), [])
+            print(f"{cell:{width}}{column:>16}  " + " ".join(f"{v:.{3 if decode else 1}f}" for v in values))
 
 
 if __name__ == "__main__":

@@ -32,9 +32,10 @@ PATHS = ("cupyflash", "cuda_src", "tests", "setup.cfg")
 # A tree's sm_90 kernels compiled into the cache, as `python -c COMPILE MODE`: `all` every variant
 # of the compile checks, `kvcache` the KV cache's among them, `named FILE` the variants the tables
 # allow (any subset of the features) whose names FILE lists.
-COMPILE = """
-import itertools, json, sys
-from cupyflash import _compile, _config, _kernels
+# (EVERY_VARIANT, run in a tree, is also how bench/sass.py --named finds a kernel by its name.)
+EVERY_VARIANT = """
+import itertools
+from cupyflash import _config, _kernels
 
 
 def every_variant():
@@ -49,6 +50,10 @@ def every_variant():
                         yield arch, _kernels.Kernel(pass_, dtype, tile, local, even_k, features, deterministic, bias_tiles)
                     except ValueError:
                         pass
+"""
+COMPILE = EVERY_VARIANT + """
+import json, sys
+from cupyflash import _compile
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ A step's stall cycles are a floor on one warp's time for it; ncu's "wait" stall 
 excess over one a instruction (v73: hd128's step 1144 cycles for 502 instructions, 528 of them
 the 66 exps' 8 cycles each). Each step is also cut at its barriers and waits, the points where a
 warp may wait on others: the segments between them are its own work (v74's chain budget).
-`--options` takes the option kernels too. nvdisasm comes from $NVDISASM or PATH
+`--options` takes the option kernels too; `--named FILE` the kernels FILE names instead (any variant the
+tables allow, such as an option alone: bench/device_trees.py's list). nvdisasm comes from $NVDISASM or PATH
 (`pip download --no-deps nvidia-cuda-nvdisasm`, unzipped outside the checkout; not a dependency of
 the package).
 """
@@ -43,14 +44,21 @@ import shutil
 import subprocess
 import sys
 
+import device_trees  # (bench/, beside this file)
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
-CUBINS = """
+CUBINS = device_trees.EVERY_VARIANT + """
 import json, re, sys
-from cupyflash import _compile, _kernels
+from cupyflash import _compile
 if __name__ == "__main__":
-    dtype, with_options, filters = sys.argv[1], sys.argv[2] == "1", sys.argv[3:]
-    jobs = [(arch, k) for arch, k in _kernels.compile_jobs() if arch.startswith("90") and k.dtype == dtype
-            and (with_options or not k.options) and all(f in k.name for f in filters)]
+    dtype, with_options, named, filters = sys.argv[1], sys.argv[2] == "1", sys.argv[3], sys.argv[4:]
+    if named:
+        names = set(open(named).read().split())
+        jobs = list({k.name: (arch, k) for arch, k in every_variant() if k.name in names}.values())
+    else:
+        jobs = [(arch, k) for arch, k in _kernels.compile_jobs() if arch.startswith("90") and k.dtype == dtype
+                and (with_options or not k.options)]
+    jobs = [(arch, k) for arch, k in jobs if all(f in k.name for f in filters)]
     reports = _compile.compile_all(jobs)
     kernels = {}
     for arch, k, r in reports:
@@ -66,13 +74,14 @@ Control = collections.namedtuple("Control", "stall write_barrier read_barrier wa
 OPCODE = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def cubins(tree, dtype, filters, with_options=False):
+def cubins(tree, dtype, filters, with_options=False, named=None):
     """{kernel name: (cubin path, registers, spill bytes, {ptxas message code: count})} of `tree`'s kernels."""
     tree = tree.resolve()
     env = dict(os.environ, PYTHONPATH=str(tree))
     env.setdefault("CUPYFLASH_CACHE_DIR", str(REPO / ".device_cache"))
-    done = subprocess.run([sys.executable, "-c", CUBINS, dtype, str(int(with_options)), *filters], cwd=tree, env=env, check=True,
-                          capture_output=True, text=True)
+    named = str(named.resolve()) if named else ""
+    done = subprocess.run([sys.executable, "-c", CUBINS, dtype, str(int(with_options)), named, *filters], cwd=tree,
+                          env=env, check=True, capture_output=True, text=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if not pathlib.Path(result["code"]).resolve().is_relative_to(tree):
         raise SystemExit(f"{tree}: compiled {result['code']}, not the tree's code")
@@ -264,6 +273,8 @@ def main(argv):
                         help="diff, steps: TREE_A TREE_B [FILTER ...]; loops, blocks, stalls: TREE [FILTER ...]")
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--options", action="store_true", help="the option kernels too (softcap, alibi, ...)")
+    parser.add_argument("--named", type=pathlib.Path,
+                        help="the sm_90 kernels named in this file (one a line; any variant, not only the compile checks')")
     parser.add_argument("--min", type=int, default=150, help="loops: the shortest loop listed (instructions)")
     parser.add_argument("--lines", type=int, default=40, help="steps: the changed instructions shown a loop")
     parser.add_argument("--listing", action="store_true",
@@ -273,7 +284,7 @@ def main(argv):
     trees, filters = [pathlib.Path(t) for t in args.trees_and_filters[:count]], args.trees_and_filters[count:]
     if len(trees) < count:
         parser.error(f"{args.command} takes {count} tree(s)")
-    kernels = [cubins(tree, args.dtype, filters, args.options) for tree in trees]
+    kernels = [cubins(tree, args.dtype, filters, args.options, args.named) for tree in trees]
     if args.command == "blocks":
         for name, (cubin, registers, spills, warnings) in sorted(kernels[0].items()):
             lines = listing(cubin)

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../.."
 source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a $L
 CELLS=128:4096:0,128:16384:0,128:4096:1,128:16384:1,64:4096:0,64:16384:1,256:4096:0
-ab 130 --rounds 6 --cells $CELLS --options '{"alibi_slopes": "random"}' $S/main $S/new $S/main
-ab 40 --rounds 2 --cells $CELLS $S/main
+ab 100 --rounds 5 --cells $CELLS --options '{"alibi_slopes": "random"}' $S/main $S/new $S/main
+ab 30 --rounds 2 --cells $CELLS $S/main
 save_new_kernels
 cat $L

@@ -291,20 +291,28 @@ class Tile:
         """Whether this tile's wgmma kernel for `pass_` with these score features (a call's, or
         _kernels.Kernel's) has room for a ring of attn_bias tiles in shared memory (kBiasTiles of
         Sm90FwdTile and Sm90BwdTile): 64-key column blocks of block_m x block_n, 16-bit, one per
-        stage (the forward's beside one Q buffer; the backward's up to hd128, and beside dropout's
-        words only where those fit too)."""
+        stage (the forward's beside one Q buffer, and beside ALiBi's tile as if not LOCAL; the
+        backward's up to hd128, and beside dropout's words only where those fit too)."""
         if not (self.kernel_family == WGMMA and "bias" in features):
             return False
         if kernel_pass(pass_) == "fwd":
-            return self.block_n % 64 == 0 and self._forward_bytes(1, True) <= FAMILY_SMEM_LIMIT["sm90"]
+            return self.block_n % 64 == 0 and self._forward_bytes(1, True, features) <= FAMILY_SMEM_LIMIT["sm90"]
         return self.headdim <= 128 and self._backward_bytes("dropout" in features, True) <= FAMILY_SMEM_LIMIT["sm90"]
 
-    def _forward_bytes(self, q_buffers, bias_tiles):
+    def adds_alibi_in_products(self, features, local=False):
+        """Whether this tile's wgmma forward with these score features, LOCAL (masked) or not, adds
+        ALiBi's column terms by the tensor cores (Sm90FwdTile::kAlibiProducts): ALiBi without
+        softcap, on two consumers, but not in hd128's LOCAL kernels."""
+        return (self.kernel_family == WGMMA and "alibi" in features and "softcap" not in features
+                and self.block_n == 128 and self.block_m == 128 and not (local and self.headdim > 64))
+
+    def _forward_bytes(self, q_buffers, bias_tiles, features=(), local=False):
         # (the wgmma forward's) alignment, Q x q_buffers, (K, V) x stages, bias tiles x stages,
-        # barriers, a tile index per Q buffer
+        # ALiBi's operand tile (AlibiProducts::kTileBytes), barriers, a tile index per Q buffer
         bias_ring = 2 * self.block_m * self.block_n * self.stages if bias_tiles else 0
+        alibi_tile = 16 * 48 + 128 if self.adds_alibi_in_products(features, local) else 0
         return (1024 + 2 * self.headdim * (q_buffers * self.block_m + 2 * self.stages * self.block_n) + bias_ring
-                + 8 * (3 * q_buffers + 4 * self.stages))
+                + alibi_tile + 8 * (3 * q_buffers + 4 * self.stages))
 
     def _backward_bytes(self, dropout, bias_tiles):
         # (the wgmma backward's) alignment, K, V, (Q, dO) x stages, what the consumers trade, bias
@@ -318,13 +326,14 @@ class Tile:
         return (1024 + 2 * self.headdim * (2 * self.block_n + 2 * self.stages * self.block_m) + trade + bias_ring
                 + 8 * self.stages * self.block_m + kept + 8 * (3 + 2 * self.stages))
 
-    def smem_bytes(self, pass_, features=(), bias_tiles=False):
+    def smem_bytes(self, pass_, features=(), bias_tiles=False, local=False):
         """Shared memory of this tile's kernel for `pass_`; a wgmma kernel's also by its score features
-        (the backward's dropout words) and its ring of bias tiles, if it has one."""
+        (the backward's dropout words, the forward's ALiBi tile, LOCAL or not) and its ring of bias
+        tiles, if it has one."""
         if self.kernel_family == WGMMA and kernel_pass(pass_) == "fwd":
             # Q x 2 with two consumers where they fit, else 1; O where it fits but in hd64's 128-row
             # tile (Sm90FwdTile::kStagedO)
-            with_q_buffers = lambda n: self._forward_bytes(n, bias_tiles)  # noqa: E731
+            with_q_buffers = lambda n: self._forward_bytes(n, bias_tiles, features, local)  # noqa: E731
             two = self.block_m == 128 and with_q_buffers(2) <= FAMILY_SMEM_LIMIT["sm90"]
             bytes_ = with_q_buffers(2 if two else 1)
             o_bytes = 2 * self.headdim * self.block_m

@@ -112,7 +112,8 @@ class Kernel:
 
     @property
     def smem_bytes(self):
-        return self.tile.smem_bytes(self.pass_, self.features, self.bias_tiles) if self.tile is not None else 0
+        return (self.tile.smem_bytes(self.pass_, self.features, self.bias_tiles, self.local) if self.tile is not None
+                else 0)
 
     def source(self):
         bf16 = _bool(self.dtype == "bfloat16")
@@ -124,7 +125,8 @@ class Kernel:
             flags = ([_bool(self.local), self._features_argument()] + [_bool(self.deterministic)] * (self.pass_ == "bwd")
                      + [_bool(self.bias_tiles)])
             flags = ", ".join(flags)
-            tile_traits = (f"{traits}<{args}, {_bool(self.local)}, {_bool(self.bias_tiles)}>" if self.pass_ == "fwd"
+            tile_traits = (f"{traits}<{args}, {_bool(self.local)}, {_bool(self.bias_tiles)}, {self._features_argument()}>"
+                           if self.pass_ == "fwd"
                            else f"{traits}<{args}, {_bool(self.bias_tiles)}, {_bool('dropout' in self.features)}>")
             return (_sources.translation_unit(header) + "\n" + _params.size_assert() + "\n"
                     + f"static_assert({tile_traits}::kSmemBytes == {self.smem_bytes} && "

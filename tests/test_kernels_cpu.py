@@ -336,6 +336,35 @@ def test_the_bias_kernels_hold_a_ring_of_bias_tiles():
     assert all(k.tile.block_n % 64 == 0 for k in wgmma if k.bias_tiles)
 
 
+def test_alibi_joins_the_scores_product_in_two_consumer_forwards_without_softcap():
+    """The wgmma forwards of two consumers and 128-key blocks add ALiBi's column terms by one more
+    product (AlibiProducts in cuda_src/sm90/fwd.cuh), whose constant operand tile takes shared
+    memory (the kernels' static_assert checks the mirror); with softcap, whose tanh takes the score
+    before ALiBi, or on three consumers, or without ALiBi, or LOCAL at hd128, they do not, and their
+    memory is as before."""
+    tables = _config.TILES[_config.WGMMA]["sm90"]
+    seen = set()
+    for table, entries in tables.items():
+        if _config.kernel_pass(table) != "fwd":
+            continue
+        for hd, entry in entries.items():
+            tile = _config.Tile(hd, *entry, _config.WGMMA)
+            products = tile.block_m == 128 and tile.block_n == 128
+            seen.add(products)
+            for features, local in itertools.product(
+                    (("alibi",), ("alibi", "dropout"), ("alibi", "bias"), ("softcap", "alibi"), ("dropout",)), (False, True)):
+                adds = tile.adds_alibi_in_products(features, local)
+                assert adds == (products and "alibi" in features and "softcap" not in features
+                                and not (local and hd > 64)), (table, hd, features, local)
+                kernel = _kernels.Kernel("fwd", "bfloat16", tile, local, features=features)
+                without = _kernels.Kernel("fwd", "bfloat16", tile, local, features=tuple(f for f in features if f != "alibi"))
+                assert kernel.smem_bytes - without.smem_bytes == (896 if adds else 0)
+                assert kernel.smem_bytes <= _config.FAMILY_SMEM_LIMIT["sm90"]
+    assert seen == {True, False}
+    mma_sync = _config.Tile(128, *_config.TILES[_config.MMA_SYNC]["sm90"]["fwd"][128])
+    assert not mma_sync.adds_alibi_in_products(("alibi",))
+
+
 def test_the_local_wgmma_forwards_can_take_tiles_from_a_counter():
     tables = _config.TILES[_config.WGMMA]["sm90"]
     for table in ("fwd", "fwd_short", "fwd_options", "fwd_local"):

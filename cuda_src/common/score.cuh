@@ -190,16 +190,27 @@ struct RowShift {
     static constexpr bool kOn = true;
     float value[MT][2];
 };
+// The RowShift of a forward whose scores' product may bring ALiBi's column terms (sm90/fwd.cuh,
+// AlibiProducts): where it did (alibi_added), value holds ALiBi's row terms, and alibi_by_columns
+// has nothing left to do.
+template <int MT>
+struct AlibiAddedShift : RowShift<MT> {
+    bool alibi_added = false;
+};
 struct NoRowShift {
     static constexpr bool kOn = false;
 };
-template <int MT, bool ALIBI>
+template <int MT, bool ALIBI, bool ALIBI_PRODUCTS = false>
 struct RowShiftFor {  // the shift a forward keeps per key block
     typedef NoRowShift type;
 };
 template <int MT>
-struct RowShiftFor<MT, true> {
+struct RowShiftFor<MT, true, false> {
     typedef RowShift<MT> type;
+};
+template <int MT>
+struct RowShiftFor<MT, true, true> {
+    typedef AlibiAddedShift<MT> type;
 };
 
 // ALiBi over a warp's fragment tile at (row0, col0) whose keys all sit on one side of each row's
@@ -228,6 +239,11 @@ __device__ __forceinline__ bool alibi_by_columns(float (&s)[MT][NT][4], const Al
         s[mt][nt][e] = fmaf(k, static_cast<float>(8 * nt + e % 2), s[mt][nt][e]);
     });
     return true;
+}
+template <int MT, int NT>
+__device__ __forceinline__ bool alibi_by_columns(float (&s)[MT][NT][4], const Alibi& alibi, int row0, int col0,
+                                                 AlibiAddedShift<MT>& shift) {
+    return shift.alibi_added || alibi_by_columns(s, alibi, row0, col0, static_cast<RowShift<MT>&>(shift));
 }
 
 // A forward's modifier read as words where it can be (only a bias in_words): adds it to a warp's

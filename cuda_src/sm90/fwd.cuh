@@ -32,7 +32,50 @@ struct FwdMaps {
     TensorMap q, k, v, bias;
 };
 
-template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool LOCAL = false, bool BIAS_TILES = false>
+// ALiBi's column terms by the tensor cores. Where a warpgroup's 64 rows see all of a block's keys
+// on one side of their diagonals, ALiBi is k (col - diagonal(row)) (alibi_by_columns in
+// common/score.cuh): k (key0 - diagonal(row)), a row term the softmax adds (AlibiAddedShift), plus
+// k n for the key's column n in the block, which joins S = Q K^T as one more 16-deep product: A
+// (registers, the same in every row) holds k as three 16-bit pieces in columns 0-2, whose sum is k
+// to fp32's precision, and zeros; B (a constant tile) holds n in its rows 0-2. An element then
+// costs no instruction, where alibi_by_columns costs an FFMA. Blocks across the diagonals get
+// A = 0 and ALiBi per element.
+struct AlibiProducts {
+    // B stored N-major, unswizzled: wgmma's core matrices of 8 rows (k) by 8 keys (16 bytes), the
+    // rows 16 bytes apart, here 48 bytes (three rows) from one 8 keys to the next, for both
+    // descriptor offsets: what a core matrix reads past its third row (or of rows 8-15) is the next
+    // keys' or, after the last, zeros, which A's zeros multiply.
+    static constexpr int kTileBytes = 16 * 48 + 128;
+    uint32 word;  // this lane's A word for k: rows g and g + 8, columns 2t and 2t + 1
+
+    // Thread `thread` (< kTileBytes / 16) writes its 16 bytes of B.
+    template <bool BF16>
+    static __device__ __forceinline__ void write_tile(uint32 tile, int thread) {
+        const int keys = thread / 3;  // (the 8 keys' core matrix, row thread % 3)
+#pragma unroll
+        for (int pair = 0; pair < 4; ++pair) {
+            const float n = 8.f * keys + 2 * pair;
+            st_shared_u32(tile + 16 * thread + 4 * pair, keys < 16 ? pack_pair<BF16>(n, n + 1.f) : 0u);
+        }
+    }
+    static __device__ __forceinline__ uint64 descriptor(uint32 tile) { return smem_descriptor(tile, 48, 48, 0); }
+
+    // Whether fp16 holds k (bfloat16 has float's range).
+    template <bool BF16>
+    static __device__ __forceinline__ bool fits(float k) { return BF16 || fabsf(k) < 32768.f; }
+
+    // k: ALiBi's slope in raw units (Alibi::slope).
+    template <bool BF16>
+    __device__ __forceinline__ AlibiProducts(float k, Constant<BF16>) {
+        const float hi = to_float<BF16>(to_16bit<BF16>(k)), rest = k - hi;
+        const float mid = to_float<BF16>(to_16bit<BF16>(rest)), lo = rest - mid;
+        const int t = threadIdx.x % 4;
+        word = t == 0 ? pack_pair<BF16>(hi, mid) : t == 1 ? pack_pair<BF16>(lo, 0.f) : 0u;
+    }
+};
+
+template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool LOCAL = false, bool BIAS_TILES = false,
+          int FEATURES = 0>
 struct Sm90FwdTile {
     static constexpr int kBlockM = 64 * CONSUMERS;          // a consumer warpgroup's 64 rows each
     static constexpr int kThreads = 128 * (1 + CONSUMERS);
@@ -50,9 +93,16 @@ struct Sm90FwdTile {
     // column blocks), which the producer copies with K. Other biases are the consumers' own reads, a
     // block's products ahead, which leave their latency in every block's softmax.
     static constexpr int kBiasTileBytes = kBlockM * BLOCK_N * 2;
+    // ALiBi's column terms by the tensor cores (AlibiProducts), with B's tile after O's buffer: where
+    // ALiBi comes without softcap (whose tanh takes the score before ALiBi) on two consumers (three
+    // run serial, short of registers) and 128-key blocks, but for hd128's LOCAL kernels (causal,
+    // windows), measured 1.5-2% slower with the product where the others gained 2-10% (v92).
+    static constexpr bool kAlibiProducts = (FEATURES & feature::alibi) != 0 && (FEATURES & feature::softcap) == 0
+                                           && BLOCK_N == 128 && CONSUMERS == 2 && !(LOCAL && HEADDIM > 64);
+    static constexpr int kAlibiTileBytes = kAlibiProducts ? AlibiProducts::kTileBytes : 0;
     static constexpr int smem_bytes_with(int q_buffers, bool bias_tiles) {
         return 1024 + q_buffers * kQBytes + 2 * STAGES * kKVBytes + (bias_tiles ? STAGES * kBiasTileBytes : 0)
-               + 8 * (3 * q_buffers + 4 * STAGES);
+               + kAlibiTileBytes + 8 * (3 * q_buffers + 4 * STAGES);
     }
     static constexpr bool kBiasTiles = BIAS_TILES;
     static_assert(!BIAS_TILES || (BLOCK_N % 64 == 0 && smem_bytes_with(1, true) <= 227 * 1024),
@@ -142,7 +192,7 @@ __device__ __forceinline__ FwdTileSlot fwd_tile(const FlashParams& p, int t, int
 
 template <int HEADDIM, int BLOCK_N, int STAGES, int CONSUMERS, bool BF16, bool LOCAL, int FEATURES, bool BIAS_TILES>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
-    typedef Sm90FwdTile<HEADDIM, BLOCK_N, STAGES, CONSUMERS, LOCAL, BIAS_TILES> T;
+    typedef Sm90FwdTile<HEADDIM, BLOCK_N, STAGES, CONSUMERS, LOCAL, BIAS_TILES, FEATURES> T;
     static_assert(!BIAS_TILES || (FEATURES & feature::bias) != 0, "bias tiles are an attn_bias's");
     constexpr bool SLOTS = T::kTileSlots;
     constexpr bool OPTIONS = FEATURES != 0, DROPOUT = (FEATURES & feature::dropout) != 0;  // (as in sm80/fwd.cuh)
@@ -170,7 +220,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     auto s_v = [&](int stage) { return s_k(stage) + T::kKVBytes; };
     auto s_bias = [&](int stage) { return s_q0 + QB * T::kQBytes + 2 * STAGES * T::kKVBytes + stage * T::kBiasTileBytes; };
     const uint32 s_o = s_bias(T::kBiasTiles ? STAGES : 0);  // (kStagedO)
-    const uint32 barriers = s_o + (T::kStagedO ? T::kQBytes : 0);
+    const uint32 s_alibi = s_o + (T::kStagedO ? T::kQBytes : 0);  // (kAlibiProducts)
+    const uint32 barriers = s_alibi + T::kAlibiTileBytes;
     auto q_full = [&](int buffer) { return barriers + 8 * buffer; };
     auto q_empty = [&](int buffer) { return barriers + 8 * (QB + buffer); };
     auto k_full = [&](int stage) { return barriers + 8 * (2 * QB + stage); };
@@ -198,6 +249,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             mbarrier_init(v_empty(stage), 4 * CONSUMERS);
         }
         fence_mbarrier_init();
+    }
+    if (T::kAlibiProducts && threadIdx.x < AlibiProducts::kTileBytes / 16) {
+        AlibiProducts::write_tile<BF16>(s_alibi, threadIdx.x);
+        fence_proxy_async();  // (read by wgmma)
     }
     __syncthreads();
 
@@ -385,6 +440,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         if (!kCarry || !carried) zero(acc_o);  // (else after the carried tile's O has left, in the first block)
         float row_max[1][2] = {{-CUPYFLASH_INF, -CUPYFLASH_INF}}, row_sum[1][2] = {{0.f, 0.f}};
         const ScoreMods<BF16, FEATURES> mods(p, seq, batch, head, T::kBiasTiles);  // OPTIONS only; dead code otherwise
+        const float alibi_k = T::kAlibiProducts ? mods.alibi.slope : 0.f;
+        [[maybe_unused]] const AlibiProducts alibi_a(alibi_k, Constant<BF16>());  // (kAlibiProducts)
+        [[maybe_unused]] const bool alibi_fits = AlibiProducts::fits<BF16>(alibi_k);
 
         // Every block is computed by every consumer, even one whose keys a warpgroup's rows do
         // not see (its scores are all masked, so its P is zero): a branch around the products
@@ -406,6 +464,20 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             float s[1][NT][4];
             if constexpr ((FEATURES & feature::bias) != 0 && T::kBiasWords)  // the block's bias reads then wait on L1
                 mods.bias.template prefetch<64, BLOCK_N>(row0 + wg_row0, key0);
+            // kAlibiProducts: +1 where the warpgroup's keys sit left of every row's diagonal (ALiBi's
+            // k is the slope), -1 right of it (minus the slope), 0 across it (ALiBi per element)
+            [[maybe_unused]] int alibi_side = 0;
+            uint32 alibi_word = 0u;
+            if constexpr (T::kAlibiProducts) {
+                const int first_row = row0 + wg_row0;
+                alibi_side = !alibi_fits                                          ? 0
+                             : key0 + BLOCK_N - 1 <= seq.diagonal(first_row)      ? 1
+                             : key0 >= seq.diagonal(first_row + 63)               ? -1
+                                                                                  : 0;
+                alibi_word = alibi_side == 0 ? 0u : alibi_side > 0 ? alibi_a.word : alibi_a.word ^ 0x80008000u;
+            }
+            [[maybe_unused]] uint32 alibi_operand[4] = {alibi_word, alibi_word, 0u, 0u};
+            if constexpr (T::kAlibiProducts) fence_operands(alibi_operand);  // (written before the products)
             mbarrier_wait(k_full(stage), phase);
             if (!first || CARRY_IN) mbarrier_wait(v_full(pending_stage()), pending_phase());
             take_turn();
@@ -418,6 +490,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                                         descriptor_plus<k_major_offset(kk, BLOCK_M), T::kDescriptorsInOrder>(q_desc),
                                         descriptor_plus<k_major_offset(kk, BLOCK_N), T::kDescriptorsInOrder>(k_desc), kk > 0);
             });
+            if constexpr (T::kAlibiProducts)
+                wgmma_rs<BLOCK_N, BF16>(flat(s), alibi_operand, AlibiProducts::descriptor(s_alibi), true);
             wgmma_commit();
             if (!first || CARRY_IN) issue_pv();
             pass_turn();
@@ -432,7 +506,16 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 if (n_block == blocks.first) mbarrier_arrive(q_empty(q_buffer));
             }
             // (The serial kernels, short of registers, leave ALiBi by rows: by columns some spill.)
-            typename RowShiftFor<1, (FEATURES & feature::alibi) != 0 && !kSerial>::type shift = {};
+            typename RowShiftFor<1, (FEATURES & feature::alibi) != 0 && !kSerial, T::kAlibiProducts>::type shift = {};
+            if constexpr (T::kAlibiProducts)
+                if (alibi_side != 0) {
+                    shift.alibi_added = true;
+                    const float k = static_cast<float>(alibi_side) * alibi_k;
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+                        shift.value[0][half] =
+                            k * static_cast<float>(key0 - seq.diagonal(row0 + warp_row0 + fragment_row(0, 2 * half)));
+                }
             if constexpr (OPTIONS) apply_score_mods<T::kBiasWords>(s, mods, row0 + warp_row0, key0, shift);
             if constexpr (T::kBiasTiles) {
                 add_swizzled_tile<BF16>(s, s_bias(stage), BLOCK_M, warp_row0, p.inv_softmax_scale, p.bias_box_rows == 1);

@@ -25,10 +25,11 @@ __device__ __forceinline__ uint32 swizzled_offset(int row, int col, int rows) {
 }
 
 // Descriptor fields: start address >> 4 (bits 0-13), leading byte offset >> 4 (16-29), stride
-// byte offset >> 4 (32-45), swizzle mode (62-63: 1 is the 128-byte swizzle).
-__device__ __forceinline__ uint64 smem_descriptor(uint32 address, uint32 leading_bytes, uint32 stride_bytes) {
+// byte offset >> 4 (32-45), swizzle mode (62-63: 1 is the 128-byte swizzle, 0 none).
+__device__ __forceinline__ uint64 smem_descriptor(uint32 address, uint32 leading_bytes, uint32 stride_bytes,
+                                                  uint64 swizzle = 1) {
     return static_cast<uint64>((address & 0x3FFFF) >> 4) | static_cast<uint64>(leading_bytes >> 4) << 16
-           | static_cast<uint64>(stride_bytes >> 4) << 32 | 1ull << 62;
+           | static_cast<uint64>(stride_bytes >> 4) << 32 | swizzle << 62;
 }
 
 // The byte offset of the k-th 16-wide slice of a K-major tile of `rows` rows (below) from its start.
@@ -189,6 +190,11 @@ template <int N>
 __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_operands(uint32 (&a)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i]) :: "memory");
 }
 
 // Accumulator rows leave through shared memory as whole 16-byte rows, a warp writing whole rows:

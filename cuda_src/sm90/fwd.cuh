@@ -96,7 +96,7 @@ struct Sm90FwdTile {
     // ALiBi's column terms by the tensor cores (AlibiProducts), with B's tile after O's buffer: where
     // ALiBi comes without softcap (whose tanh takes the score before ALiBi) on two consumers (three
     // run serial, short of registers) and 128-key blocks, but for hd128's LOCAL kernels (causal,
-    // windows), measured 1.5-2% slower with the product where the others gained 2-10% (v92).
+    // windows), measured 1.5-2% slower with the product where the others gained 2-10% (bench/notes/v92).
     static constexpr bool kAlibiProducts = (FEATURES & feature::alibi) != 0 && (FEATURES & feature::softcap) == 0
                                            && BLOCK_N == 128 && CONSUMERS == 2 && !(LOCAL && HEADDIM > 64);
     static constexpr int kAlibiTileBytes = kAlibiProducts ? AlibiProducts::kTileBytes : 0;

@@ -32,7 +32,7 @@ PATHS = ("cupyflash", "cuda_src", "tests", "setup.cfg")
 # A tree's sm_90 kernels compiled into the cache, as `python -c COMPILE MODE`: `all` every variant
 # of the compile checks, `kvcache` the KV cache's among them, `named FILE` the variants the tables
 # allow (any subset of the features) whose names FILE lists.
-# (EVERY_VARIANT, run in a tree, is also how bench/sass.py --named finds a kernel by its name.)
+# (EVERY_VARIANT, run in a tree, is also how bench/sass.py --named finds kernels by their names.)
 EVERY_VARIANT = """
 import itertools
 from cupyflash import _config, _kernels
@@ -50,6 +50,11 @@ def every_variant():
                         yield arch, _kernels.Kernel(pass_, dtype, tile, local, even_k, features, deterministic, bias_tiles)
                     except ValueError:
                         pass
+
+
+def named_variants(path):
+    names = set(open(path).read().split())
+    return names, list({k.name: (arch, k) for arch, k in every_variant() if k.name in names}.values())
 """
 COMPILE = EVERY_VARIANT + """
 import json, sys
@@ -59,8 +64,7 @@ from cupyflash import _compile
 if __name__ == "__main__":
     mode, report = sys.argv[1], {}
     if mode == "named":
-        names = set(open(sys.argv[2]).read().split())
-        jobs = list({k.name: (arch, k) for arch, k in every_variant() if k.name in names}.values())
+        names, jobs = named_variants(sys.argv[2])
         report["unknown"] = sorted(names - {k.name for _, k in jobs})
     else:
         jobs = [(arch, k) for arch, k in _kernels.compile_jobs()

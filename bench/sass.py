@@ -53,8 +53,7 @@ from cupyflash import _compile
 if __name__ == "__main__":
     dtype, with_options, named, filters = sys.argv[1], sys.argv[2] == "1", sys.argv[3], sys.argv[4:]
     if named:
-        names = set(open(named).read().split())
-        jobs = list({k.name: (arch, k) for arch, k in every_variant() if k.name in names}.values())
+        jobs = named_variants(named)[1]
     else:
         jobs = [(arch, k) for arch, k in _kernels.compile_jobs() if arch.startswith("90") and k.dtype == dtype
                 and (with_options or not k.options)]

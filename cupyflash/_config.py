@@ -287,16 +287,16 @@ class Tile:
         one piece, untransposed."""
         return self.kernel_family == WGMMA and (self.headdim == 256 or (self.dq_pieces == 1 and not self.transposes_dq))
 
-    def fits_bias_tiles(self, pass_, features):
-        """Whether this tile's wgmma kernel for `pass_` with these score features (a call's, or
-        _kernels.Kernel's) has room for a ring of attn_bias tiles in shared memory (kBiasTiles of
-        Sm90FwdTile and Sm90BwdTile): 64-key column blocks of block_m x block_n, 16-bit, one per
-        stage (the forward's beside one Q buffer, and beside ALiBi's tile as if not LOCAL; the
-        backward's up to hd128, and beside dropout's words only where those fit too)."""
+    def fits_bias_tiles(self, pass_, features, local=False):
+        """Whether this tile's wgmma kernel for `pass_` with these score features, LOCAL or not (a
+        call's, or _kernels.Kernel's), has room for a ring of attn_bias tiles in shared memory
+        (kBiasTiles of Sm90FwdTile and Sm90BwdTile): 64-key column blocks of block_m x block_n,
+        16-bit, one per stage (the forward's beside one Q buffer and ALiBi's tile; the backward's
+        up to hd128, and beside dropout's words only where those fit too)."""
         if not (self.kernel_family == WGMMA and "bias" in features):
             return False
         if kernel_pass(pass_) == "fwd":
-            return self.block_n % 64 == 0 and self._forward_bytes(1, True, features) <= FAMILY_SMEM_LIMIT["sm90"]
+            return self.block_n % 64 == 0 and self._forward_bytes(1, True, features, local) <= FAMILY_SMEM_LIMIT["sm90"]
         return self.headdim <= 128 and self._backward_bytes("dropout" in features, True) <= FAMILY_SMEM_LIMIT["sm90"]
 
     def adds_alibi_in_products(self, features, local=False):

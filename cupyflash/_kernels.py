@@ -61,7 +61,7 @@ class Kernel:
             raise ValueError("the wgmma kernels are forwards and backwards, without even_k")
         if self.kv_heads and not (self.pass_ == "decode" and self.tile.decode_copy_rows > 1):
             raise ValueError(f"a decode tile of several kv heads copies several rows a step, not {self.tile}")
-        if self.bias_tiles and not (self.wgmma and self.tile.fits_bias_tiles(self.pass_, self.features)):
+        if self.bias_tiles and not (self.wgmma and self.tile.fits_bias_tiles(self.pass_, self.features, self.local)):
             raise ValueError(f"no ring of bias tiles fits a {self.pass_} kernel with {self.features} on {self.tile}")
 
     @property

@@ -432,7 +432,7 @@ def _kernel(pass_, call, tile, copyable_bias=False):
     bias tiles where the attn_bias is `copyable_bias` (_copyable_bias) and the tile has room for them."""
     deterministic = pass_ == "bwd" and call.needs("deterministic")
     even_k = call.shape.headdim == tile.headdim and tile.kernel_family != _config.WGMMA
-    bias_tiles = copyable_bias and tile.fits_bias_tiles(pass_, call.features)  # (never on mma.sync tiles)
+    bias_tiles = copyable_bias and tile.fits_bias_tiles(pass_, call.features, call.local)  # (never on mma.sync tiles)
     return _kernels.Kernel(pass_, call.dtype, tile, call.local, even_k, call.features, deterministic, bias_tiles)
 
 

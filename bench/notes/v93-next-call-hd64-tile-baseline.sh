@@ -11,6 +11,6 @@ cp -r cupyflash cuda_src /tmp/trees/main/ && cp -r cupyflash cuda_src /tmp/trees
 sed -i 's/overlapped_options = bool(features) and set(features) <= {"alibi", "dropout"}/overlapped_options = set(features) <= {"alibi", "dropout"}/' \
   /tmp/trees/two/cupyflash/_config.py
 grep -q 'overlapped_options = set(features)' /tmp/trees/two/cupyflash/_config.py || { echo "patch failed" >> $L; cat $L; exit 1; }
-ab 150 --rounds 5 --cells 64:4096:0,64:16384:0,64:4096:1,64:16384:1 /tmp/trees/main /tmp/trees/two
-ab 100 --rounds 3 --cells 64:4096:0,64:16384:1 --options '{"alibi_slopes": "random"}' /tmp/trees/main
+ab ${AB_SECONDS:-150} --rounds ${ROUNDS:-5} --cells ${CELLS:-64:4096:0,64:16384:0,64:4096:1,64:16384:1} /tmp/trees/main /tmp/trees/two
+[ -n "$NO_ALIBI" ] || ab 100 --rounds 3 --cells 64:4096:0,64:16384:1 --options '{"alibi_slopes": "random"}' /tmp/trees/main
 cat $L

@@ -4,7 +4,7 @@
 # 1k rows (their 'fwd_options' table). Tree "two" is this checkout with plain calls sent to that table
 # too; "main" is this checkout; the ALiBi row (main) is the option's cost on the same lease.
 cd "$(dirname "$0")/../.."
-SCRATCH=.device_scratch_full source bench/device_call.sh
+SCRATCH=${SCRATCH:-.device_scratch_full} source bench/device_call.sh
 nvidia-smi --query-gpu=name --format=csv,noheader >> $L
 mkdir -p /tmp/trees/main /tmp/trees/two
 cp -r cupyflash cuda_src /tmp/trees/main/ && cp -r cupyflash cuda_src /tmp/trees/two/
